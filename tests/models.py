@@ -1,0 +1,85 @@
+"""Test models with awkward shapes, and the unsharded reference training loop."""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["AwkwardLM", "make_batches", "train_reference", "VOCAB", "SEQ"]
+
+VOCAB, DIM, HIDDEN, SEQ = 37, 13, 29, 5  # primes: no shape divides evenly by 2, 3 or 4
+
+
+class AwkwardBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.fc1 = nn.Linear(DIM, HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, DIM, bias=False)
+        self.gate = nn.Parameter(torch.randn(DIM) * 0.1 + 1.0, requires_grad=False)  # frozen
+        self.register_buffer("scale", torch.tensor(0.5))  # a buffer: left alone
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.scale * self.gate * self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class AwkwardLM(nn.Module):
+    """Embedding (tied with the head), positions, two blocks, final norm."""
+
+    def __init__(self, seed: int = 0, n_blocks: int = 2) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.pos = nn.Parameter(torch.randn(SEQ, DIM) * 0.02)
+        self.blocks = nn.ModuleList(AwkwardBlock() for _ in range(n_blocks))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight  # tied
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens) + self.pos
+        for block in self.blocks:
+            h = block(h)
+        logits = self.head(self.norm(h))
+        return F.cross_entropy(logits.reshape(-1, VOCAB).float(), targets.reshape(-1))
+
+
+def make_batches(steps: int, global_batch: int, seed: int = 1) -> List[tuple]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        x = torch.randint(0, VOCAB, (global_batch, SEQ), generator=g)
+        out.append((x, torch.roll(x, -1, dims=1)))
+    return out
+
+
+def rank_slice(batch: tuple, rank: int, world_size: int) -> tuple:
+    n = batch[0].shape[0] // world_size
+    return tuple(t[rank * n : (rank + 1) * n] for t in batch)
+
+
+def train_reference(
+    model: nn.Module, batches: List[tuple], *, lr: float = 1e-2, clip: Optional[float] = None,
+    accum: int = 1,
+) -> Dict[str, object]:
+    """Single process, whole global batch: the numbers every sharded run must reproduce."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.1)
+    losses = []
+    for batch in batches:
+        micro = [tuple(t.chunk(accum)[i] for t in batch) for i in range(accum)]
+        total = 0.0
+        for x, y in micro:
+            loss = model(x, y) / accum
+            loss.backward()
+            total += loss.item()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}

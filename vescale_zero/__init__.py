@@ -1,0 +1,29 @@
+"""vescale-zero: RaggedShard FSDP with a structure-aware planner and zero-copy DBuffer."""
+
+from .clip_grad import clip_grad_norm_, sharded_grad_norm
+from .dbuffer import DBuffer
+from .fully_shard import MixedPrecisionPolicy, RaggedFSDPModule, fully_shard
+from .granularity import preset_granularity, resolve_granularities
+from .placement import RaggedShard
+from .planner import ShardPlan, TensorSpec, plan
+from .report import ShardingReport, reset_comm_stats, sharding_report
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "fully_shard",
+    "RaggedFSDPModule",
+    "MixedPrecisionPolicy",
+    "RaggedShard",
+    "TensorSpec",
+    "ShardPlan",
+    "plan",
+    "DBuffer",
+    "clip_grad_norm_",
+    "sharded_grad_norm",
+    "sharding_report",
+    "reset_comm_stats",
+    "ShardingReport",
+    "preset_granularity",
+    "resolve_granularities",
+]

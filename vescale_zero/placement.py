@@ -1,0 +1,57 @@
+"""RaggedShard: the placement of one tensor over the ranks of an FSDP group.
+
+A tensor is viewed flat (row-major, contiguous) and cut into *atomic blocks* of
+``granularity`` consecutive elements. Each rank owns one contiguous range of whole
+blocks; ranges may differ in size and may be empty::
+
+    tensor (flat), granularity g = 4, 5 blocks, 3 ranks
+    | b0 | b1 | b2 | b3 | b4 |
+    |  rank 0 | r1 | rank 2  |      blocks_per_rank = (2, 1, 2)
+    |<-- 8 -->|<4>|<-- 8 -->|      elements per rank
+
+Row-wise ``Shard(0)`` is ``granularity = row length`` with an even split, and flat
+element-wise sharding (ZeRO-3, FSDP1) is ``granularity = 1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Tuple
+
+__all__ = ["RaggedShard"]
+
+
+@dataclass(frozen=True)
+class RaggedShard:
+    """Rank ``k`` owns blocks ``[sum(blocks_per_rank[:k]), sum(blocks_per_rank[:k+1]))``."""
+
+    granularity: int
+    blocks_per_rank: Tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.granularity < 1:
+            raise ValueError(f"RaggedShard granularity must be >= 1, got {self.granularity}")
+        if any(b < 0 for b in self.blocks_per_rank):
+            raise ValueError(f"RaggedShard blocks_per_rank must be >= 0, got {self.blocks_per_rank}")
+
+    @property
+    def world_size(self) -> int:
+        return len(self.blocks_per_rank)
+
+    @property
+    def numel(self) -> int:
+        """Elements of the whole tensor."""
+        return self.granularity * sum(self.blocks_per_rank)
+
+    def local_range(self, rank: int) -> Tuple[int, int]:
+        """``[start, end)`` in elements of the flat tensor that ``rank`` owns."""
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"rank {rank} is outside this placement's {self.world_size} ranks")
+        start = sum(self.blocks_per_rank[:rank]) * self.granularity
+        return start, start + self.blocks_per_rank[rank] * self.granularity
+
+    def local_numel(self, rank: int) -> int:
+        return self.blocks_per_rank[rank] * self.granularity
+
+    def __repr__(self) -> str:
+        return f"RaggedShard(g={self.granularity}, blocks={list(self.blocks_per_rank)})"

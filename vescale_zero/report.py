@@ -1,0 +1,60 @@
+"""What sharding costs and moves: padding per group and bytes through collectives."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Dict
+
+from torch import nn
+
+from .fully_shard import groups_of
+
+__all__ = ["ShardingReport", "sharding_report", "reset_comm_stats"]
+
+
+@dataclass(frozen=True)
+class ShardingReport:
+    """Totals over every group under a module, on this rank.
+
+    ``bytes_all_gathered`` / ``bytes_reduce_scattered`` count the full buffer of each
+    collective (``world_size * shard_size`` elements), cumulative since the last
+    :func:`reset_comm_stats`.
+    """
+
+    num_groups: int
+    num_params: int
+    numel: int
+    padding: int
+    padding_ratio: float
+    shard_numel: int
+    bytes_all_gathered: int
+    bytes_reduce_scattered: int
+    all_gathers: int
+    reduce_scatters: int
+
+    def as_dict(self) -> Dict[str, float]:
+        return asdict(self)
+
+
+def sharding_report(module: nn.Module) -> ShardingReport:
+    groups = groups_of(module)
+    numel = sum(s.numel for g in groups for s in g.plan.specs)
+    padding = sum(g.plan.padding for g in groups)
+    total = numel + padding
+    return ShardingReport(
+        num_groups=len(groups),
+        num_params=sum(len(g.plan.specs) for g in groups),
+        numel=numel,
+        padding=padding,
+        padding_ratio=padding / total if total else 0.0,
+        shard_numel=sum(g.plan.shard_size for g in groups),
+        bytes_all_gathered=sum(g.stats.all_gather_bytes for g in groups),
+        bytes_reduce_scattered=sum(g.stats.reduce_scatter_bytes for g in groups),
+        all_gathers=sum(g.stats.all_gathers for g in groups),
+        reduce_scatters=sum(g.stats.reduce_scatters for g in groups),
+    )
+
+
+def reset_comm_stats(module: nn.Module) -> None:
+    for g in groups_of(module):
+        g.stats.reset()
