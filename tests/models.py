@@ -66,8 +66,20 @@ def train_reference(
     model: nn.Module, batches: List[tuple], *, lr: float = 1e-2, clip: Optional[float] = None,
     accum: int = 1,
 ) -> Dict[str, object]:
-    """Single process, whole global batch: the numbers every sharded run must reproduce."""
-    model = copy.deepcopy(model)
+    """Single process, whole global batch: the numbers every sharded run must reproduce.
+
+    Runs on one intra-op thread, like the test ranks: the thread count changes the order
+    of CPU reductions (e.g. a bias gradient's sum over the batch), hence the last bits.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train_reference(copy.deepcopy(model), batches, lr, clip, accum)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_reference(model, batches, lr, clip, accum):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.1)
     losses = []
     for batch in batches:
