@@ -9,10 +9,12 @@ mismatched collective fails instead of hanging.
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import socket
 import tempfile
+import time
 import traceback
 from typing import Any, Callable, List
 
@@ -36,6 +38,10 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, ar
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = ("ok", fn(rank, world_size, *args))
+        # Free the model's reference cycles (hooks <-> groups <-> process group) now, not
+        # at interpreter exit, where destroying a gloo group aborts the process.
+        gc.collect()
+        dist.barrier()
     except BaseException:  # noqa: BLE001 - reported to the parent, then re-raised there
         result = ("error", traceback.format_exc())
     finally:
@@ -51,19 +57,29 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 240
             _entry, args=(world_size, _free_port(), out_dir, fn, args), nprocs=world_size, join=False,
             start_method="spawn",
         )
-        import time
-
         deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                for p in ctx.processes:
-                    p.kill()
-                raise TimeoutError(f"ranks still running after {timeout:.0f}s (a collective mismatch?)")
-        results = []
+        crash = None
+        try:
+            while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+                if time.monotonic() >= deadline:
+                    for p in ctx.processes:
+                        p.kill()
+                    raise TimeoutError(f"ranks still running after {timeout:.0f}s (a collective mismatch?)")
+        except mp.ProcessExitedException as e:  # a rank died; the others' reports say why
+            crash = e
+            for p in ctx.processes:
+                p.kill()
+        results, errors = [], []
         for rank in range(world_size):
-            with open(os.path.join(out_dir, f"{rank}.pkl"), "rb") as f:
+            path = os.path.join(out_dir, f"{rank}.pkl")
+            if not os.path.exists(path):
+                errors.append(f"rank {rank} exited without a result")
+                continue
+            with open(path, "rb") as f:
                 status, value = pickle.load(f)
             if status == "error":
-                raise AssertionError(f"rank {rank} failed:\n{value}")
+                errors.append(f"rank {rank} failed:\n{value}")
             results.append(value)
+        if errors or crash:
+            raise AssertionError("\n".join(errors + ([f"({crash})"] if crash else [])))
         return results
