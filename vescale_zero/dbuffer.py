@@ -49,6 +49,7 @@ class DBuffer:
         local: an existing tensor of ``shard_size`` elements to use as the local shard
             (two roles of the same dtype can share one), or ``None`` to allocate one.
         with_local: ``False`` for a role that never needs a persistent shard.
+        with_full: ``False`` for a role that never gathers (master params, sharded grads).
     """
 
     def __init__(
@@ -61,6 +62,7 @@ class DBuffer:
         shapes: Optional[Sequence[Sequence[int]]] = None,
         local: Optional[torch.Tensor] = None,
         with_local: bool = True,
+        with_full: bool = True,
     ) -> None:
         self.plan, self.rank, self.dtype, self.device = plan, rank, dtype, torch.device(device)
         if local is not None:
@@ -72,14 +74,14 @@ class DBuffer:
             self.local: Optional[torch.Tensor] = local
         else:
             self.local = torch.zeros(plan.shard_size, dtype=dtype, device=device) if with_local else None
-        self.full = torch.empty(plan.global_size, dtype=dtype, device=device)
+        self.full = torch.empty(plan.global_size if with_full else 0, dtype=dtype, device=device)
         self._nbytes = self.full.untyped_storage().nbytes()
         # Views are bounds-checked when made, so make them all while the storage exists.
         shapes = shapes or [(s.numel,) for s in plan.specs]
         self._full_views: List[torch.Tensor] = [
             self.full.narrow(0, off, spec.numel).view(tuple(shape))
             for off, spec, shape in zip(plan.offsets, plan.specs, shapes)
-        ]
+        ] if with_full else []
         # [Note: version counter] Autograd saved views of ``full`` in forward, and the
         # backward re-gather refills that storage by design. Collectives write through
         # ``_wire``: the same storage, its own version counter, so the saved views never

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .granularity import GranularityPolicy, resolve_granularities
@@ -75,8 +75,14 @@ class _RootContext:
 
 
 class _FSDPState:
-    def __init__(self, module: nn.Module, group: Optional[ParamGroup], process_group, reshard_after_forward: bool,
-                 mp_policy: Optional[MixedPrecisionPolicy]) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        group: Optional[ParamGroup],
+        process_group: dist.ProcessGroup,
+        reshard_after_forward: bool,
+        mp_policy: Optional[MixedPrecisionPolicy],
+    ) -> None:
         self.module = module
         self.group = group
         self.process_group = process_group
@@ -286,8 +292,10 @@ def fully_shard(
             f"fully_shard was already applied to this {type(module).__name__}; apply it once per module "
             "(each call makes one group of the parameters not yet in a group)"
         )
-    if type(module).__name__.startswith("FSDP") and hasattr(module, "_get_fsdp_state"):
-        raise ValueError("module is already sharded by torch.distributed.fsdp.fully_shard; use one FSDP only")
+    if isinstance(module, FSDPModule):
+        raise ValueError(
+            "module is already sharded by torch.distributed.fsdp.fully_shard; shard each module with one FSDP only"
+        )
     named = _collect_params(module)
     devices = {p.device for _, p, _ in named}
     if any(d.type == "meta" for d in devices):

@@ -99,7 +99,7 @@ class ParamGroup:
 
         shapes = [m.shape for m in managed]
         new = lambda dtype, **kw: DBuffer(self.plan, self.rank, dtype, self.device, shapes=shapes, **kw)  # noqa: E731
-        self.master = new(self.orig_dtype)
+        self.master = new(self.orig_dtype, with_full=False)
         self.compute = (
             new(self.orig_dtype, local=self.master.local)
             if self.param_dtype == self.orig_dtype
@@ -107,7 +107,7 @@ class ParamGroup:
         )
         self.grad = new(self.param_dtype, with_local=False)
         self.reduce = None if self.reduce_dtype == self.param_dtype else new(self.reduce_dtype, with_local=False)
-        self.sharded_grad = new(self.orig_dtype)
+        self.sharded_grad = new(self.orig_dtype, with_full=False)
 
         with torch.no_grad():
             for i, p in enumerate(originals):
@@ -124,6 +124,7 @@ class ParamGroup:
             self.unsharded_params[i].register_post_accumulate_grad_hook(self._on_grad_accumulated)
 
         self.state = GroupState.SHARDED
+        self._cast_version = -1
         self.requires_grad_sync = True
         self.ran_forward = False  # with grad enabled, since the last backward
         self._unshard_work = None
@@ -151,8 +152,12 @@ class ParamGroup:
         if self.state is not GroupState.SHARDED:
             return
         if self.compute.local is not self.master.local:
-            with torch.no_grad():
-                self.compute.local.copy_(self.master.local)  # one cast per group
+            # One cast per group, and only when the optimizer has changed the master shard
+            # since the last one (views share the version counter of ``master.local``).
+            if self._cast_version != self.master.local._version:
+                with torch.no_grad():
+                    self.compute.local.copy_(self.master.local)
+                self._cast_version = self.master.local._version
         self._unshard_work = self.compute.all_gather(self.process_group, stats=self.stats, async_op=async_op)
         self.state = GroupState.UNSHARDING
 
