@@ -1,0 +1,1 @@
+"""Adapters that plug vescale-zero into host frameworks (DeepSpeed, Megatron-Core)."""

@@ -1,0 +1,1 @@
+"""DeepSpeed adapter: `"zero_optimization": {"stage": "ragged"}` (in progress, see issue 3)."""
