@@ -9,7 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["AwkwardLM", "make_batches", "train_reference", "VOCAB", "SEQ"]
+import vescale_zero as vz
+
+__all__ = ["AwkwardLM", "make_batches", "rank_slice", "train_reference", "local_pieces", "assemble", "VOCAB", "SEQ"]
 
 VOCAB, DIM, HIDDEN, SEQ = 37, 13, 29, 5  # primes: no shape divides evenly by 2, 3 or 4
 
@@ -95,3 +97,32 @@ def _train_reference(model, batches, lr, clip, accum):
         opt.zero_grad()
         losses.append(total)
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def local_pieces(model) -> Dict[str, tuple]:
+    """{full name: (shape, start, end, local values)} for every managed parameter."""
+    out = {}
+    for prefix, module in model.named_modules():
+        if not isinstance(module, vz.RaggedFSDPModule) or module.vescale_group is None:
+            continue
+        group = module.vescale_group
+        for i, m in enumerate(group.managed):
+            start, end = group.master.local_range(i)
+            name = f"{prefix}.{m.fqn}" if prefix else m.fqn
+            out[name] = (tuple(m.shape), start, end, group.sharded_params[i].detach().clone())
+    return out
+
+
+def assemble(per_rank: List[Dict[str, tuple]]) -> Dict[str, torch.Tensor]:
+    full = {}
+    for name, (shape, *_rest) in per_rank[0].items():
+        numel = int(torch.Size(shape).numel())
+        flat = torch.zeros(numel, dtype=per_rank[0][name][3].dtype)
+        hits = torch.zeros(numel, dtype=torch.int32)
+        for pieces in per_rank:
+            _, start, end, values = pieces[name]
+            flat[start:end] = values
+            hits[start:end] += 1
+        assert torch.all(hits == 1), f"{name}: ranks do not cover every element exactly once: {hits.tolist()}"
+        full[name] = flat.view(shape)
+    return full

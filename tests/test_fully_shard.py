@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import vescale_zero as vz
 from tests.distributed import run_on_ranks
-from tests.models import AwkwardLM, make_batches, rank_slice, train_reference
+from tests.models import AwkwardLM, assemble, local_pieces, make_batches, rank_slice, train_reference
 
 STEPS, GLOBAL_BATCH = 4, 12  # 12 samples split evenly over 1, 2, 3 and 4 ranks
 
@@ -27,35 +27,6 @@ def _shard(model, granularity, mp_policy=None, reshard_after_forward=True):
         vz.fully_shard(block, granularity=block_policy, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     vz.fully_shard(model, granularity=root_policy, mp_policy=mp_policy)
     return model
-
-
-def _local_pieces(model) -> Dict[str, tuple]:
-    """{full name: (shape, start, end, local values)} for every managed parameter."""
-    out = {}
-    for prefix, module in model.named_modules():
-        if not isinstance(module, vz.RaggedFSDPModule) or module.vescale_group is None:
-            continue
-        group = module.vescale_group
-        for i, m in enumerate(group.managed):
-            start, end = group.master.local_range(i)
-            name = f"{prefix}.{m.fqn}" if prefix else m.fqn
-            out[name] = (tuple(m.shape), start, end, group.sharded_params[i].detach().clone())
-    return out
-
-
-def _assemble(per_rank: List[Dict[str, tuple]]) -> Dict[str, torch.Tensor]:
-    full = {}
-    for name, (shape, *_rest) in per_rank[0].items():
-        numel = int(torch.Size(shape).numel())
-        flat = torch.zeros(numel, dtype=per_rank[0][name][3].dtype)
-        hits = torch.zeros(numel, dtype=torch.int32)
-        for pieces in per_rank:
-            _, start, end, values = pieces[name]
-            flat[start:end] = values
-            hits[start:end] += 1
-        assert torch.all(hits == 1), f"{name}: ranks do not cover every element exactly once: {hits.tolist()}"
-        full[name] = flat.view(shape)
-    return full
 
 
 def _train(rank, world_size, granularity, clip, accum, mp, reshard_after_forward):
@@ -78,14 +49,14 @@ def _train(rank, world_size, granularity, clip, accum, mp, reshard_after_forward
         opt.step()
         opt.zero_grad()
         losses.append(total.item())
-    return {"losses": losses, "pieces": _local_pieces(model)}
+    return {"losses": losses, "pieces": local_pieces(model)}
 
 
 def run_sharded(world_size, granularity=None, clip=None, accum=1, mp=False, reshard_after_forward=True):
     results = run_on_ranks(_train, world_size, granularity, clip, accum, mp, reshard_after_forward)
     for r in results[1:]:
         assert r["losses"] == results[0]["losses"], "ranks disagree on the loss"
-    return results[0]["losses"], _assemble([r["pieces"] for r in results])
+    return results[0]["losses"], assemble([r["pieces"] for r in results])
 
 
 def _assert_close(params, ref, rtol, atol=0.0):

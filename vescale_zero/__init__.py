@@ -2,7 +2,7 @@
 
 from .clip_grad import clip_grad_norm_, sharded_grad_norm
 from .dbuffer import DBuffer
-from .fully_shard import MixedPrecisionPolicy, RaggedFSDPModule, fully_shard
+from .fully_shard import MixedPrecisionPolicy, RaggedFSDPModule, fully_shard, fully_shard_layers, sharded_counterpart
 from .granularity import preset_granularity, resolve_granularities
 from .placement import RaggedShard
 from .planner import ShardPlan, TensorSpec, plan
@@ -12,6 +12,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "fully_shard",
+    "fully_shard_layers",
+    "sharded_counterpart",
     "RaggedFSDPModule",
     "MixedPrecisionPolicy",
     "RaggedShard",

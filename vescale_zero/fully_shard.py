@@ -35,12 +35,13 @@ from torch.utils._pytree import tree_flatten, tree_map
 from .granularity import GranularityPolicy, resolve_granularities
 from .param_group import ManagedParam, ParamGroup
 
-__all__ = ["fully_shard", "RaggedFSDPModule", "MixedPrecisionPolicy", "DEFAULT_ALIGN_BYTES", "groups_of"]
+__all__ = ["fully_shard", "fully_shard_layers", "RaggedFSDPModule", "MixedPrecisionPolicy", "DEFAULT_ALIGN_BYTES", "groups_of", "sharded_counterpart"]
 
 DEFAULT_ALIGN_BYTES = 16
 """Each rank's shard starts on this many bytes in every role's buffer (NCCL likes 16)."""
 
 _STATE = "_vescale_fsdp_state"
+_SHARDED_AS = "_vescale_sharded_as"  # on an original parameter: the sharded parameter replacing it
 _CLAIMED = "_vescale_fsdp_group_of"  # set on every parameter object a group manages
 
 
@@ -88,6 +89,7 @@ class _FSDPState:
         self.process_group = process_group
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy
+        self.prefetch = True
         self.context: Optional[_RootContext] = None
 
     # ---- lazy root discovery ---------------------------------------------------------
@@ -121,7 +123,7 @@ class _FSDPState:
             self.group.unshard()
             self.group.wait_for_unshard()
             self.group.to_unsharded_params()
-            if not ctx.in_backward:
+            if not ctx.in_backward and self.prefetch:
                 nxt = ctx.next_in_order(self, +1)
                 if nxt is not None and nxt.group is not None:
                     nxt.group.unshard(async_op=True)
@@ -160,7 +162,7 @@ class _FSDPState:
             torch.autograd.Variable._execution_engine.queue_callback(ctx.final_callback)
         if self.group is not None:
             self.group.pre_backward()
-            prev = ctx.next_in_order(self, -1)
+            prev = ctx.next_in_order(self, -1) if self.prefetch else None
             if prev is not None and prev.group is not None:
                 prev.group.unshard(async_op=True)
 
@@ -193,6 +195,13 @@ class RaggedFSDPModule:
             st = getattr(m, _STATE, None)
             if st is not None and st.group is not None:
                 st.group.requires_grad_sync = requires_gradient_sync
+
+    def set_prefetch(self, enabled: bool, *, recurse: bool = True) -> None:
+        """Gather the next group (forward) / previous group (backward) asynchronously."""
+        for m in self.modules() if recurse else [self]:
+            st = getattr(m, _STATE, None)
+            if st is not None:
+                st.prefetch = enabled
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         for m in self.modules() if recurse else [self]:
@@ -319,6 +328,8 @@ def fully_shard(
         label = type(module).__name__
         for p in [p for _, p, _ in named] + group.sharded_params + group.unsharded_params:
             setattr(p, _CLAIMED, label)
+        for (_, original, _), sharded in zip(named, group.sharded_params):
+            setattr(original, _SHARDED_AS, sharded)  # lets hosts remap optimizers built earlier
 
     state = _FSDPState(module, group, pg, reshard_after_forward, mp_policy)
     setattr(module, _STATE, state)
@@ -329,3 +340,34 @@ def fully_shard(
         _CLASS_CACHE[cls] = type(f"RaggedFSDP{cls.__name__}", (RaggedFSDPModule, cls), {})
     module.__class__ = _CLASS_CACHE[cls]
     return module
+
+
+def sharded_counterpart(param: nn.Parameter) -> nn.Parameter:
+    """The sharded parameter that replaced ``param`` (``param`` itself if it was not replaced)."""
+    return getattr(param, _SHARDED_AS, param)
+
+
+def fully_shard_layers(model: nn.Module, layer_classes: Optional[List[str]] = None, **kwargs: Any) -> nn.Module:
+    """``fully_shard`` each layer, then the root: the usual FSDP recipe in one call.
+
+    Args:
+        layer_classes: class names of the modules that form one group each. Default: the
+            classes of the modules held in ``nn.ModuleList``s (a model's layers).
+        kwargs: passed to every ``fully_shard`` call.
+    """
+    if layer_classes is None:
+        layer_classes = sorted({type(m).__name__ for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst})
+    wanted = set(layer_classes)
+    found = set()
+    for module in list(model.modules()):
+        name = type(module).__name__
+        if module is not model and name in wanted and not isinstance(module, RaggedFSDPModule):
+            found.add(name)
+    missing = wanted - found
+    if missing:
+        present = sorted({type(m).__name__ for m in model.modules()})
+        raise ValueError(f"layer classes {sorted(missing)} are not in the model; its module classes are {present}")
+    for module in reversed(list(model.modules())):  # innermost first, like FSDP2's recipe
+        if module is not model and type(module).__name__ in wanted and not isinstance(module, RaggedFSDPModule):
+            fully_shard(module, **kwargs)
+    return fully_shard(model, **kwargs)

@@ -1,1 +1,92 @@
-"""DeepSpeed adapter: `"zero_optimization": {"stage": "ragged"}` (in progress, see issue 3)."""
+"""DeepSpeed with ragged sharding: ``"zero_optimization": {"stage": "ragged"}``.
+
+Add one import to a script that already calls ``deepspeed.initialize``::
+
+    import vescale_zero.integrations.deepspeed  # noqa: F401  (registers stage "ragged")
+
+The import wraps ``deepspeed.initialize``: a config whose ``zero_optimization.stage`` is
+``"ragged"`` is validated (see :mod:`.config`), handed to DeepSpeed as stage 0 without its
+own ``bf16`` / ``fp16`` sections, and the engine is a :class:`RaggedDeepSpeedEngine`. Any
+other config goes to DeepSpeed untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import json
+import os
+from typing import Any, Dict, Iterator, Optional, Tuple
+
+import deepspeed
+import torch
+
+from .config import RAGGED_STAGE, RaggedOptions, parse_ragged_section
+from .engine import RaggedDeepSpeedEngine, RaggedPrecision
+
+__all__ = ["RaggedDeepSpeedEngine", "RaggedOptions", "split_ragged_config", "initialize"]
+
+_original_initialize = getattr(deepspeed.initialize, "__wrapped__", deepspeed.initialize)
+
+
+def _load(config: Any) -> Optional[Dict[str, Any]]:
+    if config is None or isinstance(config, dict):
+        return config
+    if isinstance(config, (str, os.PathLike)) and os.path.exists(config):
+        with open(config) as f:
+            return json.load(f)
+    return None  # something DeepSpeed understands and we do not: not ours
+
+
+def split_ragged_config(config: Dict[str, Any]) -> Tuple[Dict[str, Any], RaggedOptions, RaggedPrecision]:
+    """``(config for DeepSpeed at stage 0, our options, the precision we handle)``."""
+    ds = copy.deepcopy(config)
+    options, _ = parse_ragged_section(ds.pop("zero_optimization"))
+    ds["zero_optimization"] = {"stage": 0}
+    bf16, fp16 = ds.pop("bf16", None) or ds.pop("bfloat16", None) or {}, ds.pop("fp16", None) or {}
+    if bf16.get("enabled") and fp16.get("enabled"):
+        raise ValueError("bf16 and fp16 are both enabled; enable one")
+    dtype = torch.bfloat16 if bf16.get("enabled") else torch.float16 if fp16.get("enabled") else None
+    if fp16.get("enabled") and fp16.get("loss_scale", 0) not in (0, None):
+        raise ValueError("stage 'ragged' supports fp16 with dynamic loss scaling only; set fp16.loss_scale to 0")
+    return ds, options, RaggedPrecision(dtype, fp16)
+
+
+@contextlib.contextmanager
+def _engine_class(cls: type) -> Iterator[None]:
+    saved = deepspeed.DeepSpeedEngine
+    deepspeed.DeepSpeedEngine = cls  # deepspeed.initialize builds the engine through this name
+    try:
+        yield
+    finally:
+        deepspeed.DeepSpeedEngine = saved
+
+
+@functools.wraps(_original_initialize)
+def initialize(*args: Any, **kwargs: Any):
+    names = ("args", "model", "optimizer", "model_parameters")
+    kwargs.update(zip(names, args))
+    ns = kwargs.get("args")
+    raw = kwargs.get("config") if kwargs.get("config") is not None else kwargs.get("config_params")
+    from_args = raw is None and ns is not None and getattr(ns, "deepspeed_config", None)
+    config = _load(ns.deepspeed_config if from_args else raw)
+    zero = (config or {}).get("zero_optimization") or {}
+    if zero.get("stage") != RAGGED_STAGE:
+        return _original_initialize(**kwargs)
+    if isinstance(kwargs.get("model"), deepspeed.PipelineModule):
+        raise ValueError("stage 'ragged' with PipelineModule is not supported yet; use stage 0-1 for pipelines")
+    ds_config, options, precision = split_ragged_config(config)
+    if from_args:
+        ns = copy.copy(ns)
+        ns.deepspeed_config = None
+        kwargs["args"] = ns
+    kwargs.pop("config_params", None)
+    kwargs["config"] = ds_config
+    engine_cls = type("RaggedDeepSpeedEngine", (RaggedDeepSpeedEngine,), {
+        "ragged_options": options, "ragged_precision": precision})
+    with _engine_class(engine_cls):
+        return _original_initialize(**kwargs)
+
+
+deepspeed.initialize = initialize

@@ -1,0 +1,121 @@
+"""The ``"zero_optimization": {"stage": "ragged", ...}`` section of a DeepSpeed config.
+
+Our options, and the ZeRO-3 keys a user's existing config already has::
+
+    key                                 with "ragged"
+    granularity, sharded_modules,       our options (see RaggedOptions)
+    reshard_after_forward, prefetch,
+    reduce_dtype
+    overlap_comm                        mapped: prefetch the next group (async gathers)
+    reduce_bucket_size, ... (NOTED)     accepted with a one-line warning: we run one
+                                        collective per group, there is nothing to tune
+    offload_*, zero_hpz_partition_size, rejected: contradicts ragged sharding or is not
+    zero_quantized_*, zenflow,          implemented; the error names the key and the fix
+    reduce_scatter=false
+    anything else                       an error naming it and listing the valid keys
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union
+
+import torch
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+__all__ = ["RaggedOptions", "parse_ragged_section", "RAGGED_STAGE"]
+
+RAGGED_STAGE = "ragged"
+
+_NOTED = {  # meaningful for ZeRO-3's bucketed, per-parameter machinery; not for one buffer per group
+    "reduce_bucket_size", "allgather_bucket_size", "allgather_partitions", "use_multi_rank_bucket_allreduce",
+    "stage3_prefetch_bucket_size", "prefetch_bucket_size", "stage3_param_persistence_threshold",
+    "param_persistence_threshold", "stage3_model_persistence_threshold", "model_persistence_threshold",
+    "stage3_max_live_parameters", "max_live_parameters", "stage3_max_reuse_distance", "max_reuse_distance",
+    "stage3_module_granularity_threshold", "module_granularity_threshold", "stage3_use_all_reduce_for_fetch_params",
+    "use_all_reduce_for_fetch_params", "stage3_allgather_sequential", "allgather_sequential", "sub_group_size",
+    "round_robin_gradients", "elastic_checkpoint", "ignore_unused_parameters", "memory_efficient_linear",
+    "load_from_fp32_weights", "compute_grad_norm", "parameter_alignment", "log_trace_cache_warnings",
+    "enable_sanity_checks", "override_module_apply", "legacy_stage1", "pipeline_loading_checkpoint",
+    "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save", "contiguous_gradients", "leaf_module",
+    "save_muon_momentum_buffer_in_memory",
+}
+
+
+def _rejection(key: str, value: Any) -> Optional[str]:
+    """Why ``key: value`` cannot be used with ragged sharding (``None`` if it can)."""
+    if key in ("offload_param", "offload_optimizer", "cpu_offload", "cpu_offload_param"):
+        device = value.get("device", "none") if isinstance(value, dict) else ("cpu" if value else "none")
+        if device not in (None, "none"):
+            return f"{key} (device {device!r}) is not implemented with stage 'ragged'; remove it, or use stage 3 for offload"
+        return None
+    if key == "cpu_offload_use_pin_memory":
+        return None
+    if key == "zero_hpz_partition_size" and value not in (None, 1):
+        return "zero_hpz_partition_size > 1 (hierarchical partitioning) is not implemented with stage 'ragged'; remove it"
+    if key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients") and value:
+        return f"{key} is ZeRO++ quantized communication, not implemented with stage 'ragged'; remove it"
+    if key == "zenflow" and value:
+        return "zenflow is not implemented with stage 'ragged'; remove it"
+    if key == "reduce_scatter" and value is False:
+        return "reduce_scatter=false contradicts stage 'ragged', which always reduce-scatters gradients into shards; remove it"
+    if key in ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+               "zero_quantized_gradients", "zenflow", "reduce_scatter"):
+        return None
+    return "unknown"
+
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16}
+
+
+class RaggedOptions(BaseModel):
+    """Our keys in the ragged section (all optional)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    granularity: Union[None, int, str, Dict[str, Union[int, str]]] = None
+    """Block size policy: 'element', 'row', '<N>rows', an int, or {parameter name: int | preset}."""
+    sharded_modules: Optional[List[str]] = None
+    """Class names of the modules that form one group each (e.g. ["GPTBlock"]); default: the
+    classes of the modules held in the model's nn.ModuleLists (its layers)."""
+    reshard_after_forward: bool = True
+    prefetch: bool = True
+    reduce_dtype: Optional[Literal["fp32", "float32", "bf16", "bfloat16", "fp16", "float16"]] = None
+
+    @property
+    def reduce_torch_dtype(self) -> Optional[torch.dtype]:
+        return _DTYPES[self.reduce_dtype] if self.reduce_dtype else None
+
+
+def parse_ragged_section(section: Dict[str, Any]) -> Tuple[RaggedOptions, List[str]]:
+    """Validate a ragged ``zero_optimization`` section: ``(options, warnings issued)``."""
+    ours = set(RaggedOptions.model_fields)
+    options: Dict[str, Any] = {}
+    noted: List[str] = []
+    for key, value in section.items():
+        if key == "stage":
+            continue
+        if key in ours:
+            options[key] = value
+        elif key == "overlap_comm":
+            options.setdefault("prefetch", bool(value))
+        elif key in _NOTED:
+            noted.append(key)
+        else:
+            why = _rejection(key, value)
+            if why == "unknown":
+                valid = sorted(ours | {"stage", "overlap_comm"} | _NOTED)
+                raise ValueError(
+                    f"zero_optimization: unknown key {key!r} for stage 'ragged'. Valid keys: {', '.join(valid)}"
+                )
+            if why is not None:
+                raise ValueError(f"zero_optimization: {why}")
+    for key in noted:
+        msg = f"zero_optimization.{key} has no effect with stage 'ragged' (one collective per group); ignored"
+        warnings.warn(msg, UserWarning, stacklevel=3)
+    try:
+        return RaggedOptions(**options), [f"zero_optimization.{k}" for k in noted]
+    except ValidationError as e:
+        raise ValueError(f"zero_optimization (stage 'ragged'): {e}") from None

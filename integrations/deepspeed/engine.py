@@ -1,0 +1,129 @@
+"""``RaggedDeepSpeedEngine``: DeepSpeed's engine with its data-parallel layer replaced.
+
+DeepSpeed builds the engine at stage 0 (no ZeRO, no fp16/bf16 wrappers of its own); this
+subclass then
+
+* shards the module with :func:`vescale_zero.fully_shard_layers` over DeepSpeed's
+  data-parallel group, right after DeepSpeed placed and broadcast it;
+* builds the optimizer on the sharded parameters (remapping ``model_parameters`` or a
+  client optimizer that was built on the original ones);
+* lets the runtime's hooks reduce-scatter gradients at the accumulation boundary, so
+  DeepSpeed's all-reduce is a no-op; clips by the global norm over ragged shards;
+* keeps bf16 / fp16 itself: bf16 or fp16 compute and gathers, fp32 reduce and master
+  shards; fp16 with DeepSpeed's dynamic loss scaler, where an overflow on any shard
+  skips the step on every rank.
+
+Everything else (forward, ``train_batch_size`` arithmetic, gradient accumulation
+counters, LR schedulers, logging) is DeepSpeed's own.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+from deepspeed.utils import groups
+
+import vescale_zero as vz
+from vescale_zero.fully_shard import groups_of
+
+from .config import RaggedOptions
+
+__all__ = ["RaggedDeepSpeedEngine", "RaggedPrecision"]
+
+
+class RaggedPrecision:
+    """The user's ``bf16`` / ``fp16`` sections, which DeepSpeed itself does not see."""
+
+    def __init__(self, dtype: Optional[torch.dtype], fp16_section: Optional[dict] = None) -> None:
+        self.dtype = dtype
+        self.fp16 = dict(fp16_section or {})
+
+
+class RaggedDeepSpeedEngine(DeepSpeedEngine):
+    """Set ``ragged_options`` / ``ragged_precision`` on a subclass before construction."""
+
+    ragged_options: RaggedOptions = RaggedOptions()
+    ragged_precision: RaggedPrecision = RaggedPrecision(None)
+
+    # ---- construction ------------------------------------------------------------------
+    def _configure_distributed_model(self, model: torch.nn.Module) -> None:
+        super()._configure_distributed_model(model)
+        opts, precision = self.ragged_options, self.ragged_precision
+        mp = None
+        if precision.dtype is not None:
+            mp = vz.MixedPrecisionPolicy(param_dtype=precision.dtype, reduce_dtype=opts.reduce_torch_dtype or torch.float32)
+        elif opts.reduce_torch_dtype is not None:
+            mp = vz.MixedPrecisionPolicy(reduce_dtype=opts.reduce_torch_dtype)
+        vz.fully_shard_layers(
+            self.module, opts.sharded_modules, mesh=groups._get_data_parallel_group(),
+            reshard_after_forward=opts.reshard_after_forward, mp_policy=mp, granularity=opts.granularity,
+        )
+        self.module.set_prefetch(opts.prefetch)
+        self._ragged_scaler = self._make_loss_scaler() if precision.dtype == torch.float16 else None
+
+    def _make_loss_scaler(self) -> DynamicLossScaler:
+        cfg = self.ragged_precision.fp16
+        return DynamicLossScaler(
+            init_scale=2.0 ** cfg.get("initial_scale_power", 16),
+            scale_window=cfg.get("loss_scale_window", 1000),
+            min_scale=cfg.get("min_loss_scale", 1),
+            delayed_shift=cfg.get("hysteresis", 2),
+            consecutive_hysteresis=cfg.get("consecutive_hysteresis", False),
+            raise_error_at_min_scale=False,
+        )
+
+    def _configure_optimizer(self, client_optimizer: Any, model_parameters: Any) -> None:
+        if isinstance(client_optimizer, torch.optim.Optimizer):
+            if any(client_optimizer.state.values()):
+                raise ValueError("the client optimizer already has state; build it before its first step")
+            for group in client_optimizer.param_groups:
+                group["params"] = [vz.sharded_counterpart(p) for p in group["params"]]
+        params = [
+            {**item, "params": [vz.sharded_counterpart(p) for p in item["params"]]} if isinstance(item, dict)
+            else vz.sharded_counterpart(item)
+            for item in model_parameters
+        ]
+        super()._configure_optimizer(client_optimizer, params)
+
+    # ---- backward / step -------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
+        self.module.set_requires_gradient_sync(self.is_gradient_accumulation_boundary())
+        if self._ragged_scaler is not None:
+            loss = loss * self._ragged_scaler.loss_scale
+        return super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+
+    def allreduce_gradients(self, bucket_size: int = 0) -> None:
+        """Gradients were reduce-scattered into the shards by the runtime's hooks."""
+
+    def clip_fp32_gradients(self) -> None:
+        self._global_grad_norm = vz.clip_grad_norm_(self.module, self.gradient_clipping())
+
+    def _take_model_step(self, lr_kwargs: Any) -> None:
+        scaler = self._ragged_scaler
+        if scaler is not None:
+            overflow = self._unscale_and_check_overflow(scaler.loss_scale)
+            scaler.update_scale(overflow)
+            if overflow:  # every rank saw the same flag: every rank skips
+                self.zero_grad()
+                self.skipped_steps += 1
+                self.global_steps += 1
+                self.global_samples += self.train_batch_size()
+                return
+        super()._take_model_step(lr_kwargs)
+
+    def _unscale_and_check_overflow(self, scale: float) -> bool:
+        flag = torch.zeros((), dtype=torch.float32, device=self.device)
+        for group in groups_of(self.module):
+            buf = group.sharded_grad.local
+            buf.div_(scale)  # one op per group
+            flag = torch.maximum(flag, (~torch.isfinite(buf)).any().float())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # overflow on any shard of any rank
+        return bool(flag.item())
+
+    @property
+    def loss_scale(self) -> float:
+        return self._ragged_scaler.loss_scale if self._ragged_scaler is not None else 1.0

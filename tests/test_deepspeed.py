@@ -1,0 +1,192 @@
+"""DeepSpeed with ``"stage": "ragged"`` trains exactly like DeepSpeed ZeRO-3 (gloo, CPU)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")  # the [test] extra installs it; without it these tests cannot run
+
+from tests.distributed import run_on_ranks  # noqa: E402
+from tests.models import AwkwardLM, assemble, local_pieces, make_batches, rank_slice  # noqa: E402
+
+STEPS, GLOBAL_BATCH, ACCUM = 10, 12, 2
+
+
+def ds_config(stage, world_size, **extra):
+    cfg = {
+        "train_batch_size": GLOBAL_BATCH,
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // (world_size * ACCUM),
+        "gradient_accumulation_steps": ACCUM,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": True}},
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    cfg.update(extra)
+    return cfg
+
+
+def _deepspeed():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # skip a 40 s JIT build on CPU
+    import vescale_zero.integrations.deepspeed  # noqa: F401  (registers stage "ragged")
+
+    return deepspeed
+
+
+def _full_params(engine, stage):
+    if stage == "ragged":
+        return local_pieces(engine.module)
+    import deepspeed
+
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def _train(rank, world_size, stage, extra):
+    os.environ["LOCAL_RANK"] = str(rank)
+    deepspeed = _deepspeed()
+    engine, *_ = deepspeed.initialize(model=AwkwardLM(seed=0), config=ds_config(stage, world_size, **extra))
+    losses = []
+    for batch in make_batches(STEPS, GLOBAL_BATCH):
+        x, y = rank_slice(batch, rank, world_size)
+        total = torch.zeros(())
+        for i in range(ACCUM):
+            loss = engine(x.chunk(ACCUM)[i], y.chunk(ACCUM)[i])
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float() / ACCUM
+        torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.AVG)
+        losses.append(total.item())
+    return {"losses": losses, "params": _full_params(engine, stage), "steps": engine.global_steps}
+
+
+def run(world_size, stage, **extra):
+    results = run_on_ranks(_train, world_size, stage, extra, timeout=400)
+    assert all(r["steps"] == STEPS for r in results)
+    params = assemble([r["params"] for r in results]) if stage == "ragged" else results[0]["params"]
+    return results[0]["losses"], params
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ragged_matches_stage3_fp32(world_size):
+    ref_losses, ref_params = run(world_size, 3)
+    losses, params = run(world_size, "ragged")
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+    assert set(params) == set(ref_params)
+    for name, value in params.items():
+        torch.testing.assert_close(value, ref_params[name], rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+def test_bf16_tracks_stage3_bf16():
+    """bf16 compute on both sides. Stated tolerance as in test_fully_shard's bf16 test:
+    losses within 1e-2 relative, parameters within 1e-3 on average."""
+    ref_losses, ref_params = run(2, 3, bf16={"enabled": True})
+    losses, params = run(2, "ragged", bf16={"enabled": True})
+    assert losses == pytest.approx(ref_losses, rel=1e-2)
+    diffs = torch.cat([(params[n].float() - ref_params[n].float()).abs().flatten() for n in params])
+    assert diffs.mean().item() <= 1e-3
+
+
+def _fp16_overflow_on_one_rank(rank, world_size):
+    os.environ["LOCAL_RANK"] = str(rank)
+    deepspeed = _deepspeed()
+    from vescale_zero.fully_shard import groups_of
+
+    cfg = ds_config("ragged", world_size, fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1})
+    engine, *_ = deepspeed.initialize(model=AwkwardLM(seed=0), config=cfg)
+    scales, skipped, changed = [], [], []
+    for step, batch in enumerate(make_batches(4, GLOBAL_BATCH)):
+        x, y = rank_slice(batch, rank, world_size)
+        before = {n: t[3].clone() for n, t in local_pieces(engine.module).items()}
+        for i in range(ACCUM):
+            engine.backward(engine(x.chunk(ACCUM)[i], y.chunk(ACCUM)[i]))
+            if step == 2 and i == ACCUM - 1 and rank == 0:
+                groups_of(engine.module)[0].sharded_grad.local[0] = float("inf")  # only rank 0 overflows
+            scales.append(engine.loss_scale)
+            engine.step()
+        after = {n: t[3] for n, t in local_pieces(engine.module).items()}
+        changed.append(any(not torch.equal(before[n], after[n]) for n in after if after[n].numel()))
+        skipped.append(engine.skipped_steps)
+    return {"skipped": skipped, "changed": changed, "scales": scales}
+
+
+def test_fp16_overflow_on_one_shard_skips_the_step_everywhere():
+    results = run_on_ranks(_fp16_overflow_on_one_rank, 2, timeout=400)
+    for r in results:
+        assert r["skipped"] == [0, 0, 1, 1], r  # step 2 skipped, on both ranks
+        assert r["changed"][2] is False and r["changed"][3] is True, r
+        assert r["scales"][-1] == r["scales"][0] / 2, r  # the scaler backed off once
+    assert results[0]["scales"] == results[1]["scales"]
+
+
+def _client_optimizer(rank, world_size, stage):
+    os.environ["LOCAL_RANK"] = str(rank)
+    deepspeed = _deepspeed()
+    model = AwkwardLM(seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    cfg = ds_config(stage, world_size)
+    del cfg["optimizer"]
+    engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
+                                                   model_parameters=model.parameters(), config=cfg)
+    losses = []
+    for batch in make_batches(5, GLOBAL_BATCH):
+        x, y = rank_slice(batch, rank, world_size)
+        for i in range(ACCUM):
+            loss = engine(x.chunk(ACCUM)[i], y.chunk(ACCUM)[i])
+            engine.backward(loss)
+            engine.step()
+        losses.append(loss.item())
+    return {"losses": losses, "lr": scheduler.get_last_lr(), "params": _full_params(engine, stage)}
+
+
+def test_client_optimizer_and_scheduler():
+    ref = run_on_ranks(_client_optimizer, 2, 3, timeout=400)
+    ours = run_on_ranks(_client_optimizer, 2, "ragged", timeout=400)
+    assert ours[0]["lr"] == ref[0]["lr"]
+    assert ours[0]["losses"] == pytest.approx(ref[0]["losses"], rel=1e-6)
+    params = assemble([r["params"] for r in ours])
+    for name, value in params.items():
+        torch.testing.assert_close(value, ref[0]["params"][name], rtol=1e-6, atol=1e-7)
+
+
+# ---- config errors (no processes needed) ------------------------------------------------
+
+
+def test_config_keys_mapped_noted_and_rejected():
+    _deepspeed()
+    from vescale_zero.integrations.deepspeed import split_ragged_config
+
+    cfg = ds_config("ragged", 2)
+    cfg["zero_optimization"].update(overlap_comm=False, reduce_bucket_size=5e8, granularity="row",
+                                    stage3_param_persistence_threshold=1e4, contiguous_gradients=True)
+    cfg["bf16"] = {"enabled": True}
+    with pytest.warns(UserWarning, match="reduce_bucket_size has no effect"):
+        ds, options, precision = split_ragged_config(cfg)
+    assert ds["zero_optimization"] == {"stage": 0} and "bf16" not in ds
+    assert options.prefetch is False and options.granularity == "row"
+    assert precision.dtype == torch.bfloat16
+
+    def error(section, *fragments):
+        bad = ds_config("ragged", 2)
+        bad["zero_optimization"].update(section)
+        with pytest.raises(ValueError) as e:
+            split_ragged_config(bad)
+        for f in fragments:
+            assert f in str(e.value), (f, str(e.value))
+
+    error({"stage4_magic": 1}, "unknown key 'stage4_magic'", "Valid keys:", "granularity", "overlap_comm")
+    error({"offload_optimizer": {"device": "cpu"}}, "offload_optimizer", "not implemented", "stage 3")
+    error({"reduce_scatter": False}, "reduce_scatter=false contradicts")
+    error({"zero_hpz_partition_size": 2}, "zero_hpz_partition_size")
+    error({"reshard_after_forward": "sometimes"}, "reshard_after_forward")
+    with pytest.raises(ValueError, match="loss_scale to 0"):
+        split_ragged_config(ds_config("ragged", 2, fp16={"enabled": True, "loss_scale": 128}))
