@@ -190,3 +190,45 @@ def test_config_keys_mapped_noted_and_rejected():
     error({"reshard_after_forward": "sometimes"}, "reshard_after_forward")
     with pytest.raises(ValueError, match="loss_scale to 0"):
         split_ragged_config(ds_config("ragged", 2, fp16={"enabled": True, "loss_scale": 128}))
+
+
+# ---- checkpoints ---------------------------------------------------------------------------
+
+
+def _train_with_checkpoint(rank, world_size, ckpt_dir, phase):
+    """phase 'full': 6 steps straight; 'first': 3 steps then save; 'resume': load, 3 more."""
+    os.environ["LOCAL_RANK"] = str(rank)
+    deepspeed = _deepspeed()
+    model = AwkwardLM(seed=0 if phase != "resume" else 99)  # resume must not depend on the init
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config("ragged", world_size))
+    batches = make_batches(6, GLOBAL_BATCH)
+    if phase == "resume":
+        path, client = engine.load_checkpoint(ckpt_dir)
+        assert client == {"epoch": 7} and path.endswith("global_step3"), (path, client)
+        assert engine.global_steps == 3
+        batches = batches[3:]
+    elif phase == "first":
+        batches = batches[:3]
+    losses = []
+    for batch in batches:
+        x, y = rank_slice(batch, rank, world_size)
+        for i in range(ACCUM):
+            loss = engine(x.chunk(ACCUM)[i], y.chunk(ACCUM)[i])
+            engine.backward(loss)
+            engine.step()
+        losses.append(loss.item())
+    if phase == "first":
+        engine.save_checkpoint(ckpt_dir, client_state={"epoch": 7})
+    return {"losses": losses, "params": local_pieces(engine.module)}
+
+
+@pytest.mark.parametrize("save_ranks,load_ranks", [(2, 2), (2, 3)])
+def test_save_load_continue_matches_uninterrupted(tmp_path, save_ranks, load_ranks):
+    full = run_on_ranks(_train_with_checkpoint, load_ranks, str(tmp_path), "full", timeout=400)
+    run_on_ranks(_train_with_checkpoint, save_ranks, str(tmp_path), "first", timeout=400)
+    assert (tmp_path / "latest").read_text() == "global_step3"
+    resumed = run_on_ranks(_train_with_checkpoint, load_ranks, str(tmp_path), "resume", timeout=400)
+    assert resumed[0]["losses"] == pytest.approx(full[0]["losses"][3:], rel=1e-6)
+    want, got = assemble([r["params"] for r in full]), assemble([r["params"] for r in resumed])
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-7)

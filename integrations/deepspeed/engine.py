@@ -19,6 +19,7 @@ counters, LR schedulers, logging) is DeepSpeed's own.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import torch
@@ -28,6 +29,7 @@ from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 from deepspeed.utils import groups
 
 import vescale_zero as vz
+from vescale_zero import checkpoint
 from vescale_zero.fully_shard import groups_of
 
 from .config import RaggedOptions
@@ -123,6 +125,41 @@ class RaggedDeepSpeedEngine(DeepSpeedEngine):
             flag = torch.maximum(flag, (~torch.isfinite(buf)).any().float())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # overflow on any shard of any rank
         return bool(flag.item())
+
+    # ---- checkpoints -----------------------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """Each rank writes its own shards under ``save_dir/tag``; ``latest`` moves last."""
+        tag = str(tag if tag is not None else f"global_step{self.global_steps}")
+        extra = {
+            "client_state": client_state or {},
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "loss_scaler": vars(self._ragged_scaler).copy() if self._ragged_scaler is not None else None,
+            "counters": {k: getattr(self, k) for k in ("global_steps", "global_samples", "skipped_steps", "micro_steps")},
+        }
+        os.makedirs(save_dir, exist_ok=True)
+        checkpoint.save(os.path.join(save_dir, tag), self.module, self.optimizer, extra)
+        if save_latest and dist.get_rank() == 0:
+            checkpoint.write_latest(save_dir, tag)
+        dist.barrier()
+        return True
+
+    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None):
+        """Load shards written by :meth:`save_checkpoint` (any world size); ``(path, client_state)``."""
+        tag = str(tag if tag is not None else checkpoint.read_latest(load_dir))
+        path = os.path.join(load_dir, tag)
+        with_optimizer = load_optimizer_states and not load_module_only
+        extra = checkpoint.load(path, self.module, self.optimizer if with_optimizer else None)
+        if not load_module_only:
+            if load_lr_scheduler_states and self.lr_scheduler is not None and extra["lr_scheduler"] is not None:
+                self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+            if self._ragged_scaler is not None and extra["loss_scaler"] is not None:
+                vars(self._ragged_scaler).update(extra["loss_scaler"])
+            for key, value in extra["counters"].items():
+                setattr(self, key, value)
+        return path, extra["client_state"]
 
     @property
     def loss_scale(self) -> float:

@@ -1,0 +1,87 @@
+"""Sharded checkpoints: resharding across world sizes, and refusing partial or corrupt ones."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import vescale_zero as vz
+from vescale_zero import checkpoint
+from tests.distributed import run_on_ranks
+from tests.models import AwkwardLM, assemble, local_pieces, make_batches, rank_slice
+
+GLOBAL_BATCH = 12
+
+
+def _steps(model, opt, batches, rank, world_size):
+    for batch in batches:
+        x, y = rank_slice(batch, rank, world_size)
+        model(x, y).backward()
+        vz.clip_grad_norm_(model, 1.0)
+        opt.step()
+        opt.zero_grad()
+
+
+def _build(seed, granularity):
+    model = AwkwardLM(seed=seed)
+    for block in model.blocks:
+        vz.fully_shard(block, granularity=granularity)
+    vz.fully_shard(model, granularity=granularity)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _phase(rank, world_size, path, phase, granularity):
+    batches = make_batches(6, GLOBAL_BATCH)
+    model, opt = _build(0 if phase != "resume" else 5, granularity)
+    if phase == "first":
+        _steps(model, opt, batches[:3], rank, world_size)
+        checkpoint.save(path, model, opt, extra={"step": 3})
+    elif phase == "resume":
+        assert checkpoint.load(path, model, opt) == {"step": 3}
+        _steps(model, opt, batches[3:], rank, world_size)
+    else:
+        _steps(model, opt, batches, rank, world_size)
+    return local_pieces(model)
+
+
+@pytest.mark.parametrize("save_ranks,load_ranks,granularities", [(2, 3, ("row", "element")), (3, 1, ("element", "3rows")), (1, 4, ("row", "row"))])
+def test_reshard_on_load_then_continue(tmp_path, save_ranks, load_ranks, granularities):
+    path = str(tmp_path / "ckpt")
+    run_on_ranks(_phase, save_ranks, path, "first", granularities[0])
+    resumed = assemble(run_on_ranks(_phase, load_ranks, path, "resume", granularities[1]))
+    straight = assemble(run_on_ranks(_phase, load_ranks, path, "full", granularities[1]))
+    for name in straight:
+        torch.testing.assert_close(resumed[name], straight[name], rtol=1e-6, atol=1e-7)
+
+
+def _load_only(rank, world_size, path):
+    model, opt = _build(0, "row")
+    checkpoint.load(path, model, opt)
+
+
+def test_partial_or_corrupt_checkpoints_are_refused(tmp_path):
+    path = str(tmp_path / "ckpt")
+    run_on_ranks(_phase, 2, path, "first", "row")
+    rank1 = os.path.join(path, "rank00001.pt")
+    good = open(rank1, "rb").read()
+
+    def refused(*fragments):
+        with pytest.raises(AssertionError) as e:
+            run_on_ranks(_load_only, 2, path)
+        for f in fragments:
+            assert f in str(e.value), (f, str(e.value)[-2000:])
+
+    with open(rank1, "wb") as f:
+        f.write(good[: len(good) // 2])  # truncated
+    refused("CheckpointError", "rank00001.pt", "sha256")
+    with open(rank1, "wb") as f:
+        f.write(good[:-1] + bytes([good[-1] ^ 1]))  # one flipped bit
+    refused("rank00001.pt", "corrupt")
+    os.remove(rank1)
+    refused("rank00001.pt", "missing")
+    with open(rank1, "wb") as f:
+        f.write(good)
+    os.remove(os.path.join(path, "metadata.json"))  # as if the writer died before publishing
+    refused("metadata.json", "partial checkpoint")

@@ -1,0 +1,206 @@
+"""Save and load ragged shards, with resharding and crash safety.
+
+On disk, one directory per checkpoint::
+
+    CKPT/
+      metadata.json        world size, format, and the sha256 of every rank file
+      rank00000.pt         rank 0's pieces: {name: (shape, start, end, values)} for the
+      rank00001.pt         parameters, the same for each per-element optimizer state,
+      ...                  scalar optimizer state, hyper-parameters, buffers, extra
+
+A piece is a flat range ``[start, end)`` of a parameter, so loading is independent of
+the layout that wrote it: each rank asks for its own ranges under the *current* plan
+(any world size, any granularity) and copies them out of whichever files overlap.
+
+[Note: crash safety]
+Every rank writes into ``CKPT.tmp-<id>/``; after a barrier rank 0 writes the metadata
+(with the checksums) and renames the directory to ``CKPT`` in one ``os.replace``. A
+crash before that leaves only the temporary directory; a ``latest`` pointer is moved
+(also by rename) only after the checkpoint is published. Loading verifies the metadata
+and the checksum of every file it reads, and names the file when one is wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..fully_shard import RaggedFSDPModule
+
+__all__ = ["save", "load", "CheckpointError", "read_latest", "write_latest"]
+
+FORMAT = "vescale-zero/ragged-v1"
+Piece = Tuple[Tuple[int, ...], int, int, torch.Tensor]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, partial or corrupt; the message names the file."""
+
+
+def _managed(model: nn.Module) -> List[Tuple[str, nn.Parameter, Tuple[int, ...], int, int]]:
+    """``(name, sharded param, full shape, start, end)`` for every parameter of every group."""
+    out = []
+    for prefix, module in model.named_modules():
+        if not isinstance(module, RaggedFSDPModule) or module.vescale_group is None:
+            continue
+        group = module.vescale_group
+        for i, m in enumerate(group.managed):
+            start, end = group.master.local_range(i)
+            out.append((f"{prefix}.{m.fqn}" if prefix else m.fqn, group.sharded_params[i], tuple(m.shape), start, end))
+    return out
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _rank_file(ckpt: str, rank: int) -> str:
+    return os.path.join(ckpt, f"rank{rank:05d}.pt")
+
+
+def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, extra: Any = None) -> None:
+    """Write ``model``'s (and ``optimizer``'s) shards of this rank under ``path``; collective."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    token = [uuid.uuid4().hex if rank == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    tmp = f"{path.rstrip(os.sep)}.tmp-{token[0]}"
+    os.makedirs(tmp, exist_ok=True)
+    params, states, scalars = {}, {}, {}
+    by_param = {id(p): (name, shape, s, e) for name, p, shape, s, e in _managed(model)}
+    for name, p, shape, s, e in _managed(model):
+        params[name] = (shape, s, e, p.detach().cpu().clone())
+    if optimizer is not None:
+        for p, state in optimizer.state.items():
+            name, shape, s, e = by_param[id(p)]
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.numel() == p.numel() and value.dim() == 1 and value.numel() == e - s:
+                    states[f"{name}::{key}"] = (shape, s, e, value.detach().cpu().clone())
+                else:
+                    scalars[f"{name}::{key}"] = value.detach().cpu().clone() if torch.is_tensor(value) else value
+    payload = {
+        "params": params, "optim_states": states, "optim_scalars": scalars,
+        "optim_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else None,
+        "buffers": {n: b.detach().cpu().clone() for n, b in model.named_buffers()} if rank == 0 else None,
+        "extra": extra,
+    }
+    torch.save(payload, _rank_file(tmp, rank))
+    digests = [None] * world
+    dist.all_gather_object(digests, _sha256(_rank_file(tmp, rank)))
+    if rank == 0:
+        with open(os.path.join(tmp, "metadata.json"), "w") as f:
+            json.dump({"format": FORMAT, "world_size": world, "sha256": digests}, f)
+        if os.path.exists(path):  # re-saving a tag: the old one goes only once the new one is whole
+            old = f"{path.rstrip(os.sep)}.old-{token[0]}"
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, path)
+    dist.barrier()
+
+
+def _read_metadata(path: str) -> Dict[str, Any]:
+    meta_path = os.path.join(path, "metadata.json")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"no checkpoint at {path!r}")
+    if not os.path.exists(meta_path):
+        raise CheckpointError(f"{meta_path} is missing: {path!r} is a partial checkpoint (its save did not finish)")
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except ValueError as e:
+        raise CheckpointError(f"{meta_path} is corrupt ({e})") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{meta_path}: format {meta.get('format')!r} is not {FORMAT!r}")
+    return meta
+
+
+def _read_rank_file(path: str, rank: int, digest: str) -> Dict[str, Any]:
+    file = _rank_file(path, rank)
+    if not os.path.exists(file):
+        raise CheckpointError(f"{file} is missing (the checkpoint was written by {rank + 1}+ ranks)")
+    if _sha256(file) != digest:
+        raise CheckpointError(f"{file} does not match its sha256 in metadata.json: the file is corrupt or truncated")
+    return torch.load(file, map_location="cpu", weights_only=False)
+
+
+def _fill(target: torch.Tensor, start: int, end: int, pieces: List[Piece], what: str) -> None:
+    """Copy flat range [start, end) of ``what`` out of the saved pieces into ``target``."""
+    covered = 0
+    for _, s, e, values in pieces:
+        lo, hi = max(s, start), min(e, end)
+        if lo < hi:
+            target[lo - start : hi - start].copy_(values[lo - s : hi - s])
+            covered += hi - lo
+    if covered != end - start:
+        raise CheckpointError(f"{what}: the checkpoint holds {covered} of the {end - start} elements this rank needs")
+
+
+def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
+    """Load a checkpoint written by :func:`save` at any world size; returns its ``extra``."""
+    meta = _read_metadata(path)
+    files = [_read_rank_file(path, r, meta["sha256"][r]) for r in range(meta["world_size"])]
+    pieces: Dict[str, List[Piece]] = {}
+    for f in files:
+        for key, piece in list(f["params"].items()) + list(f["optim_states"].items()):
+            pieces.setdefault(key, []).append(piece)
+    managed = _managed(model)
+    with torch.no_grad():
+        for name, p, shape, s, e in managed:
+            saved = pieces.get(name)
+            if saved is None or tuple(saved[0][0]) != shape:
+                got = None if saved is None else tuple(saved[0][0])
+                raise CheckpointError(f"{path}: parameter {name!r} of shape {shape} is {'missing' if got is None else f'saved as {got}'}")
+            _fill(p.data, s, e, saved, name)
+        for name, buf in model.named_buffers():
+            saved = files[0]["buffers"].get(name)
+            if saved is not None:
+                buf.copy_(saved)
+        if optimizer is not None:
+            if files[0]["optim_groups"] is None:
+                raise CheckpointError(f"{path} holds no optimizer state")
+            by_id = {id(p): (name, s, e) for name, p, _, s, e in managed}
+            for group, saved_group in zip(optimizer.param_groups, files[0]["optim_groups"]):
+                group.update(saved_group)
+                for p in group["params"]:
+                    name, s, e = by_id[id(p)]
+                    state: Dict[str, Any] = {}
+                    for key, value in files[0]["optim_scalars"].items():
+                        if key.startswith(name + "::"):
+                            state[key[len(name) + 2 :]] = value.clone() if torch.is_tensor(value) else value
+                    for key, saved in pieces.items():
+                        if key.startswith(name + "::"):
+                            t = torch.zeros(e - s, dtype=saved[0][3].dtype, device=p.device)
+                            _fill(t, s, e, saved, key)
+                            state[key[len(name) + 2 :]] = t
+                    if state:
+                        optimizer.state[p] = state
+    return files[0]["extra"]
+
+
+def write_latest(directory: str, tag: str) -> None:
+    """Point ``directory/latest`` at ``tag``, atomically (rank 0 only)."""
+    tmp = os.path.join(directory, f".latest-{uuid.uuid4().hex}")
+    with open(tmp, "w") as f:
+        f.write(tag)
+    os.replace(tmp, os.path.join(directory, "latest"))
+
+
+def read_latest(directory: str) -> str:
+    path = os.path.join(directory, "latest")
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path} is missing: pass a tag, or save a checkpoint with save_latest=True first")
+    with open(path) as f:
+        return f.read().strip()
