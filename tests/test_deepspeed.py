@@ -232,3 +232,43 @@ def test_save_load_continue_matches_uninterrupted(tmp_path, save_ranks, load_ran
     want, got = assemble([r["params"] for r in full]), assemble([r["params"] for r in resumed])
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-7)
+
+
+# ---- pipeline parallelism ------------------------------------------------------------------
+
+
+def _pipeline(rank, world_size, stage):
+    os.environ["LOCAL_RANK"] = str(rank)
+    deepspeed = _deepspeed()
+    from deepspeed.pipe import PipelineModule
+    from torch import nn
+
+    deepspeed.init_distributed(dist_backend="gloo")  # PipelineModule needs DeepSpeed's comm up
+    torch.manual_seed(0)
+    layers = [nn.Linear(13, 29), nn.GELU(), nn.Linear(29, 31), nn.GELU(), nn.Linear(31, 29), nn.GELU(), nn.Linear(29, 7)]
+    model = PipelineModule(layers=layers, num_stages=2, loss_fn=nn.MSELoss(), partition_method="uniform")
+    cfg = {"train_batch_size": 12, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2,
+           "gradient_clipping": 0.0, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": True}},
+           "zero_optimization": {"stage": stage}}
+    engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    g = torch.Generator().manual_seed(engine.grid.data_parallel_id)
+    data = [(torch.randn(3, 13, generator=g), torch.randn(3, 7, generator=g)) for _ in range(2 * 4)]
+    it = iter(data)
+    losses = [engine.train_batch(data_iter=it).item() for _ in range(4)]
+    pieces = local_pieces(engine.module) if stage == "ragged" else {
+        n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    return {"losses": losses, "stage_id": engine.stage_id, "params": pieces}
+
+
+def test_pipeline_2_stages_x_2_way_matches_stage0_pipeline():
+    ref = run_on_ranks(_pipeline, 4, 0, timeout=400)
+    ours = run_on_ranks(_pipeline, 4, "ragged", timeout=400)
+    for r, o in zip(ref, ours):
+        assert o["losses"] == pytest.approx(r["losses"], rel=1e-6)
+    for stage_id in (0, 1):
+        got = assemble([o["params"] for o in ours if o["stage_id"] == stage_id])
+        want = next(r["params"] for r in ref if r["stage_id"] == stage_id)
+        assert set(got) == set(want) and got
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-7)

@@ -23,9 +23,9 @@ import deepspeed
 import torch
 
 from .config import RAGGED_STAGE, RaggedOptions, parse_ragged_section
-from .engine import RaggedDeepSpeedEngine, RaggedPrecision
+from .engine import RaggedDeepSpeedEngine, RaggedPipelineEngine, RaggedPrecision
 
-__all__ = ["RaggedDeepSpeedEngine", "RaggedOptions", "split_ragged_config", "initialize"]
+__all__ = ["RaggedDeepSpeedEngine", "RaggedPipelineEngine", "RaggedOptions", "split_ragged_config", "initialize"]
 
 _original_initialize = getattr(deepspeed.initialize, "__wrapped__", deepspeed.initialize)
 
@@ -54,13 +54,13 @@ def split_ragged_config(config: Dict[str, Any]) -> Tuple[Dict[str, Any], RaggedO
 
 
 @contextlib.contextmanager
-def _engine_class(cls: type) -> Iterator[None]:
-    saved = deepspeed.DeepSpeedEngine
-    deepspeed.DeepSpeedEngine = cls  # deepspeed.initialize builds the engine through this name
+def _engine_class(name: str, cls: type) -> Iterator[None]:
+    saved = getattr(deepspeed, name)
+    setattr(deepspeed, name, cls)  # deepspeed.initialize builds the engine through this name
     try:
         yield
     finally:
-        deepspeed.DeepSpeedEngine = saved
+        setattr(deepspeed, name, saved)
 
 
 @functools.wraps(_original_initialize)
@@ -74,8 +74,6 @@ def initialize(*args: Any, **kwargs: Any):
     zero = (config or {}).get("zero_optimization") or {}
     if zero.get("stage") != RAGGED_STAGE:
         return _original_initialize(**kwargs)
-    if isinstance(kwargs.get("model"), deepspeed.PipelineModule):
-        raise ValueError("stage 'ragged' with PipelineModule is not supported yet; use stage 0-1 for pipelines")
     ds_config, options, precision = split_ragged_config(config)
     if from_args:
         ns = copy.copy(ns)
@@ -83,9 +81,10 @@ def initialize(*args: Any, **kwargs: Any):
         kwargs["args"] = ns
     kwargs.pop("config_params", None)
     kwargs["config"] = ds_config
-    engine_cls = type("RaggedDeepSpeedEngine", (RaggedDeepSpeedEngine,), {
-        "ragged_options": options, "ragged_precision": precision})
-    with _engine_class(engine_cls):
+    pipeline = isinstance(kwargs.get("model"), deepspeed.PipelineModule)
+    base, name = (RaggedPipelineEngine, "PipelineEngine") if pipeline else (RaggedDeepSpeedEngine, "DeepSpeedEngine")
+    engine_cls = type(base.__name__, (base,), {"ragged_options": options, "ragged_precision": precision})
+    with _engine_class(name, engine_cls):
         return _original_initialize(**kwargs)
 
 

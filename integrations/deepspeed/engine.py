@@ -25,6 +25,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 from deepspeed.utils import groups
 
@@ -34,7 +35,7 @@ from vescale_zero.fully_shard import groups_of
 
 from .config import RaggedOptions
 
-__all__ = ["RaggedDeepSpeedEngine", "RaggedPrecision"]
+__all__ = ["RaggedEngineMixin", "RaggedDeepSpeedEngine", "RaggedPipelineEngine", "RaggedPrecision"]
 
 
 class RaggedPrecision:
@@ -45,8 +46,9 @@ class RaggedPrecision:
         self.fp16 = dict(fp16_section or {})
 
 
-class RaggedDeepSpeedEngine(DeepSpeedEngine):
-    """Set ``ragged_options`` / ``ragged_precision`` on a subclass before construction."""
+class RaggedEngineMixin:
+    """The overrides, for ``DeepSpeedEngine`` and ``PipelineEngine`` alike. Set
+    ``ragged_options`` / ``ragged_precision`` on a subclass before construction."""
 
     ragged_options: RaggedOptions = RaggedOptions()
     ragged_precision: RaggedPrecision = RaggedPrecision(None)
@@ -66,6 +68,18 @@ class RaggedDeepSpeedEngine(DeepSpeedEngine):
         )
         self.module.set_prefetch(opts.prefetch)
         self._ragged_scaler = self._make_loss_scaler() if precision.dtype == torch.float16 else None
+        if self._is_pipeline():
+            # [Note: pipelines] PipelineEngine runs backward per micro-batch outside
+            # engine.backward and marks the accumulation boundary only when it reduces, so
+            # every micro-batch's gradients are reduce-scattered and accumulate in the
+            # shards (a sum of averages: the same numbers as one reduction at the end).
+            if self.module.get_tied_weights_and_groups():
+                raise ValueError("stage 'ragged' with weights tied across pipeline stages is not supported yet")
+            if precision.dtype is not None:
+                raise ValueError("stage 'ragged' with pipeline parallelism runs in fp32 only for now; disable bf16/fp16")
+
+    def _is_pipeline(self) -> bool:
+        return isinstance(self, PipelineEngine)
 
     def _make_loss_scaler(self) -> DynamicLossScaler:
         cfg = self.ragged_precision.fp16
@@ -93,7 +107,8 @@ class RaggedDeepSpeedEngine(DeepSpeedEngine):
 
     # ---- backward / step -------------------------------------------------------------
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
-        self.module.set_requires_gradient_sync(self.is_gradient_accumulation_boundary())
+        if not self._is_pipeline():
+            self.module.set_requires_gradient_sync(self.is_gradient_accumulation_boundary())
         if self._ragged_scaler is not None:
             loss = loss * self._ragged_scaler.loss_scale
         return super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
@@ -164,3 +179,11 @@ class RaggedDeepSpeedEngine(DeepSpeedEngine):
     @property
     def loss_scale(self) -> float:
         return self._ragged_scaler.loss_scale if self._ragged_scaler is not None else 1.0
+
+
+class RaggedDeepSpeedEngine(RaggedEngineMixin, DeepSpeedEngine):
+    """DeepSpeed's engine with ragged sharding (see module docstring)."""
+
+
+class RaggedPipelineEngine(RaggedEngineMixin, PipelineEngine):
+    """DeepSpeed's pipeline engine, ragged-sharded inside each stage's data-parallel group."""
