@@ -21,6 +21,8 @@ setup(
     extras_require={
         "deepspeed": ["deepspeed>=0.16"],
         "megatron": ["megatron-core>=0.16,<0.18"],
-        "test": ["pytest>=8", "hypothesis>=6", "pytest-timeout", "deepspeed>=0.16"],
+        "plot": ["matplotlib"],
+        "test": ["pytest>=8", "hypothesis>=6", "pytest-timeout", "deepspeed>=0.16", "matplotlib"],
     },
+    entry_points={"console_scripts": ["vescale-zero=vescale_zero.cli:main"]},
 )

@@ -17,12 +17,13 @@ negligible either way.
 
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Sequence, Tuple
 
 from .granularity import preset_granularity
 from .planner import TensorSpec
 
-__all__ = ["MODEL_NAMES", "layer_groups", "group_specs", "fsdp2_padding", "zero3_padding"]
+__all__ = ["MODEL_NAMES", "layer_groups", "group_specs", "fsdp2_padding", "zero3_padding", "megatron_fsdp_padding", "load_shapes"]
 
 Shape = Tuple[int, ...]
 Group = List[Tuple[str, Shape]]
@@ -177,3 +178,36 @@ def fsdp2_padding(group: Group, world_size: int) -> int:
 def zero3_padding(group: Group, world_size: int) -> int:
     """Elements DeepSpeed ZeRO-3 / FSDP1 pad: the flat concatenation up to a multiple of world_size."""
     return -sum(_numel(s) for _, s in group) % world_size
+
+
+def megatron_fsdp_padding(group: Group, world_size: int, keep_rows: bool) -> int:
+    """Elements Megatron-FSDP pads a group's buffer: to a multiple of ``world_size * chunk``,
+    with ``chunk`` = 1 for element sharding or, when rows stay whole, the LCM of the row
+    sizes, each tensor also rounded up to ``chunk`` (its gap filling by small tensors is
+    not modelled, so this is an upper bound)."""
+    chunk = 1
+    if keep_rows:
+        for _, shape in group:
+            chunk = math.lcm(chunk, _numel(shape) // shape[0] if len(shape) > 1 else 1)
+    laid = sum(-(-_numel(s) // chunk) * chunk for _, s in group)
+    unit = world_size * chunk
+    return -(-laid // unit) * unit - sum(_numel(s) for _, s in group)
+
+
+def load_shapes(path: str) -> Dict[str, Group]:
+    """A user's own model description: JSON ``{"group": [["param name", [dims...]], ...], ...}``."""
+    import json
+
+    with open(path) as f:
+        raw = json.load(f)
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError(f"{path}: expected a JSON object {{group name: [[parameter name, shape], ...]}}")
+    groups: Dict[str, Group] = {}
+    for gname, params in raw.items():
+        try:
+            groups[gname] = [(str(n), tuple(int(d) for d in shape)) for n, shape in params]
+        except (TypeError, ValueError):
+            raise ValueError(f"{path}: group {gname!r} must be a list of [parameter name, [dims...]] pairs") from None
+        if any(not shape or min(shape) < 1 for _, shape in groups[gname]):
+            raise ValueError(f"{path}: group {gname!r} has an empty or non-positive shape")
+    return groups

@@ -1,0 +1,141 @@
+"""``vescale-zero``: command-line tools.
+
+    vescale-zero plan --model llama3-70b --granularity row [--sizes 8 64 1024] [--plot pad.png] [--gpus 4096]
+    vescale-zero plan --shapes my_model.json ...
+
+``plan`` prints, per FSDP group and FSDP size, the shard size, padding, planning time and
+bytes per rank; ``--plot`` draws padding against FSDP size beside FSDP2's dim-0 padding,
+ZeRO-3's flat padding and Megatron-FSDP's alignment; ``--gpus N`` suggests the FSDP x
+replica (HSDP) shape of N GPUs with the least padding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Dict, List, Optional, Sequence
+
+from .model_shapes import (
+    MODEL_NAMES, Group, fsdp2_padding, group_specs, layer_groups, load_shapes, megatron_fsdp_padding, zero3_padding,
+)
+from .planner import plan
+
+__all__ = ["main"]
+
+DEFAULT_SIZES = [2**k for k in range(3, 15)]
+
+
+def _padding_table(groups: Dict[str, Group], policy: str, sizes: Sequence[int], dtype_bytes: int) -> List[dict]:
+    rows = []
+    for m in sizes:
+        total = pad = shard = 0
+        ms = 0.0
+        for name, group in groups.items():
+            specs = group_specs(group, policy)
+            t0 = time.perf_counter()
+            p = plan(specs, m)
+            ms = max(ms, 1e3 * (time.perf_counter() - t0))
+            total += sum(s.numel for s in specs)
+            pad += p.padding
+            shard += p.shard_size
+            rows.append({"group": name, "ranks": m, "shard": p.shard_size, "padding_pct": 100 * p.padding_ratio,
+                         "ms": 1e3 * (time.perf_counter() - t0), "mib_per_rank": p.shard_size * dtype_bytes / 2**20})
+        keep_rows = policy != "element"
+        rows.append({"group": "(all)", "ranks": m, "shard": shard, "padding_pct": 100 * pad / (total + pad), "ms": ms,
+                     "mib_per_rank": shard * dtype_bytes / 2**20,
+                     "fsdp2_pct": _pct(sum(fsdp2_padding(g, m) for g in groups.values()), total),
+                     "zero3_pct": _pct(sum(zero3_padding(g, m) for g in groups.values()), total),
+                     "megatron_fsdp_pct": _pct(sum(megatron_fsdp_padding(g, m, keep_rows) for g in groups.values()), total)})
+    return rows
+
+
+def _pct(pad: int, total: int) -> float:
+    return 100.0 * pad / (total + pad)
+
+
+def _plot(rows: List[dict], title: str, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib") from None
+    summary = [r for r in rows if r["group"] == "(all)"]
+    xs = [r["ranks"] for r in summary]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for key, label, style in (("padding_pct", "vescale-zero (planner)", "o-"), ("fsdp2_pct", "FSDP2 (dim-0)", "s--"),
+                              ("zero3_pct", "ZeRO-3 (flat: cuts rows)", "^:"), ("megatron_fsdp_pct", "Megatron-FSDP (bound)", "d-.")):
+        ax.plot(xs, [max(r[key], 1e-4) for r in summary], style, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("FSDP size (ranks)")
+    ax.set_ylabel("padding, % of buffer (0 drawn at 1e-4)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _suggest_hsdp(groups: Dict[str, Group], policy: str, gpus: int, dtype_bytes: int, max_padding: float) -> None:
+    """The largest FSDP size (least memory per rank) whose padding stays within ``max_padding``%;
+    the least padding if none does."""
+    shapes = [m for m in range(2, gpus + 1) if gpus % m == 0]
+    rows = _padding_table(groups, policy, shapes, dtype_bytes)
+    summary = [r for r in rows if r["group"] == "(all)"]
+    within = [r for r in summary if r["padding_pct"] <= max_padding]
+    best = max(within, key=lambda r: r["ranks"]) if within else min(summary, key=lambda r: r["padding_pct"])
+    print(f"\nHSDP shapes for {gpus} GPUs ({policy} blocks): FSDP size x replicas")
+    print(f"{'fsdp':>6s} {'replicas':>8s} {'padding %':>10s} {'MiB/rank':>10s}")
+    for r in summary:
+        mark = "  <- suggested" if r is best else ""
+        print(f"{r['ranks']:6d} {gpus // r['ranks']:8d} {r['padding_pct']:10.3f} {r['mib_per_rank']:10.1f}{mark}")
+    why = (f"the largest FSDP size with padding <= {max_padding}%" if within
+           else f"no shape pads <= {max_padding}%; the least padding")
+    print(f"suggestion: FSDP size {best['ranks']} x {gpus // best['ranks']} replicas, "
+          f"{best['padding_pct']:.3f}% padding, {best['mib_per_rank']:.1f} MiB/rank ({why})")
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    groups = load_shapes(args.shapes) if args.shapes else layer_groups(args.model)
+    name = args.shapes or args.model
+    rows = _padding_table(groups, args.granularity, args.sizes, args.dtype_bytes)
+    print(f"{name}, {args.granularity} blocks, {args.dtype_bytes}-byte elements")
+    print(f"{'group':24s} {'ranks':>6s} {'shard':>14s} {'padding %':>10s} {'plan ms':>8s} {'MiB/rank':>10s}"
+          f" {'fsdp2 %':>8s} {'zero3 %':>8s} {'mfsdp %':>8s}")
+    for r in rows:
+        extra = "" if r["group"] != "(all)" else f" {r['fsdp2_pct']:8.3f} {r['zero3_pct']:8.4f} {r['megatron_fsdp_pct']:8.3f}"
+        print(f"{r['group'][:24]:24s} {r['ranks']:6d} {r['shard']:14,d} {r['padding_pct']:10.3f} {r['ms']:8.2f} "
+              f"{r['mib_per_rank']:10.1f}{extra}")
+    if args.plot:
+        _plot(rows, f"{name}: padding vs FSDP size ({args.granularity} blocks)", args.plot)
+        print(f"wrote {args.plot}")
+    if args.gpus:
+        _suggest_hsdp(groups, args.granularity, args.gpus, args.dtype_bytes, args.max_padding)
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="vescale-zero", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="padding, shard size and planning time per FSDP size")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", choices=MODEL_NAMES, help="a model preset")
+    src.add_argument("--shapes", help='your model: JSON {"group": [["param", [dims]], ...]}')
+    p.add_argument("--granularity", default="row", help="element | row | <N>rows (default: row)")
+    p.add_argument("--sizes", type=int, nargs="+", default=DEFAULT_SIZES, help="FSDP sizes (default 8 ... 16384)")
+    p.add_argument("--dtype-bytes", type=int, default=2, help="bytes per element for MiB/rank (default 2: bf16)")
+    p.add_argument("--plot", help="write a PNG of padding vs FSDP size here")
+    p.add_argument("--gpus", type=int, help="suggest the HSDP shape (FSDP size x replicas) for this many GPUs")
+    p.add_argument("--max-padding", type=float, default=3.0, help="padding %% the HSDP suggestion accepts (default 3)")
+    args = parser.parse_args(argv)
+    if any(m < 1 for m in args.sizes):
+        parser.error("--sizes must be positive")
+    return _cmd_plan(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
