@@ -103,7 +103,8 @@ class _RssSampler(threading.Thread):
             time.sleep(0.002)
 
 
-def _build(variant: str, cfg, device, args):
+def build_variant(variant: str, cfg, device, args):
+    """``(model or engine, optimizer or None, DeepSpeed engine or None)`` for ``variant``."""
     from vescale_zero.testing import GPT
 
     model = GPT(cfg).to(device)
@@ -180,7 +181,7 @@ def worker(rank: int, world: int, port: int, variant: str, args: argparse.Namesp
     corpus = SyntheticCorpus(cfg.vocab_size, cfg.seq_len)
     gc.collect()
     base = _RssSampler.rss_mib()
-    model, opt, engine = _build(variant, cfg, device, args)
+    model, opt, engine = build_variant(variant, cfg, device, args)
 
     def step(i: int) -> None:
         x, y = (t.to(device) for t in corpus.batch(i, args.global_batch, rank, world))
@@ -219,11 +220,12 @@ def worker(rank: int, world: int, port: int, variant: str, args: argparse.Namesp
         step(args.warmup + args.steps)
     traffic = _traffic(prof)
     if variant != "plain":  # the unsharded model's own copies on the same local batch
-        plain, popt, _ = _build("plain", cfg, device, args)
-        x, y = (t.to(device) for t in corpus.batch(0, args.global_batch, rank, world))
-        with profile(record_shapes=True) as prof:
+        plain, popt, _ = build_variant("plain", cfg, device, args)
+        with profile(record_shapes=True) as prof:  # the same work as step(), batch included
+            x, y = (t.to(device) for t in corpus.batch(0, args.global_batch, rank, world))
             plain(x, y).backward()
             popt.step()
+            popt.zero_grad()
         traffic["copied"] = max(0, traffic["copied"] - _traffic(prof)["copied"])
     gathered = [None] * world
     dist.all_gather_object(gathered, {"times": times, "peak_mib": peak, **traffic})

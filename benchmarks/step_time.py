@@ -16,36 +16,17 @@ import os
 import socket
 import statistics
 import time
-from typing import Callable, Dict, List
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
-from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-import vescale_zero as vz
-from vescale_zero.testing import GPT, GPTConfig, SyntheticCorpus
+from peers import build_variant  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from vescale_zero.testing import GPTConfig, SyntheticCorpus
 
 VARIANTS = ("ddp", "fsdp2", "vescale")
-
-
-def build(variant: str, cfg: GPTConfig, device: torch.device):
-    model = GPT(cfg).to(device)
-    if variant == "ddp":
-        model = DistributedDataParallel(model)
-    elif variant == "fsdp2":
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        for block in model.blocks:
-            fsdp2_fully_shard(block, mesh=mesh)
-        fsdp2_fully_shard(model, mesh=mesh)
-    else:
-        for block in model.blocks:
-            vz.fully_shard(block, granularity="row")
-        vz.fully_shard(model, granularity="row")
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Dict) -> None:
@@ -56,7 +37,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Dict
     device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
     cfg = GPTConfig(vocab_size=512, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, n_heads=8)
     corpus = SyntheticCorpus(cfg.vocab_size, cfg.seq_len)
-    setups = {v: build(v, cfg, device) for v in VARIANTS}
+    setups = {v: build_variant(v, cfg, device, args)[:2] for v in VARIANTS}
     times: Dict[str, List[float]] = {v: [] for v in VARIANTS}
     step = 0
 

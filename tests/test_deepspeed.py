@@ -40,6 +40,19 @@ def _deepspeed():
     return deepspeed
 
 
+def _train_steps(engine, batches, rank, world_size):
+    """ACCUM micro-batches per global batch through the engine; the last micro-loss of each."""
+    losses = []
+    for batch in batches:
+        x, y = rank_slice(batch, rank, world_size)
+        for i in range(ACCUM):
+            loss = engine(x.chunk(ACCUM)[i], y.chunk(ACCUM)[i])
+            engine.backward(loss)
+            engine.step()
+        losses.append(loss.item())
+    return losses
+
+
 def _full_params(engine, stage):
     if stage == "ragged":
         return local_pieces(engine.module)
@@ -137,14 +150,7 @@ def _client_optimizer(rank, world_size, stage):
     del cfg["optimizer"]
     engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
                                                    model_parameters=model.parameters(), config=cfg)
-    losses = []
-    for batch in make_batches(5, GLOBAL_BATCH):
-        x, y = rank_slice(batch, rank, world_size)
-        for i in range(ACCUM):
-            loss = engine(x.chunk(ACCUM)[i], y.chunk(ACCUM)[i])
-            engine.backward(loss)
-            engine.step()
-        losses.append(loss.item())
+    losses = _train_steps(engine, make_batches(5, GLOBAL_BATCH), rank, world_size)
     return {"losses": losses, "lr": scheduler.get_last_lr(), "params": _full_params(engine, stage)}
 
 
@@ -209,14 +215,7 @@ def _train_with_checkpoint(rank, world_size, ckpt_dir, phase):
         batches = batches[3:]
     elif phase == "first":
         batches = batches[:3]
-    losses = []
-    for batch in batches:
-        x, y = rank_slice(batch, rank, world_size)
-        for i in range(ACCUM):
-            loss = engine(x.chunk(ACCUM)[i], y.chunk(ACCUM)[i])
-            engine.backward(loss)
-            engine.step()
-        losses.append(loss.item())
+    losses = _train_steps(engine, batches, rank, world_size)
     if phase == "first":
         engine.save_checkpoint(ckpt_dir, client_state={"epoch": 7})
     return {"losses": losses, "params": local_pieces(engine.module)}

@@ -54,6 +54,15 @@ class _RootContext:
         self.forward_order: List[_FSDPState] = []
         self.order_frozen = False
         self.in_backward = False
+        self.reducing: List[ParamGroup] = []  # reduce-scatters issued, not yet waited on
+
+    def reduce_issued(self, group: ParamGroup) -> None:
+        """[Note: bounded gradient memory] Keep one reduce-scatter in flight: when a group
+        issues its own, wait for the older ones and free their full gradient buffers, so
+        backward holds at most two groups' full gradients instead of all of them."""
+        self.reducing.append(group)
+        while len(self.reducing) > 1:
+            self.reducing.pop(0).finish_grad_sync()
 
     def next_in_order(self, state: "_FSDPState", step: int) -> Optional["_FSDPState"]:
         if not self.order_frozen or state not in self.forward_order:
@@ -67,6 +76,7 @@ class _RootContext:
             group = state.group
             if group is not None and group.ran_forward:
                 group.post_backward()
+        self.reducing.clear()
         for state in self.states:
             if state.group is not None:
                 state.group.finish_grad_sync()
@@ -112,6 +122,8 @@ class _FSDPState:
                 )
             st.context = ctx
             ctx.states.append(st)
+            if st.group is not None:
+                st.group.on_reduce_issued = ctx.reduce_issued
         return ctx
 
     # ---- hooks -----------------------------------------------------------------------

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -132,6 +132,7 @@ class ParamGroup:
         self._grads_ready = 0
         self._post_backward_done = False
         self._pending_reduce: Optional[tuple] = None
+        self.on_reduce_issued: Optional[Callable[["ParamGroup"], None]] = None  # set by the runtime
         self.to_sharded_params()
 
     # ---- which parameter objects the modules hold ------------------------------------
@@ -232,6 +233,8 @@ class ParamGroup:
         out = self.sharded_grad.local if direct else torch.empty(self.plan.shard_size, dtype=self.reduce_dtype, device=self.device)
         work = source.reduce_scatter(self.process_group, into=out, stats=self.stats, async_op=True)
         self._pending_reduce = (work, source, out, accumulate)
+        if self.on_reduce_issued is not None:
+            self.on_reduce_issued(self)
         if len(self._grad_indices) == len(self.managed):
             # A frozen parameter has no AccumulateGrad to tell us that backward is done
             # with it, so groups holding one reshard only when the whole backward ends.
