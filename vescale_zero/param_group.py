@@ -36,7 +36,19 @@ from .collectives import CommStats
 from .dbuffer import DBuffer
 from .planner import ShardPlan, TensorSpec, plan
 
-__all__ = ["ManagedParam", "ParamGroup", "GroupState"]
+__all__ = ["ManagedParam", "ParamGroup", "GroupState", "ShardedRange"]
+
+
+@dataclass(frozen=True)
+class ShardedRange:
+    """Which flat elements ``[start, end)`` of a full parameter of ``shape`` a sharded
+    parameter holds, and the block size its layout keeps whole (structure-aware optimizers
+    read it as ``param.sharded_range``)."""
+
+    start: int
+    end: int
+    shape: Tuple[int, ...]
+    granularity: int
 
 
 class GroupState(enum.Enum):
@@ -116,6 +128,9 @@ class ParamGroup:
         self.sharded_params: List[nn.Parameter] = [
             _new_param(self.master.local_view(i), p) for i, p in enumerate(originals)
         ]
+        for i, (sp, m) in enumerate(zip(self.sharded_params, managed)):
+            start, end = self.master.local_range(i)
+            sp.sharded_range = ShardedRange(start, end, tuple(m.shape), granularities[i])
         self.unsharded_params: List[nn.Parameter] = [
             _new_param(self.compute.full_view(i), p) for i, (m, p) in enumerate(zip(managed, originals))
         ]

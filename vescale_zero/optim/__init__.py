@@ -1,0 +1,5 @@
+"""Structure-aware optimizers: they need whole blocks on one rank, and declare the granularity."""
+
+from .adamw8bit import AdamW8bit
+
+__all__ = ["AdamW8bit"]

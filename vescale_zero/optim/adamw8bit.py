@@ -1,0 +1,95 @@
+"""AdamW with both moments stored in 8 bits, one scale per block of ``block`` elements.
+
+Each parameter's moments are quantized block-wise (:mod:`vescale_zero.quantization`):
+the first moment as int8 (absmax scaling), the second as uint8 *of its square root*
+(linear codes of v itself flush small values to zero, and the update then divides by
+eps; sqrt(v) needs half the dynamic range). The update itself is AdamW's, in fp32.
+State: 2 bytes per element + 8 bytes per block.
+
+[Note: sharded equals unsharded]
+Blocks are counted from the start of the *full* parameter. On a sharded parameter
+(``param.sharded_range``) the optimizer requires the piece to start on a block boundary
+and to hold whole blocks (except the parameter's last, partial one), which the planner
+guarantees when the parameter is sharded with ``granularity=AdamW8bit.granularity(block)``.
+Every block is then quantized on exactly one rank with exactly the elements it has
+unsharded, so given the same gradients the sharded run equals the unsharded one bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable, Optional, Tuple
+
+import torch
+
+from ..quantization import dequantize_blockwise, quantize_blockwise
+
+__all__ = ["AdamW8bit"]
+
+
+class AdamW8bit(torch.optim.Optimizer):
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        block: int = 256,
+    ) -> None:
+        if block < 1:
+            raise ValueError(f"block must be >= 1, got {block}")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, block=block))
+
+    @staticmethod
+    def granularity(block: int = 256) -> Callable[[str, torch.Tensor], int]:
+        """A ``fully_shard`` granularity policy that keeps this optimizer's blocks whole:
+        ``block`` elements where it divides the parameter, else the whole parameter."""
+        return lambda name, param: block if param.numel() % block == 0 else max(1, param.numel())
+
+    @staticmethod
+    def _check_layout(p: torch.Tensor, block: int) -> None:
+        rng = getattr(p, "sharded_range", None)
+        if rng is None:
+            return
+        total = math.prod(rng.shape)
+        whole = (rng.end - rng.start) % block == 0 or rng.end == total
+        if rng.start % block or not whole:
+            raise ValueError(
+                f"AdamW8bit: a block of {block} elements of a parameter of shape {rng.shape} would be split across "
+                f"ranks (this rank holds elements [{rng.start}, {rng.end}) at granularity {rng.granularity}); shard it "
+                f"with fully_shard(..., granularity=AdamW8bit.granularity({block}))"
+            )
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable] = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, (b1, b2), eps, wd, block = group["lr"], group["betas"], group["eps"], group["weight_decay"], group["block"]
+            for p in group["params"]:
+                if p.grad is None or p.numel() == 0:
+                    continue
+                self._check_layout(p, block)
+                state = self.state[p]
+                if not state:
+                    zeros = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+                    state["step"] = 0
+                    state["exp_avg"], state["exp_avg_scale"] = quantize_blockwise(zeros, block, signed=True)
+                    state["exp_avg_sq"], state["exp_avg_sq_scale"] = quantize_blockwise(zeros, block, signed=False)
+                state["step"] += 1
+                t = state["step"]
+                grad = p.grad.reshape(-1).float()
+                m = dequantize_blockwise(state["exp_avg"], state["exp_avg_scale"], block)
+                v = dequantize_blockwise(state["exp_avg_sq"], state["exp_avg_sq_scale"], block).square_()
+                m.mul_(b1).add_(grad, alpha=1 - b1)
+                v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+                flat = p.view(-1)
+                flat.mul_(1 - lr * wd)
+                denom = (v.sqrt() / math.sqrt(1 - b2**t)).add_(eps)
+                flat.addcdiv_(m.to(p.dtype), denom.to(p.dtype), value=-lr / (1 - b1**t))
+                state["exp_avg"], state["exp_avg_scale"] = quantize_blockwise(m, block, signed=True)
+                state["exp_avg_sq"], state["exp_avg_sq_scale"] = quantize_blockwise(v.sqrt_(), block, signed=False)
+        return loss
