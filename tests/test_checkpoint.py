@@ -85,3 +85,38 @@ def test_partial_or_corrupt_checkpoints_are_refused(tmp_path):
         f.write(good)
     os.remove(os.path.join(path, "metadata.json"))  # as if the writer died before publishing
     refused("metadata.json", "partial checkpoint")
+
+
+def _adamw8bit_phase(rank, world_size, path, phase):
+    from vescale_zero.optim import AdamW8bit
+
+    batches = make_batches(4, GLOBAL_BATCH)
+    model = AwkwardLM(seed=0 if phase != "resume" else 5)
+    vz.fully_shard_layers(model, granularity=AdamW8bit.granularity(13))
+    opt = AdamW8bit([p for p in model.parameters() if p.requires_grad], lr=1e-2, block=13)
+    if phase == "resume":
+        try:
+            checkpoint.load(path, model, opt)
+        except checkpoint.CheckpointError as e:
+            return str(e)
+        batches = batches[2:]
+    elif phase == "first":
+        batches = batches[:2]
+    _steps(model, opt, batches, rank, world_size)
+    if phase == "first":
+        checkpoint.save(path, model, opt)
+    return local_pieces(model)
+
+
+def test_per_block_optimizer_state_resumes_or_is_refused(tmp_path):
+    """AdamW8bit's per-block scales belong to a rank's piece: same layout resumes exactly,
+    another world size is refused with a clear message (never rank 0's scales everywhere)."""
+    path = str(tmp_path / "ckpt")
+    run_on_ranks(_adamw8bit_phase, 2, path, "first")
+    resumed = assemble(run_on_ranks(_adamw8bit_phase, 2, path, "resume"))
+    straight = assemble(run_on_ranks(_adamw8bit_phase, 2, path, "full"))
+    for name in straight:
+        assert torch.equal(resumed[name], straight[name]), name
+    messages = run_on_ranks(_adamw8bit_phase, 3, path, "resume")
+    assert all(isinstance(m, str) for m in messages), "every rank must refuse, not only some"
+    assert any("stored per piece" in m for m in messages), messages

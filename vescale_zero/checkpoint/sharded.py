@@ -87,8 +87,9 @@ def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
             for key, value in state.items():
                 if torch.is_tensor(value) and value.numel() == p.numel() and value.dim() == 1 and value.numel() == e - s:
                     states[f"{name}::{key}"] = (shape, s, e, value.detach().cpu().clone())
-                else:
-                    scalars[f"{name}::{key}"] = value.detach().cpu().clone() if torch.is_tensor(value) else value
+                else:  # a scalar (e.g. step), or state tied to this piece (e.g. per-block scales)
+                    saved = value.detach().cpu().clone() if torch.is_tensor(value) else value
+                    scalars[f"{name}::{key}"] = (s, e, saved)
     payload = {
         "params": params, "optim_states": states, "optim_scalars": scalars,
         "optim_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else None,
@@ -149,7 +150,27 @@ def _fill(target: torch.Tensor, start: int, end: int, pieces: List[Piece], what:
 
 
 def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
-    """Load a checkpoint written by :func:`save` at any world size; returns its ``extra``."""
+    """Load a checkpoint written by :func:`save` at any world size; returns its ``extra``.
+
+    Collective: if any rank refuses the checkpoint, every rank raises (none goes on to
+    train alone and hang in its next collective).
+    """
+    error: Optional[CheckpointError] = None
+    try:
+        extra = _load_local(path, model, optimizer)
+    except CheckpointError as e:
+        error = e
+    if dist.is_initialized():
+        flag = torch.tensor([1.0 if error else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and error is None:
+            error = CheckpointError(f"another rank refused the checkpoint at {path!r}; see its error")
+    if error is not None:
+        raise error
+    return extra
+
+
+def _load_local(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Any:
     meta = _read_metadata(path)
     files = [_read_rank_file(path, r, meta["sha256"][r]) for r in range(meta["world_size"])]
     pieces: Dict[str, List[Piece]] = {}
@@ -176,10 +197,7 @@ def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
                 group.update(saved_group)
                 for p in group["params"]:
                     name, s, e = by_id[id(p)]
-                    state: Dict[str, Any] = {}
-                    for key, value in files[0]["optim_scalars"].items():
-                        if key.startswith(name + "::"):
-                            state[key[len(name) + 2 :]] = value.clone() if torch.is_tensor(value) else value
+                    state = _piece_scalars(files, name, s, e)
                     for key, saved in pieces.items():
                         if key.startswith(name + "::"):
                             t = torch.zeros(e - s, dtype=saved[0][3].dtype, device=p.device)
@@ -188,6 +206,29 @@ def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
                     if state:
                         optimizer.state[p] = state
     return files[0]["extra"]
+
+
+def _piece_scalars(files: List[Dict[str, Any]], name: str, start: int, end: int) -> Dict[str, Any]:
+    """Optimizer state of ``name`` that is not per element: a true scalar (``step``) from any
+    file; anything larger (per-block scales) only from the file whose piece is the same
+    range, since it cannot be cut and re-joined."""
+    state: Dict[str, Any] = {}
+    prefix = name + "::"
+    for f in files:
+        for key, (s, e, value) in f["optim_scalars"].items():
+            if not key.startswith(prefix) or key[len(prefix):] in state:
+                continue
+            small = not torch.is_tensor(value) or value.numel() <= 1
+            if small or (s, e) == (start, end):
+                state[key[len(prefix):]] = value.clone() if torch.is_tensor(value) else value
+    missing = {k[len(prefix):] for f in files for k in f["optim_scalars"] if k.startswith(prefix)} - set(state)
+    if missing and end > start:
+        raise CheckpointError(
+            f"optimizer state {sorted(missing)} of {name!r} is stored per piece (e.g. per-block scales) and this "
+            f"rank's piece [{start}, {end}) differs from every saved one; load it with the world size and "
+            "granularity it was saved with"
+        )
+    return state
 
 
 def write_latest(directory: str, tag: str) -> None:
