@@ -32,10 +32,15 @@ from deepspeed.utils import groups
 import vescale_zero as vz
 from vescale_zero import checkpoint
 from vescale_zero.fully_shard import groups_of
+from vescale_zero.optim import AdamW8bit
 
 from .config import RaggedOptions
 
 __all__ = ["RaggedEngineMixin", "RaggedDeepSpeedEngine", "RaggedPipelineEngine", "RaggedPrecision"]
+
+
+STRUCTURED_OPTIMIZERS = {"adamw8bit": AdamW8bit}
+"""Config ``optimizer.type`` values (lower case) served by vescale-zero's own optimizers."""
 
 
 class RaggedPrecision:
@@ -62,9 +67,13 @@ class RaggedEngineMixin:
             mp = vz.MixedPrecisionPolicy(param_dtype=precision.dtype, reduce_dtype=opts.reduce_torch_dtype or torch.float32)
         elif opts.reduce_torch_dtype is not None:
             mp = vz.MixedPrecisionPolicy(reduce_dtype=opts.reduce_torch_dtype)
+        granularity = opts.granularity
+        if granularity is None and self._structured_optimizer() is not None:
+            # the optimizer's blocks must stay whole on one rank: shard by them
+            granularity = self._structured_optimizer().granularity(self._optimizer_block())
         vz.fully_shard_layers(
             self.module, opts.sharded_modules, mesh=groups._get_data_parallel_group(),
-            reshard_after_forward=opts.reshard_after_forward, mp_policy=mp, granularity=opts.granularity,
+            reshard_after_forward=opts.reshard_after_forward, mp_policy=mp, granularity=granularity,
         )
         self.module.set_prefetch(opts.prefetch)
         self._ragged_scaler = self._make_loss_scaler() if precision.dtype == torch.float16 else None
@@ -91,6 +100,23 @@ class RaggedEngineMixin:
             consecutive_hysteresis=cfg.get("consecutive_hysteresis", False),
             raise_error_at_min_scale=False,
         )
+
+    # ---- structure-aware config optimizers ("optimizer": {"type": "AdamW8bit"}) ----------
+    def _structured_optimizer(self) -> Optional[type]:
+        name = (self.optimizer_name() or "").lower()
+        return STRUCTURED_OPTIMIZERS.get(name)
+
+    def _optimizer_block(self) -> int:
+        return int((self.optimizer_params() or {}).get("block", 256))
+
+    def _is_supported_optimizer(self, optimizer_name: str) -> bool:
+        return (optimizer_name or "").lower() in STRUCTURED_OPTIMIZERS or super()._is_supported_optimizer(optimizer_name)
+
+    def _configure_basic_optimizer(self, model_parameters: Any):
+        cls = self._structured_optimizer()
+        if cls is None:
+            return super()._configure_basic_optimizer(model_parameters)
+        return cls(model_parameters, **dict(self.optimizer_params() or {}))
 
     def _configure_optimizer(self, client_optimizer: Any, model_parameters: Any) -> None:
         if isinstance(client_optimizer, torch.optim.Optimizer):
