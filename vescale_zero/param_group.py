@@ -287,8 +287,9 @@ class ParamGroup:
         if ours:
             self.sharded_grad.local.add_(reduced)  # one add per group
             return
+        slices = self.plan.local_slices(self.rank)
         for i in self._grad_indices:  # a user replaced some .grad: add piece by piece
-            start, end, off = self.plan.local_slices(self.rank)[i]
+            start, end, off = slices[i]
             piece = reduced.narrow(0, off, end - start)
             target = self.sharded_params[i].grad
             (target if target is not None else self.sharded_grad.local_view(i)).add_(piece)
