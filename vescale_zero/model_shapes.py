@@ -23,7 +23,7 @@ from typing import Dict, List, Sequence, Tuple
 from .granularity import preset_granularity
 from .planner import TensorSpec
 
-__all__ = ["MODEL_NAMES", "layer_groups", "group_specs", "fsdp2_padding", "zero3_padding", "megatron_fsdp_padding", "load_shapes"]
+__all__ = ["MODEL_NAMES", "Group", "layer_groups", "granularity", "group_specs", "fsdp2_padding", "zero3_padding", "megatron_fsdp_padding", "load_shapes"]
 
 Shape = Tuple[int, ...]
 Group = List[Tuple[str, Shape]]
@@ -154,9 +154,17 @@ def layer_groups(model: str) -> Dict[str, Group]:
         raise KeyError(f"unknown model {model!r}; known models: {', '.join(MODEL_NAMES)}") from None
 
 
+def granularity(shape: Sequence[int], policy: str) -> int:
+    """Block size in elements of a tensor of ``shape`` under a preset: ``"element"`` (1),
+    ``"row"`` (``numel // shape[0]``; 1 for 1-D) or ``"<N>rows"`` (N rows; if N does not
+    divide ``shape[0]``, the largest divisor of ``shape[0]`` that is <= N, so blocks tile
+    the tensor). The rules are those of :func:`vescale_zero.granularity.preset_granularity`."""
+    return preset_granularity(shape, policy)
+
+
 def group_specs(group: Group, policy: str) -> List[TensorSpec]:
     """The planner's input for ``group`` under a granularity preset ('element', 'row', '16rows')."""
-    return [TensorSpec(_numel(shape), preset_granularity(shape, policy), name) for name, shape in group]
+    return [TensorSpec(_numel(shape), granularity(shape, policy), name) for name, shape in group]
 
 
 def _numel(shape: Sequence[int]) -> int:

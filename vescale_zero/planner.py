@@ -21,11 +21,12 @@ deterministic and identical on every rank, so no rank ever communicates to agree
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
+import heapq
+from itertools import accumulate
 import math
-from typing import List, Optional, Sequence, Tuple
-
-import numpy as np
+from typing import Callable, List, Sequence, Tuple
 
 from .placement import RaggedShard
 
@@ -55,15 +56,17 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """The layout of one FSDP group's global buffer; rank ``k`` owns ``[k*S, (k+1)*S)``."""
+    """The layout of one FSDP group's global buffer; rank ``k`` owns ``[k*S, (k+1)*S)``.
+
+    ``offsets[i]`` is where ``specs[i]`` starts. They increase with ``i`` unless the plan
+    was made with ``search_orders=True`` and another order won.
+    """
 
     specs: Tuple[TensorSpec, ...]
     world_size: int
     shard_size: int
     offsets: Tuple[int, ...]
     align: int = 1
-    exact: bool = True
-    """``True`` when ``shard_size`` is proven the smallest feasible one for this order."""
 
     @property
     def global_size(self) -> int:
@@ -111,183 +114,183 @@ class ShardPlan:
 
 
 # [Note: exact search]
-# For a fixed order and shard size S, placing each tensor at its earliest feasible offset
-# is optimal: an earlier end never hurts what follows, since padding may be inserted.
-# From cursor c, with b the first boundary after c, a tensor (e elements, blocks of g):
-#   fits before b                       -> at c
-#   else crosses b on a block boundary  -> at l = b - g*floor((b-c)/g); fine if S % g == 0
-#                                          (then every later boundary is aligned too) or
-#                                          if it ends by the next boundary, l + e <= b + S
-#   else starts a fresh shard at b      -> the same two tests from c = b; a third shard is
-#                                          the same situation shifted by S, so no help.
-# Feasibility is not monotone in S, so the smallest S is found by scanning candidates in
-# increasing order, but never one by one: a tensor longer than S + g*floor(S/g) must cross
-# two boundaries and so *forces* S % g == 0. The forced set only shrinks as S grows, so
-# between two thresholds it is constant and only multiples of L = lcm(align, forced g) can
-# be feasible; those are tested with the greedy, a few in scalar Python and then in
-# growing numpy batches. Every skipped S provably violates a forced constraint.
-
-
-def _place(numels: Sequence[int], grans: Sequence[int], shard: int) -> Optional[List[int]]:
-    """Greedy offsets for shard size ``shard``; ``None`` if some tensor cannot be placed."""
-    cur, offsets = 0, []
-    for e, g in zip(numels, grans):
-        placed = None
-        for c in (cur, (cur // shard + 1) * shard):
-            b = (c // shard + 1) * shard
-            if c + e <= b:
-                placed = c
-                break
-            start = b - g * ((b - c) // g)
-            if shard % g == 0 or start + e <= b + shard:
-                placed = start
-                break
-        if placed is None:
-            return None
-        offsets.append(placed)
-        cur = placed + e
-    return offsets
-
-
-def _feasible_batch(numels: Sequence[int], grans: Sequence[int], shards: np.ndarray, world_size: int) -> np.ndarray:
-    """The greedy of :func:`_place` for many shard sizes at once: which are feasible."""
-    cur = np.zeros_like(shards)
-    ok = np.ones(shards.shape, dtype=bool)
-    for e, g in zip(numels, grans):
-        if e == 0:
-            continue
-        b = (cur // shards + 1) * shards
-        fits = cur + e <= b
-        aligned = shards % g == 0
-        start = b - g * ((b - cur) // g)
-        cross = aligned | (start + e <= b + shards)
-        fresh_start = b + shards - g * (shards // g)
-        fresh_fits = e <= shards
-        fresh_cross = aligned | (fresh_start + e <= b + 2 * shards)
-        place = np.where(fits, cur, np.where(cross, start, np.where(fresh_fits, b, fresh_start)))
-        ok &= fits | cross | fresh_fits | fresh_cross
-        cur = place + e
-    return ok & (cur <= world_size * shards)
-
-
-def _release_threshold(e: int, g: int) -> int:
-    """Smallest S with S + g*floor(S/g) >= e: from there on (e, g) forces nothing."""
-    lo, hi = 1, max(1, e)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if mid + g * (mid // g) >= e:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+# Lay the tensors end to end without padding (the *stream*, tensor j at [P_j, P_j+1)) and
+# describe a layout by its *cuts*: c_k = the stream position that lands on rank boundary
+# k*S. Padding sits only between tensors, so a cut is a tensor boundary or a block boundary
+# x inside tensor j, allowed if S % g_j == 0 or the rest fits in one shard, P_j+1 - x <= S
+# (else a second boundary would cut tensor j off its blocks). Shard k holds [c_k, c_k+1),
+# at most S elements. So a layout exists iff the chain
+#     c_0 = 0,   c_k+1 = the largest allowed cut <= c_k + S
+# reaches the end of the stream within m shards; taking the largest cut is optimal because
+# the step is monotone in c_k (an earlier end never hurts what follows). This is the greedy
+# "each tensor at its earliest feasible offset" of `_place`, seen one boundary at a time.
+#
+# Feasibility is not monotone in S, but only because of "S % g_j == 0". Fix a unit U (a
+# multiple of `align`) and allow whole-tensor cutting only to the tensors with g_j | U: that
+# restricted feasibility *is* monotone in S (the allowed cuts only grow with S, and so does
+# every step), and for S a multiple of U it implies true feasibility. Conversely the best S
+# is feasible under U = lcm(align, {g_j : g_j | S}). So the smallest S is the smallest, over
+# the units U built as LCMs of `align` and the block sizes, of the first multiple of U that
+# is feasible under U: one check at the largest multiple below the best so far, then a
+# galloping and binary search. The units are walked smallest first, pruned by:
+#   * only tensors longer than the smallest possible S can span two boundaries, so only
+#     their block sizes enter the units;
+#   * a unit whose first multiple >= total/m is not below the best so far, nor its multiples;
+#   * a tensor too long to cross only one boundary, e > S + g*floor(S/g), forces g | S (it
+#     spans two); that set only grows as S shrinks, so every S below the best so far is a
+#     multiple of the block sizes forced at best - 1, and each unit is lifted to them.
 
 
 def _round_up(x: int, unit: int) -> int:
     return -(-x // unit) * unit
 
 
-def _forced_regions(numels: Sequence[int], grans: Sequence[int], world_size: int, align: int):
-    """Yield ``(first, last, unit)``: in increasing order, the ranges of S where the forced
-    set is constant, each with its first admissible S and the step between admissible ones."""
-    total = sum(numels)
-    upper = max(align, _round_up(total, align))  # everything in shard 0: always feasible
-    pairs = sorted({(e, g) for e, g in zip(numels, grans) if e > 0 and g > 1})
-    thresholds = {pair: _release_threshold(*pair) for pair in pairs}
-    shard = max(align, _round_up(-(-total // world_size), align))
-    while shard <= upper:
-        forced = [pair for pair in pairs if shard < thresholds[pair]]
-        unit = align
-        for _, g in forced:
-            unit = math.lcm(unit, g)
-        release = min((thresholds[p] for p in forced), default=upper + 1)
-        first = _round_up(shard, unit)
-        if first < release:
-            last = min(release - 1, upper)
-            if first <= last:
-                yield first, last, unit
-        shard = _round_up(max(release, shard + 1), align)
+class _Stream:
+    """The tensors laid end to end, without padding."""
+
+    def __init__(self, numels: Sequence[int], grans: Sequence[int]) -> None:
+        self.bounds = list(accumulate(numels, initial=0))
+        self.numels, self.grans = list(numels), list(grans)
+        self.total = self.bounds[-1]
+
+    def reaches_end(self, shard: int, world_size: int, whole: Sequence[bool]) -> bool:
+        """Whether the cut chain of [Note: exact search] ends within ``world_size`` shards;
+        ``whole[j]``: tensor j may span several boundaries (its block size divides ``shard``)."""
+        bounds, cut, used = self.bounds, 0, 0
+        while used < world_size:
+            reach = cut + shard
+            if reach >= self.total:
+                return True
+            j = bisect_right(bounds, reach) - 1  # bounds[j] <= reach < bounds[j+1]: tensor j is not empty
+            start, end, g = bounds[j], bounds[j + 1], self.grans[j]
+            nxt = start + (reach - start) // g * g
+            if not whole[j] and nxt < end - shard:
+                nxt = start
+            if nxt <= cut:
+                return False
+            used += 1
+            if whole[j]:  # the next boundaries inside tensor j are block boundaries: skip them
+                skip = (end - 1 - nxt) // shard
+                nxt, used = nxt + skip * shard, used + skip
+            cut = nxt
+        return False
 
 
-def shard_lower_bound(specs: Sequence[TensorSpec], world_size: int, align: int = 1) -> int:
-    """A shard size no layout in *any* order can beat: the smallest S >= total/m (multiple of
-    ``align``) that meets every forced constraint (see [Note: exact search])."""
-    numels, grans = [s.numel for s in specs], [s.granularity for s in specs]
-    return next(_forced_regions(numels, grans, world_size, align), (max(align, _round_up(sum(numels), align)),))[0]
+def _place(numels: Sequence[int], grans: Sequence[int], shard: int) -> List[int]:
+    """Offsets of the greedy layout for ``shard``: each tensor at its earliest feasible offset
+    (``shard`` must be feasible; see [Note: exact search])."""
+    cur, offsets = 0, []
+    for e, g in zip(numels, grans):
+        for c in (cur, (cur // shard + 1) * shard):  # here, else from the next boundary on
+            b = (c // shard + 1) * shard
+            if c + e <= b:
+                start = c
+                break
+            start = b - g * ((b - c) // g)  # cross b on a block boundary
+            if shard % g == 0 or start + e <= b + shard:
+                break
+        offsets.append(start)
+        cur = start + e
+    return offsets
 
 
-_EXACT_BUDGET = 1 << 14  # greedy evaluations of candidate shard sizes before the fallback
-
-
-def _smallest_shard(numels: Sequence[int], grans: Sequence[int], world_size: int, align: int) -> Tuple[int, bool]:
-    """``(S, exact)``: the smallest feasible S, or the fallback's S if the budget ran out."""
-    spent = 0
-    for first, last, unit in _forced_regions(numels, grans, world_size, align):
-        candidates = range(first, last + 1, unit)
-        for s in candidates[:4]:
-            if _end_if_feasible(numels, grans, s) <= world_size * s:
-                return s, True
-        spent += min(4, len(candidates))
-        batch, start = 64, 4
-        while start < len(candidates):
-            if spent >= _EXACT_BUDGET:
-                return _lcm_chain_search(numels, grans, world_size, align, first), False
-            chunk = np.arange(candidates[start], candidates[min(start + batch, len(candidates)) - 1] + 1, unit, dtype=np.int64)
-            ok = _feasible_batch(numels, grans, chunk, world_size)
-            if ok.any():
-                return int(chunk[int(np.argmax(ok))]), True
-            spent += len(chunk)
-            start += batch
-            batch = min(batch * 4, 1 << 12)
-    return max(align, _round_up(sum(numels), align)), True
-
-
-def _lcm_chain_search(numels: Sequence[int], grans: Sequence[int], world_size: int, align: int, low: int) -> int:
-    """The original work's heuristic, for when the exact scan is too long: for each step G in
-    the running LCM of the sorted block sizes (from ``align``), binary-search the smallest
-    feasible multiple of G (assuming feasibility is monotone along multiples of G); best S."""
-    upper = max(align, _round_up(sum(numels), align))
-    feasible = lambda s: _end_if_feasible(numels, grans, s) <= world_size * s  # noqa: E731
-    best, step = upper, align
-    for g in [align] + sorted(set(grans)):
-        step = math.lcm(step, g)
-        if step > best:
+def _first_true(pred: Callable[[int], bool], first: int, last: int, unit: int) -> int:
+    """The smallest ``s`` in ``first, first+unit, ..., last`` with ``pred(s)``, for a monotone
+    ``pred`` with ``pred(last)``: gallop up from ``first`` (the answer is usually close), then bisect."""
+    lo, hi, step = -1, (last - first) // unit, 1  # pred(first + lo*unit) false, pred(first + hi*unit) true
+    while lo + step < hi:
+        if pred(first + (lo + step) * unit):
+            hi = lo + step
             break
-        lo, hi = -(-low // step), best // step
-        if hi < lo or not feasible(hi * step):
-            continue
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if feasible(mid * step):
-                hi = mid
-            else:
-                lo = mid + 1
-        best = min(best, lo * step)
+        lo, step = lo + step, step * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if pred(first + mid * unit):
+            hi = mid
+        else:
+            lo = mid
+    return first + hi * unit
+
+
+def _release(e: int, g: int) -> int:
+    """Smallest S with e <= S + g*floor(S/g), the most a tensor crossing one boundary can hold."""
+    q = e // (2 * g)
+    return e - q * g if e - 2 * q * g < g else (q + 1) * g
+
+
+def _smallest_shard(stream: _Stream, world_size: int, align: int) -> int:
+    """The smallest feasible shard size for the stream's order (see [Note: exact search])."""
+    low = _round_up(max(1, -(-stream.total // world_size)), align)
+    best = max(align, _round_up(stream.total, align))  # everything in shard 0: always feasible
+    releases = [(_release(e, g), g) for e, g in zip(stream.numels, stream.grans) if e > low and align % g]
+    spanning = sorted({g for _, g in releases})
+    units, seen, tried = [align], {align}, set()
+    while units:
+        unit = math.lcm(heapq.heappop(units), *(g for r, g in releases if r >= best))  # forced below best
+        first = _round_up(low, unit)
+        if first >= best or unit in tried:
+            continue  # nothing below best on its multiples, or already tried (and its multiples queued)
+        tried.add(unit)
+        whole = [unit % g == 0 for g in stream.grans]
+        feasible = lambda s: stream.reaches_end(s, world_size, whole)  # noqa: E731
+        last = (best - 1) // unit * unit
+        if feasible(last):
+            best = _first_true(feasible, first, last, unit)
+        for g in spanning:
+            bigger = math.lcm(unit, g)
+            if bigger not in seen and _round_up(low, bigger) < best:
+                seen.add(bigger)
+                heapq.heappush(units, bigger)
     return best
 
 
-def _end_if_feasible(numels: Sequence[int], grans: Sequence[int], shard: int) -> float:
-    """Where the greedy layout ends for ``shard``, or infinity if it cannot be placed."""
-    offsets = _place(numels, grans, shard)
-    if offsets is None:
-        return math.inf
-    return offsets[-1] + numels[-1] if offsets else 0
+def shard_lower_bound(specs: Sequence[TensorSpec], world_size: int, align: int = 1) -> int:
+    """A shard size that no layout in *any* order can beat: the smallest S >= total/m (a
+    multiple of ``align``) with S % g == 0 for every tensor too long to cross only one
+    boundary (e > S + g*floor(S/g): it must span two, so S % g == 0). That set only
+    shrinks as S grows, so the search steps to the next LCM multiple or release point."""
+    total = sum(s.numel for s in specs)
+    shard = _round_up(max(1, -(-total // world_size)), align)
+    while True:
+        forced = [(s.granularity, _release(s.numel, s.granularity)) for s in specs if shard < _release(s.numel, s.granularity)]
+        unit = math.lcm(align, *(g for g, _ in forced))
+        if shard % unit == 0:
+            return shard
+        shard = _round_up(min(_round_up(shard, unit), min(r for _, r in forced)), align)
 
 
-def plan(specs: Sequence[TensorSpec], world_size: int, align: int = 1) -> ShardPlan:
+def _alternative_orders(specs: Sequence[TensorSpec]) -> List[List[int]]:
+    """A few deterministic orders besides the model's: by block size, by size, both directions."""
+    idx = range(len(specs))
+    keys = [lambda i: specs[i].granularity, lambda i: specs[i].numel]
+    return [sorted(idx, key=k, reverse=r) for k in keys for r in (True, False)]
+
+
+def plan(specs: Sequence[TensorSpec], world_size: int, align: int = 1, *, search_orders: bool = False) -> ShardPlan:
     """Plan one group: the smallest shard size for the given order (see module docstring).
 
     Args:
         specs: the tensors, in the order they are laid out (the model's order).
         world_size: ranks in the group (>= 1).
         align: the shard size is a multiple of this many elements (>= 1).
+        search_orders: also try the orders of :func:`_alternative_orders` and keep the one
+            with the smallest shard (ties: the given order). Offsets are still listed in the
+            given order, but may then not increase.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if align < 1:
         raise ValueError(f"align must be >= 1, got {align}")
     specs = tuple(specs)
-    numels = [s.numel for s in specs]
-    grans = [s.granularity for s in specs]
-    shard, exact = _smallest_shard(numels, grans, world_size, align) if specs else (align, True)
-    offsets = _place(numels, grans, shard) or []
-    return ShardPlan(specs, world_size, shard, tuple(offsets), align, exact)
+    orders = [list(range(len(specs)))] + (_alternative_orders(specs) if search_orders else [])
+    best_shard, best_order = None, orders[0]
+    for order in orders:
+        stream = _Stream([specs[i].numel for i in order], [specs[i].granularity for i in order])
+        shard = _smallest_shard(stream, world_size, align)
+        if best_shard is None or shard < best_shard:
+            best_shard, best_order = shard, order
+    placed = _place([specs[i].numel for i in best_order], [specs[i].granularity for i in best_order], best_shard)
+    offsets = [0] * len(specs)
+    for i, off in zip(best_order, placed):
+        offsets[i] = off
+    return ShardPlan(specs, world_size, best_shard, tuple(offsets), align)
