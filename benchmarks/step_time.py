@@ -94,13 +94,17 @@ def main() -> None:
         ms = [1e3 * t for t in times[v]]
         summary[v] = {"median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms),
                       "tokens_per_s": tokens / (statistics.median(ms) / 1e3)}
-    ours = summary["vescale"]["median_ms"]
+    for v in VARIANTS:  # step-time ratios: below 1 is faster than the reference
+        summary[v]["vs_fsdp2"] = summary[v]["median_ms"] / summary["fsdp2"]["median_ms"]
+        summary[v]["vs_ddp"] = summary[v]["median_ms"] / summary["ddp"]["median_ms"]
     print(f"\n{args.ranks} ranks, {'NCCL' if torch.cuda.is_available() else 'gloo CPU'}, fp32, GPT {args.layers}x{args.d_model}, "
           f"seq {args.seq_len}, global batch {args.global_batch}, {args.rounds} rounds x {args.steps} steps interleaved")
-    print(f"{'variant':10s} {'median ms':>10s} {'min':>8s} {'max':>8s} {'tokens/s':>10s} {'vescale/x':>10s}")
+    print(f"{'variant':10s} {'median ms':>10s} {'min':>8s} {'max':>8s} {'tokens/s':>10s} {'/fsdp2':>8s} {'/ddp':>8s}")
     for v in VARIANTS:
         s = summary[v]
-        print(f"{v:10s} {s['median_ms']:10.1f} {s['min_ms']:8.1f} {s['max_ms']:8.1f} {s['tokens_per_s']:10.0f} {ours / s['median_ms']:10.3f}")
+        print(f"{v:10s} {s['median_ms']:10.1f} {s['min_ms']:8.1f} {s['max_ms']:8.1f} {s['tokens_per_s']:10.0f} "
+              f"{s['vs_fsdp2']:8.3f} {s['vs_ddp']:8.3f}")
+    print("/fsdp2, /ddp: median step time over that of FSDP2, DDP (below 1: faster)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "summary": summary, "times_s": times}, f, indent=1)

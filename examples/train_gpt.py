@@ -93,6 +93,10 @@ def main() -> None:
             f"  ms/step median {1e3 * statistics.median(times[1:] or times):.1f} (first step {1e3 * times[0]:.1f})\n"
             f"  peak memory rank 0: {peak:.0f} MiB ({'CUDA allocated' if use_cuda else 'process max RSS'})"
         )
+    # gloo's worker threads drop a finished collective's tensors a moment after wait()
+    # returns; if that happens while this interpreter is already shutting down, the process
+    # aborts ("terminate called without an active exception"). Leave together.
+    dist.barrier()
     dist.destroy_process_group()
 
 
