@@ -120,3 +120,46 @@ def test_per_block_optimizer_state_resumes_or_is_refused(tmp_path):
     messages = run_on_ranks(_adamw8bit_phase, 3, path, "resume")
     assert all(isinstance(m, str) for m in messages), "every rank must refuse, not only some"
     assert any("stored per piece" in m for m in messages), messages
+
+
+def test_consolidate_gives_the_unsharded_state_dict(tmp_path):
+    """``vescale-zero consolidate`` joins the pieces of 3 ranks into the state dict of the
+    unsharded model: it loads strictly into a plain AwkwardLM, with the trained values."""
+    from vescale_zero.cli import main
+
+    path, out = str(tmp_path / "ckpt"), str(tmp_path / "full.pt")
+    trained = assemble(run_on_ranks(_phase, 3, path, "first", "row"))
+    assert main(["consolidate", path, out, "--optimizer"]) == 0
+    state = torch.load(out, weights_only=True)
+    plain = AwkwardLM(seed=5)
+    plain.load_state_dict({k: v for k, v in state.items() if "::" not in k}, strict=True)
+    for name, value in trained.items():
+        assert torch.equal(state[name], value), name
+    assert {k.split("::")[1] for k in state if "::" in k} == {"exp_avg", "exp_avg_sq"}
+    assert state["blocks.0.fc1.weight::exp_avg"].shape == state["blocks.0.fc1.weight"].shape
+
+
+def _killed_while_saving(rank, world_size, directory):
+    from vescale_zero.checkpoint import sharded
+
+    model, opt = _build(0, "row")
+    _steps(model, opt, make_batches(1, GLOBAL_BATCH), rank, world_size)
+    checkpoint.save(os.path.join(directory, "step1"), model, opt)
+    if rank == 0:
+        checkpoint.write_latest(directory, "step1")
+    _steps(model, opt, make_batches(2, GLOBAL_BATCH)[1:], rank, world_size)
+    if rank == 1:  # dies after writing its file, before the checkpoint is published
+        sharded._sha256 = lambda _path: os._exit(3)
+    checkpoint.save(os.path.join(directory, "step2"), model, opt)
+    if rank == 0:
+        checkpoint.write_latest(directory, "step2")
+
+
+def test_a_writer_killed_mid_save_leaves_the_last_checkpoint(tmp_path):
+    directory = str(tmp_path)
+    with pytest.raises(AssertionError, match="exit code 3|exited without a result"):
+        run_on_ranks(_killed_while_saving, 2, directory, timeout=120)
+    assert checkpoint.read_latest(directory) == "step1"
+    assert not os.path.exists(os.path.join(directory, "step2"))
+    assert any(name.startswith("step2.tmp-") for name in os.listdir(directory))  # what the crash left
+    run_on_ranks(_load_only, 2, os.path.join(directory, "step1"))  # loads, checksums and all

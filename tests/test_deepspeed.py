@@ -311,3 +311,40 @@ def test_config_optimizer_adamw8bit_shards_by_its_blocks():
     got, want = assemble([r["params"] for r in via_ds]), assemble([r["params"] for r in by_hand])
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-7)
+
+
+# ---- migrating DeepSpeed checkpoints ---------------------------------------------------------
+
+
+def _zero_then_ragged(rank, world_size, ckpt_dir, stage, phase):
+    """phase 'zero': 3 steps under ZeRO ``stage``, save; 'ragged': load those weights."""
+    os.environ["LOCAL_RANK"] = str(rank)
+    deepspeed = _deepspeed()
+    if phase == "zero":
+        engine, *_ = deepspeed.initialize(model=AwkwardLM(seed=0), config=ds_config(stage, world_size))
+        _train_steps(engine, make_batches(3, GLOBAL_BATCH), rank, world_size)
+        engine.save_checkpoint(ckpt_dir, client_state={"epoch": 2})
+        return {"params": _full_params(engine, stage)}
+    engine, *_ = deepspeed.initialize(model=AwkwardLM(seed=99), config=ds_config("ragged", world_size))
+    try:
+        engine.load_checkpoint(ckpt_dir)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    path, client = engine.load_checkpoint(ckpt_dir, load_optimizer_states=False)
+    return {"params": local_pieces(engine.module), "client": client, "steps": engine.global_steps, "refused": refused}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_checkpoint_weights_migrate_to_ragged(tmp_path, stage):
+    """A ZeRO checkpoint written by 2 ranks loads into "ragged" on 3: the same fp32 weights,
+    counters and client state; asking for its optimizer state is refused, naming the way."""
+    zero = run_on_ranks(_zero_then_ragged, 2, str(tmp_path), stage, "zero", timeout=400)
+    ours = run_on_ranks(_zero_then_ragged, 3, str(tmp_path), stage, "ragged", timeout=400)
+    want, got = zero[0]["params"], assemble([r["params"] for r in ours])
+    assert set(got) == set(want)
+    for name in want:
+        assert torch.equal(got[name], want[name].float()), name
+    for r in ours:
+        assert r["client"] == {"epoch": 2} and r["steps"] == 3, r
+        assert r["refused"] and "load_optimizer_states=False" in r["refused"], r["refused"]

@@ -118,6 +118,19 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_consolidate(args: argparse.Namespace) -> int:
+    import torch
+
+    from .checkpoint import consolidate
+
+    state = consolidate(args.checkpoint, with_optimizer=args.optimizer)
+    torch.save(state, args.output)
+    tensors = [v for v in state.values() if torch.is_tensor(v)]
+    mib = sum(t.numel() * t.element_size() for t in tensors) / 2**20
+    print(f"wrote {args.output}: {len(state)} entries, {sum(t.numel() for t in tensors):,d} elements, {mib:.1f} MiB")
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="vescale-zero", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -131,7 +144,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--plot", help="write a PNG of padding vs FSDP size here")
     p.add_argument("--gpus", type=int, help="suggest the HSDP shape (FSDP size x replicas) for this many GPUs")
     p.add_argument("--max-padding", type=float, default=3.0, help="padding %% the HSDP suggestion accepts (default 3)")
+    c = sub.add_parser("consolidate", help="join a sharded checkpoint into one full state dict (torch.save file)")
+    c.add_argument("checkpoint", help="a checkpoint directory written by vescale_zero.checkpoint.save")
+    c.add_argument("output", help="the .pt file to write")
+    c.add_argument("--optimizer", action="store_true", help="also the per-element optimizer state, as 'name::key'")
     args = parser.parse_args(argv)
+    if args.command == "consolidate":
+        return _cmd_consolidate(args)
     if any(m < 1 for m in args.sizes):
         parser.error("--sizes must be positive")
     return _cmd_plan(args)

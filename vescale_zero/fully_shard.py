@@ -19,6 +19,10 @@ backward: pre-hook   (first grad of an output) re-gather, attach gradient views,
           final      every group that ran forward: reduce-scatter if not yet done, wait,
                      attach sharded ``.grad``, reshard
 The forward order is recorded in the first iteration and used for prefetching after it.
+
+[Note: meshes] A sub-module may shard over another group than its root (MoE experts over
+the expert-data-parallel group, the rest over data-parallel): each group's collectives
+only involve its own ranks, which run the same modules in the same order.
 """
 
 from __future__ import annotations
@@ -111,15 +115,6 @@ class _FSDPState:
             st = getattr(sub, _STATE, None)
             if st is None or st.context is not None:
                 continue
-            if dist.get_world_size(st.process_group) != dist.get_world_size(self.process_group) or (
-                dist.get_process_group_ranks(st.process_group) != dist.get_process_group_ranks(self.process_group)
-            ):
-                raise ValueError(
-                    f"fully_shard module {type(sub).__name__} uses a different mesh/process group "
-                    f"({dist.get_process_group_ranks(st.process_group)}) than its root "
-                    f"({dist.get_process_group_ranks(self.process_group)}); pass the same mesh to every "
-                    "fully_shard call under one root"
-                )
             st.context = ctx
             ctx.states.append(st)
             if st.group is not None:
@@ -214,6 +209,16 @@ class RaggedFSDPModule:
             st = getattr(m, _STATE, None)
             if st is not None:
                 st.prefetch = enabled
+
+    def set_gradient_divide_factor(self, factor: Optional[float], *, recurse: bool = True) -> None:
+        """Reduce gradients as SUM / ``factor`` over each group's mesh instead of the mean
+        (FSDP2's name). ``None`` restores the mean."""
+        if factor is not None and not factor > 0:
+            raise ValueError(f"gradient divide factor must be a positive number or None, got {factor!r}")
+        for m in self.modules() if recurse else [self]:
+            st = getattr(m, _STATE, None)
+            if st is not None and st.group is not None:
+                st.group.gradient_divide_factor = factor
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         for m in self.modules() if recurse else [self]:

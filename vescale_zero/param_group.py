@@ -141,6 +141,7 @@ class ParamGroup:
         self.state = GroupState.SHARDED
         self._cast_version = -1
         self.requires_grad_sync = True
+        self.gradient_divide_factor: Optional[float] = None  # None: AVG over the group
         self.ran_forward = False  # with grad enabled, since the last backward
         self._unshard_work = None
         self._in_backward = False
@@ -243,10 +244,21 @@ class ParamGroup:
                 self.reduce.allocate().copy_(self.grad.full)  # one cast per group
             self.grad.free()
             source = self.reduce
+        op = dist.ReduceOp.AVG
+        if self.gradient_divide_factor is not None:
+            # [Note: divide factor] SUM of gradients pre-divided by the factor: the mean
+            # over a larger population than this group (Megatron's expert parameters are
+            # reduced over the expert-data-parallel group but averaged over data-parallel),
+            # or a plain sum (factor 1) when the loss is normalised afterwards.
+            # Multiplies by the reciprocal, as Megatron's DDP does, so the two round alike.
+            if self.gradient_divide_factor != 1:
+                with torch.no_grad():
+                    source.full.mul_(1.0 / self.gradient_divide_factor)
+            op = dist.ReduceOp.SUM
         accumulate = any(self.sharded_params[i].grad is not None for i in self._grad_indices)
         direct = not accumulate and self.reduce_dtype == self.orig_dtype
         out = self.sharded_grad.local if direct else torch.empty(self.plan.shard_size, dtype=self.reduce_dtype, device=self.device)
-        work = source.reduce_scatter(self.process_group, into=out, stats=self.stats, async_op=True)
+        work = source.reduce_scatter(self.process_group, into=out, op=op, stats=self.stats, async_op=True)
         self._pending_reduce = (work, source, out, accumulate)
         if self.on_reduce_issued is not None:
             self.on_reduce_issued(self)
@@ -278,6 +290,19 @@ class ParamGroup:
                 sp = self.sharded_params[i]
                 if sp.grad is None:
                     sp.grad = self.sharded_grad.local_view(i)
+
+    def zero_grad(self) -> None:
+        """Drop every gradient of the group: locally accumulated full gradients (from
+        backwards without gradient sync) and the sharded ones (zeroed, ``.grad = None``)."""
+        if self._pending_reduce is not None:
+            self.finish_grad_sync()
+        for i in self._grad_indices:
+            self.unsharded_params[i].grad = None
+            self.sharded_params[i].grad = None
+        self.grad.free()
+        if self.reduce is not None:
+            self.reduce.free()
+        self.sharded_grad.local.zero_()
 
     def _accumulate_into_grads(self, reduced: torch.Tensor) -> None:
         ours = all(

@@ -33,6 +33,7 @@ import vescale_zero as vz
 from vescale_zero import checkpoint
 from vescale_zero.fully_shard import groups_of
 from vescale_zero.optim import AdamW8bit
+from vescale_zero.state_dict import load_full_state_dict
 
 from .config import RaggedOptions
 
@@ -41,6 +42,31 @@ __all__ = ["RaggedEngineMixin", "RaggedDeepSpeedEngine", "RaggedPipelineEngine",
 
 STRUCTURED_OPTIMIZERS = {"adamw8bit": AdamW8bit}
 """Config ``optimizer.type`` values (lower case) served by vescale-zero's own optimizers."""
+
+
+_DS_MODEL_STATES = "mp_rank_00_model_states.pt"
+_DS_ENGINE_KEYS = {
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
+    "checkpoint_parallel_dimensions", "universal_checkpoint_info",
+}
+"""What DeepSpeed's engine writes into its model-states file; the rest is client state."""
+
+
+def _deepspeed_model_states(path: str) -> Optional[str]:
+    """The model-states file of a DeepSpeed checkpoint directory (stage 3 writes one per
+    rank; rank 0's has the counters), or ``None`` if ``path`` is not one."""
+    if os.path.exists(os.path.join(path, "metadata.json")):
+        return None
+    for name in (_DS_MODEL_STATES, "zero_pp_rank_0_" + _DS_MODEL_STATES):
+        if os.path.exists(os.path.join(path, name)):
+            return os.path.join(path, name)
+    return None
+
+
+def _is_deepspeed_checkpoint(path: str) -> bool:
+    return _deepspeed_model_states(path) is not None
 
 
 class RaggedPrecision:
@@ -188,9 +214,13 @@ class RaggedEngineMixin:
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn: Any = None):
-        """Load shards written by :meth:`save_checkpoint` (any world size); ``(path, client_state)``."""
+        """Load shards written by :meth:`save_checkpoint` (any world size), or migrate a
+        DeepSpeed (ZeRO 0-3) checkpoint's weights; ``(path, client_state)``."""
         tag = str(tag if tag is not None else checkpoint.read_latest(load_dir))
         path = os.path.join(load_dir, tag)
+        if _is_deepspeed_checkpoint(path):
+            return self._migrate_deepspeed_checkpoint(load_dir, tag, load_module_strict, load_optimizer_states,
+                                                      load_lr_scheduler_states, load_module_only)
         with_optimizer = load_optimizer_states and not load_module_only
         extra = checkpoint.load(path, self.module, self.optimizer if with_optimizer else None)
         if not load_module_only:
@@ -201,6 +231,36 @@ class RaggedEngineMixin:
             for key, value in extra["counters"].items():
                 setattr(self, key, value)
         return path, extra["client_state"]
+
+    def _migrate_deepspeed_checkpoint(self, load_dir: str, tag: str, strict: bool, load_optimizer_states: bool,
+                                      load_lr_scheduler_states: bool, load_module_only: bool):
+        """[Note: migration] A checkpoint of DeepSpeed's own engine (stage 0-3, any world
+        size): the fp32 weights are rebuilt with DeepSpeed's ``zero_to_fp32`` (stage 0: the
+        module states) and each rank keeps its own ranges; counters, LR scheduler and client
+        state come along. ZeRO's optimizer partitions do not (yet), so that must be asked for."""
+        path = os.path.join(load_dir, tag)
+        if load_optimizer_states and not load_module_only:
+            raise ValueError(
+                f"{path} is a DeepSpeed ZeRO checkpoint: its weights migrate into ragged shards, its optimizer state "
+                "(ZeRO's flat partitions) does not yet. Load it with load_optimizer_states=False (Adam's moments "
+                "restart from the migrated fp32 weights), then save_checkpoint to continue in the ragged format"
+            )
+        states = torch.load(_deepspeed_model_states(path), map_location="cpu", weights_only=False)
+        if any(name.endswith("optim_states.pt") and name.startswith(("zero_pp_rank_", "bf16_zero_pp_rank_"))
+               for name in os.listdir(path)):
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+            full = get_fp32_state_dict_from_zero_checkpoint(load_dir, tag)
+        else:
+            full = states["module"]
+        load_full_state_dict(self.module, full, strict=strict)
+        if not load_module_only:
+            if load_lr_scheduler_states and self.lr_scheduler is not None and states.get("lr_scheduler") is not None:
+                self.lr_scheduler.load_state_dict(states["lr_scheduler"])
+            for key in ("global_steps", "global_samples", "skipped_steps"):
+                if key in states:
+                    setattr(self, key, states[key])
+        return path, {k: v for k, v in states.items() if k not in _DS_ENGINE_KEYS}
 
     @property
     def loss_scale(self) -> float:

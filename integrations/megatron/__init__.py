@@ -1,1 +1,30 @@
-"""Megatron-Core adapter: a `VeScaleFSDP` data-parallel wrapper (in progress, see issue 4)."""
+"""Megatron-Core adapter: ``VeScaleFSDP`` (the data-parallel wrapper), ``VeScaleOptimizer``
+(Megatron's optimizer protocol on the shards), ``--use-vescale-fsdp`` and the switch that
+makes Megatron-LM's builders use them.
+
+    from vescale_zero.integrations.megatron import VeScaleFSDP, get_vescale_optimizer
+    model = VeScaleFSDP(config, ddp_config, gpt_model)          # instead of DDP(...)
+    optimizer = get_vescale_optimizer(optimizer_config, [model])
+
+In Megatron-LM: ``use_vescale_fsdp_in_megatron_lm()`` before ``pretrain(...,
+extra_args_provider=add_vescale_fsdp_args)``, then pass ``--use-vescale-fsdp``.
+"""
+
+from .arguments import add_vescale_fsdp_args, validate_vescale_args, vescale_optimizer_name, vescale_options_from_args
+from .data_parallel import VeScaleFSDP, VeScaleFSDPOptions, check_supported
+from .megatron_lm import use_vescale_fsdp_in_megatron_lm
+from .optimizer import SUPPORTED_OPTIMIZERS, VeScaleOptimizer, get_vescale_optimizer
+
+__all__ = [
+    "VeScaleFSDP",
+    "VeScaleFSDPOptions",
+    "VeScaleOptimizer",
+    "get_vescale_optimizer",
+    "add_vescale_fsdp_args",
+    "validate_vescale_args",
+    "vescale_options_from_args",
+    "vescale_optimizer_name",
+    "check_supported",
+    "use_vescale_fsdp_in_megatron_lm",
+    "SUPPORTED_OPTIMIZERS",
+]

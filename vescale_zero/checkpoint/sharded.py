@@ -40,6 +40,13 @@ __all__ = ["save", "load", "CheckpointError", "read_latest", "write_latest"]
 FORMAT = "vescale-zero/ragged-v1"
 Piece = Tuple[Tuple[int, ...], int, int, torch.Tensor]
 
+CHECKPOINT_DOMAIN = "checkpoint_domain"
+"""[Note: domains] Pieces are matched by name across every rank's file, which is right
+when the ranks differ only in data parallelism. Under tensor / pipeline / expert
+parallelism one name means different tensors on different ranks (each TP rank's slice);
+an integration sets ``param.checkpoint_domain`` (e.g. ``"tp1-pp0"``) on the sharded
+parameters, and names are qualified by it, so pieces only meet pieces of the same tensor."""
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, partial or corrupt; the message names the file."""
@@ -54,7 +61,33 @@ def _managed(model: nn.Module) -> List[Tuple[str, nn.Parameter, Tuple[int, ...],
         group = module.vescale_group
         for i, m in enumerate(group.managed):
             start, end = group.master.local_range(i)
-            out.append((f"{prefix}.{m.fqn}" if prefix else m.fqn, group.sharded_params[i], tuple(m.shape), start, end))
+            name = f"{prefix}.{m.fqn}" if prefix else m.fqn
+            domain = getattr(group.sharded_params[i], CHECKPOINT_DOMAIN, None)
+            out.append((f"{domain}/{name}" if domain else name, group.sharded_params[i], tuple(m.shape), start, end))
+    return out
+
+
+def _aliases(model: nn.Module) -> Dict[str, List[str]]:
+    """Saved name -> every other name of a tied parameter (``head.weight`` tied to the
+    embedding is saved once, and :func:`consolidate` writes it under both names)."""
+    module_names = {id(m): n for n, m in model.named_modules()}
+    out: Dict[str, List[str]] = {}
+    for prefix, module in model.named_modules():
+        if not isinstance(module, RaggedFSDPModule) or module.vescale_group is None:
+            continue
+        group = module.vescale_group
+        for i, m in enumerate(group.managed):
+            if len(m.owners) < 2:
+                continue
+            domain = getattr(group.sharded_params[i], CHECKPOINT_DOMAIN, None)
+            names = []
+            for owner, attr in m.owners:
+                owner_name = module_names.get(id(owner), "")
+                name = f"{owner_name}.{attr}" if owner_name else attr
+                names.append(f"{domain}/{name}" if domain else name)
+            saved = f"{prefix}.{m.fqn}" if prefix else m.fqn
+            saved = f"{domain}/{saved}" if domain else saved
+            out[saved] = [n for n in names if n != saved]
     return out
 
 
@@ -91,7 +124,7 @@ def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
                     saved = value.detach().cpu().clone() if torch.is_tensor(value) else value
                     scalars[f"{name}::{key}"] = (s, e, saved)
     payload = {
-        "params": params, "optim_states": states, "optim_scalars": scalars,
+        "params": params, "optim_states": states, "optim_scalars": scalars, "aliases": _aliases(model),
         "optim_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else None,
         "buffers": {n: b.detach().cpu().clone() for n, b in model.named_buffers()} if rank == 0 else None,
         "extra": extra,

@@ -1,0 +1,88 @@
+"""``--use-vescale-fsdp`` and our other flags, for Megatron-LM's ``extra_args_provider``.
+
+    pretrain(..., extra_args_provider=add_vescale_fsdp_args)
+
+    --use-vescale-fsdp                 shard with VeScaleFSDP instead of DDP / FSDP
+    --vescale-granularity G            'element' (default), 'row', '<N>rows' or an int
+    --vescale-no-reshard-after-forward keep layers gathered from forward to backward
+    --vescale-no-prefetch              gather each layer only when it runs
+    --vescale-optimizer NAME           'adamw8bit' (block-wise 8-bit AdamW on the shards);
+                                       default: Megatron's --optimizer (adam or sgd)
+    --vescale-8bit-block N             8-bit AdamW quantization block (default 256)
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Optional, Union
+
+from vescale_zero.optim import AdamW8bit
+
+from .data_parallel import VeScaleFSDPOptions
+
+__all__ = ["add_vescale_fsdp_args", "validate_vescale_args", "vescale_options_from_args", "vescale_optimizer_name"]
+
+
+def _granularity(text: str) -> Union[int, str]:
+    return int(text) if text.strip().isdigit() else text
+
+
+def add_vescale_fsdp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add our flags (an ``extra_args_provider`` for Megatron-LM's ``pretrain``)."""
+    group = parser.add_argument_group(title="vescale-zero (ragged FSDP)")
+    group.add_argument("--use-vescale-fsdp", action="store_true",
+                       help="Shard parameters, gradients and optimizer state with vescale-zero's RaggedShard FSDP.")
+    group.add_argument("--vescale-granularity", type=_granularity, default=None,
+                       help="Atomic block of every parameter: 'element' (default), 'row', '<N>rows' or an int.")
+    group.add_argument("--vescale-no-reshard-after-forward", dest="vescale_reshard_after_forward",
+                       action="store_false", help="Keep each layer gathered from its forward to its backward.")
+    group.add_argument("--vescale-no-prefetch", dest="vescale_prefetch", action="store_false",
+                       help="Do not gather the next layer while the current one computes.")
+    group.add_argument("--vescale-optimizer", choices=["adamw8bit"], default=None,
+                       help="A vescale-zero optimizer instead of Megatron's --optimizer.")
+    group.add_argument("--vescale-8bit-block", type=int, default=256,
+                       help="Quantization block of --vescale-optimizer adamw8bit (elements).")
+    return parser
+
+
+def validate_vescale_args(args: argparse.Namespace) -> None:
+    """Refuse flag combinations that fight ragged sharding, naming the fix."""
+    if not getattr(args, "use_vescale_fsdp", False):
+        if getattr(args, "vescale_optimizer", None):
+            raise ValueError("--vescale-optimizer needs --use-vescale-fsdp")
+        return
+    clashes = {
+        "use_distributed_optimizer": "--use-distributed-optimizer (VeScaleFSDP shards the optimizer state itself)",
+        "use_torch_fsdp2": "--use-torch-fsdp2 (another FSDP)",
+        "use_megatron_fsdp": "--use-megatron-fsdp (another FSDP)",
+        "use_custom_fsdp": "--use-custom-fsdp (another FSDP)",
+    }
+    for attr, flag in clashes.items():
+        if getattr(args, attr, False):
+            raise ValueError(f"--use-vescale-fsdp cannot be combined with {flag}; drop one of the two")
+    if getattr(args, "gradient_accumulation_fusion", False):
+        raise ValueError("--use-vescale-fsdp needs --no-gradient-accumulation-fusion")
+    block = getattr(args, "vescale_8bit_block", 256)
+    if block <= 0:
+        raise ValueError(f"--vescale-8bit-block must be a positive number of elements, got {block}")
+
+
+def vescale_optimizer_name(args: argparse.Namespace) -> Optional[str]:
+    """The optimizer name :func:`get_vescale_optimizer` should build (``None``: --optimizer)."""
+    return getattr(args, "vescale_optimizer", None)
+
+
+def vescale_options_from_args(args: argparse.Namespace) -> VeScaleFSDPOptions:
+    granularity: Any = getattr(args, "vescale_granularity", None)
+    if vescale_optimizer_name(args) == "adamw8bit":
+        if granularity is not None:
+            raise ValueError(
+                "--vescale-optimizer adamw8bit sets the granularity itself (whole quantization blocks "
+                "per rank); drop --vescale-granularity"
+            )
+        granularity = AdamW8bit.granularity(getattr(args, "vescale_8bit_block", 256))
+    return VeScaleFSDPOptions(
+        granularity=granularity,
+        reshard_after_forward=getattr(args, "vescale_reshard_after_forward", True),
+        prefetch=getattr(args, "vescale_prefetch", True),
+    )

@@ -1,0 +1,306 @@
+"""``VeScaleFSDP``: Megatron-Core's data-parallel wrapper contract on ragged sharding.
+
+A drop-in for ``megatron.core.distributed.DistributedDataParallel``: same constructor,
+same methods (``_BaseDataParallel``), used by Megatron's schedules and
+``finalize_model_grads`` unchanged. Groups (one flat buffer each)::
+
+    GPTModel                                   mesh
+    ├─ embedding ........................ ┐
+    ├─ decoder.layers[i] ─────────────── one group per layer         dp x cp
+    │   └─ mlp.experts (MoE) ─────────── one group per layer's experts   expert-dp
+    ├─ decoder.final_layernorm .......... │  root group                 dp x cp
+    └─ output_layer ..................... ┘
+
+Tensor parallelism is untouched: every rank shards *its* tensor-parallel slice over its
+own data-parallel group, so a block (a row of the local slice with ``"row"``) never
+spans two TP ranks, and the TP ranks of one layer share one plan (their local shapes
+are equal), which keeps Megatron's sequence-parallel all-reduce of LayerNorm gradients
+element-aligned on the sharded gradients.
+
+[Note: gradients] After backward each sharded parameter has ``.grad`` and ``.main_grad``
+(the same view into the group's sharded gradient buffer). Megatron's
+``finalize_model_grads`` reads ``main_grad`` of the parameters the model holds at that
+point -- the sharded ones -- so its TP (sequence-parallel) and pipeline (tied embedding)
+all-reduces run on the shards. For the tied embedding across pipeline stages the word
+embedding (first stage) and the output layer (last stage) are groups of their own, so
+both stages shard that tensor with the same plan.
+
+Gradients are scaled as Megatron's DDP scales them: times 1/(dp x cp size), then a SUM
+reduce-scatter (or AVG with ``average_in_collective``); expert parameters
+(``param.allreduce == False``) are reduced over the expert-data-parallel group, still
+scaled by 1/(dp x cp size); with ``calculate_per_token_loss`` every group sums (Megatron
+scales by 1/tokens later).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+from torch import nn
+
+from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+import vescale_zero as vz
+from vescale_zero.checkpoint.sharded import CHECKPOINT_DOMAIN
+from vescale_zero.fully_shard import groups_of
+from vescale_zero.granularity import GranularityPolicy
+from vescale_zero.param_group import ParamGroup
+from vescale_zero.state_dict import full_state_dict, load_full_state_dict
+
+__all__ = ["VeScaleFSDP", "VeScaleFSDPOptions", "check_supported"]
+
+
+@dataclass(frozen=True)
+class VeScaleFSDPOptions:
+    """Our knobs (``--vescale-*`` flags); everything else comes from Megatron's configs."""
+
+    granularity: GranularityPolicy = None
+    """Block policy: 'element' (default), 'row', '<N>rows', an int, or a per-name mapping."""
+    reshard_after_forward: bool = True
+    prefetch: bool = True
+
+
+def check_supported(config: TransformerConfig, ddp_config: DistributedDataParallelConfig) -> None:
+    """Refuse Megatron settings that would fight ragged sharding, naming the fix."""
+    clashes = {
+        "use_distributed_optimizer": "Megatron's distributed optimizer shards the optimizer state itself; "
+        "drop --use-distributed-optimizer (VeScaleFSDP shards parameters, gradients and optimizer state)",
+        "use_megatron_fsdp": "Megatron-FSDP is another sharded data-parallel wrapper; drop --use-megatron-fsdp",
+        "use_custom_fsdp": "Megatron-FSDP is another sharded data-parallel wrapper; drop --use-custom-fsdp",
+    }
+    for field, why in clashes.items():
+        if getattr(ddp_config, field, False):
+            raise ValueError(f"--use-vescale-fsdp cannot be combined with {field}=True: {why}")
+    if getattr(ddp_config, "num_distributed_optimizer_instances", 1) != 1:
+        raise ValueError(
+            "--use-vescale-fsdp shards over the whole data-parallel group; "
+            "num_distributed_optimizer_instances must be 1"
+        )
+    if getattr(config, "gradient_accumulation_fusion", False):
+        raise ValueError(
+            "--use-vescale-fsdp needs gradient_accumulation_fusion=False (pass --no-gradient-accumulation-fusion): "
+            "the fused weight-gradient kernel writes into Megatron's own main_grad buffers, bypassing the "
+            "gradient buffers VeScaleFSDP reduce-scatters"
+        )
+    if getattr(config, "cuda_graph_impl", "none") not in ("none", None) or getattr(config, "enable_cuda_graph", False):
+        raise ValueError("--use-vescale-fsdp does not support CUDA graphs yet; drop --cuda-graph-impl / --enable-cuda-graph")
+
+
+def _is_expert(param: nn.Parameter) -> bool:
+    return not getattr(param, "allreduce", True)
+
+
+def _expert_modules(layer: nn.Module) -> List[nn.Module]:
+    """The largest sub-modules of ``layer`` whose parameters are all expert parameters."""
+    found: List[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        params = list(module.parameters())
+        if params and all(_is_expert(p) for p in params):
+            found.append(module)
+            return
+        for child in module.children():
+            visit(child)
+
+    for child in layer.children():
+        visit(child)
+    return found
+
+
+class VeScaleFSDP(_BaseDataParallel):
+    """Megatron's data-parallel wrapper, sharding parameters, gradients and optimizer state
+    with RaggedShard over the data-parallel (x context-parallel) group.
+
+    Args:
+        config: the model's ``TransformerConfig``.
+        ddp_config: Megatron's ``DistributedDataParallelConfig`` (``grad_reduce_in_fp32``
+            picks the reduce dtype under bf16/fp16; ``average_in_collective`` is implied).
+        module: the model chunk (``GPTModel``, possibly inside ``Float16Module``).
+        disable_bucketing: accepted for signature compatibility (every group is one bucket).
+        pg_collection: Megatron's process groups; default: ``parallel_state``'s.
+        options: :class:`VeScaleFSDPOptions`.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        ddp_config: DistributedDataParallelConfig,
+        module: nn.Module,
+        disable_bucketing: bool = False,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+        options: Optional[VeScaleFSDPOptions] = None,
+    ) -> None:
+        super().__init__(config=config, module=module)
+        check_supported(config, ddp_config)
+        self.ddp_config = ddp_config
+        self.options = options or VeScaleFSDPOptions()
+        groups = ProcessGroupCollection.setup_process_groups_for_ddp(pg_collection, config, ddp_config)
+        self.dp_cp_group = groups["dp_cp_group"]
+        self.expt_dp_group = groups["expt_dp_group"]
+        self.tp_group = groups["tp_group"]
+        self.pp_group = groups["pp_group"]
+        self._shard(module)
+        self._groups: List[ParamGroup] = groups_of(module)
+        dense, expert = _checkpoint_domains(groups)
+        for group in self._groups:
+            for i in group.grad_indices:
+                group.sharded_params[i].main_grad = group.sharded_grad.local_view(i)
+            for sp in group.sharded_params:
+                setattr(sp, CHECKPOINT_DOMAIN, expert if _is_expert(sp) else dense)
+
+    # ---- construction ----------------------------------------------------------------
+    def _mixed_precision(self, module: nn.Module) -> Optional[vz.MixedPrecisionPolicy]:
+        """bf16/fp16 parameters (Float16Module) get fp32 master shards and bf16/fp16 compute."""
+        dtypes = {p.dtype for p in module.parameters()}
+        low = dtypes & {torch.bfloat16, torch.float16}
+        if not low:
+            return None
+        if len(low) > 1:
+            raise ValueError(f"VeScaleFSDP: the model mixes bf16 and fp16 parameters ({sorted(map(str, dtypes))})")
+        compute = low.pop()
+        with torch.no_grad():
+            for p in module.parameters():
+                if p.dtype == compute:
+                    p.data = p.data.float()  # master shards are fp32, as Megatron's main params
+        reduce = torch.float32 if self.ddp_config.grad_reduce_in_fp32 else compute
+        return vz.MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce, cast_forward_inputs=False)
+
+    def _shard(self, module: nn.Module) -> None:
+        opts = self.options
+        common: Dict[str, Any] = dict(
+            granularity=opts.granularity,
+            reshard_after_forward=opts.reshard_after_forward,
+            mp_policy=self._mixed_precision(module),
+        )
+        # Megatron's gradient scaling (DistributedDataParallel): per-token loss sums; else
+        # scale by 1/(dp x cp) before a SUM, or average in the collective if asked to.
+        per_token = bool(getattr(self.config, "calculate_per_token_loss", False))
+        dp_cp = float(self.dp_cp_group.size())
+        dense_factor = 1.0 if per_token else None if self.ddp_config.average_in_collective else dp_cp
+        expert_factor = 1.0 if per_token else dp_cp
+
+        def shard(sub: nn.Module, group, factor: Optional[float]) -> None:
+            vz.fully_shard(sub, mesh=group, **common)
+            if factor is not None:
+                sub.set_gradient_divide_factor(factor, recurse=False)
+
+        layers = [m for m in module.modules() if isinstance(m, TransformerLayer)]
+        for layer in layers:
+            for experts in _expert_modules(layer):
+                shard(experts, self.expt_dp_group, expert_factor)
+            shard(layer, self.dp_cp_group, dense_factor)
+        stray = [n for n, p in module.named_parameters() if _is_expert(p) and not hasattr(p, "_vescale_fsdp_group_of")]
+        if stray:
+            raise ValueError(
+                f"VeScaleFSDP: expert parameters outside a TransformerLayer are not supported: {stray[:4]}"
+            )
+        # A word embedding tied across pipeline stages is its own group on both stages, so
+        # both shard it alike (see [Note: gradients]).
+        model = _unwrap(module)
+        output_layer = None
+        if getattr(model, "share_embeddings_and_output_weights", False) and not (
+            getattr(model, "pre_process", True) and getattr(model, "post_process", True)
+        ):
+            if model.pre_process:
+                shard(model.embedding.word_embeddings, self.dp_cp_group, dense_factor)
+            elif model.post_process and model.output_layer.weight is not None:
+                output_layer = model.output_layer
+                shard(output_layer, self.dp_cp_group, dense_factor)
+        shard(module, self.dp_cp_group, dense_factor)
+        if output_layer is not None:
+            # GPTModel reads ``output_layer.weight`` (to pass it as the output weight)
+            # before the output layer runs: gather it when the root's forward starts.
+            module.register_forward_pre_hook(lambda *_: output_layer.unshard())
+        module.set_prefetch(opts.prefetch)
+
+    # ---- the _BaseDataParallel contract ---------------------------------------------
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside accumulate full gradients locally; the next one outside reduces."""
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+    def start_grad_sync(self, *unused: Any) -> None:
+        """Nothing to start: each group's reduce-scatter is issued by backward itself as
+        soon as its last gradient is accumulated."""
+
+    def finish_grad_sync(self, force_all_reduce: Optional[bool] = False) -> None:
+        """Wait for every outstanding reduce-scatter; sharded ``.grad``/``.main_grad`` are set."""
+        for group in self._groups:
+            group.finish_grad_sync()
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        for group in self._groups:
+            group.sharded_grad.local.mul_(scaling_factor)
+
+    def zero_grad_buffer(self) -> None:
+        for group in self._groups:
+            group.zero_grad()
+
+    def broadcast_params(self) -> None:
+        """A no-op: each element of a sharded model lives on exactly one data-parallel rank,
+        so there are no replicas to bring in line."""
+
+    def start_param_sync(self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False) -> None:
+        """Parameters are gathered by each group's forward hook; nothing to start here."""
+
+    def state_dict(self, prefix: str = "", keep_vars: bool = False, destination: Any = None) -> Dict[str, Any]:
+        """The *full* (unsharded) state dict, as Megatron's DDP would give: collective over
+        the data-parallel groups; interchangeable with DDP checkpoints."""
+        full = full_state_dict(self.module)
+        out = destination if destination is not None else {}
+        for key, value in full.items():
+            out[prefix + key] = value
+        return out
+
+    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False) -> Dict[str, Any]:
+        return self.state_dict(prefix=prefix, keep_vars=keep_vars)
+
+    def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> None:
+        """Load a full state dict (from DDP, Megatron's torch checkpoints or :meth:`state_dict`)."""
+        load_full_state_dict(self.module, state_dict, strict=strict)
+
+    def sharded_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            "VeScaleFSDP does not write Megatron dist-checkpoints (torch_dist) yet; save with "
+            "--ckpt-format torch (full state dict) or vescale_zero.checkpoint.save (per-rank shards)"
+        )
+
+    # ---- ours ------------------------------------------------------------------------
+    @property
+    def vescale_groups(self) -> List[ParamGroup]:
+        """The parameter groups, in module order."""
+        return list(self._groups)
+
+
+def _rank_in(group: Any) -> int:
+    if isinstance(group, list):  # heterogeneous pipeline layouts give a list of groups
+        group = group[0]
+    return group.rank() if group is not None else 0
+
+
+def _checkpoint_domains(groups: Dict[str, Any]) -> tuple:
+    """Names of the model-parallel slices a rank holds (see vescale_zero.checkpoint
+    [Note: domains]): dense tensors differ by TP and PP rank, experts also by EP rank."""
+    from megatron.core import parallel_state
+
+    tp, pp, ep = _rank_in(groups.get("tp_group")), _rank_in(groups.get("pp_group")), _rank_in(groups.get("ep_group"))
+    etp = parallel_state.get_expert_tensor_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
+    return f"tp{tp}-pp{pp}", f"etp{etp}-ep{ep}-pp{pp}"
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    """The model inside Megatron's wrappers (``Float16Module`` and the like)."""
+    while hasattr(module, "module") and isinstance(module.module, nn.Module) and not hasattr(module, "pre_process"):
+        module = module.module
+    return module

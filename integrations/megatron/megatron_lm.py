@@ -1,0 +1,96 @@
+"""The switch that makes Megatron-LM's builders use ``VeScaleFSDP`` under ``--use-vescale-fsdp``.
+
+Megatron-LM (not on the package index) picks the data-parallel class in
+``megatron.training.training.get_model`` through the module-level name ``DDP`` and the
+optimizer through ``get_megatron_optimizer``; ``megatron.core.utils.unwrap_model``
+peels known wrappers. In a Megatron-LM pretraining script::
+
+    from vescale_zero.integrations.megatron import add_vescale_fsdp_args, use_vescale_fsdp_in_megatron_lm
+
+    use_vescale_fsdp_in_megatron_lm()
+    pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
+             forward_step, extra_args_provider=add_vescale_fsdp_args)
+
+Without ``--use-vescale-fsdp`` every call goes to Megatron's own classes unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Optional
+
+from .arguments import validate_vescale_args, vescale_optimizer_name, vescale_options_from_args
+from .data_parallel import VeScaleFSDP
+from .optimizer import get_vescale_optimizer
+
+__all__ = ["use_vescale_fsdp_in_megatron_lm", "unwrap_vescale"]
+
+_PATCHED = "_vescale_zero_patched"
+
+
+def unwrap_vescale(unwrap_model: Callable) -> Callable:
+    """``unwrap_model`` that also peels ``VeScaleFSDP`` (Megatron's checks name its classes)."""
+
+    def unwrap(model: Any, module_instances: Optional[tuple] = None) -> Any:
+        def peel(m: Any) -> Any:
+            while isinstance(m, VeScaleFSDP):
+                m = m.module
+            return m
+
+        peeled = [peel(m) for m in model] if isinstance(model, list) else peel(model)
+        return unwrap_model(peeled, module_instances) if module_instances is not None else unwrap_model(peeled)
+
+    setattr(unwrap, _PATCHED, True)
+    return unwrap
+
+
+def use_vescale_fsdp_in_megatron_lm(get_args: Optional[Callable[[], Any]] = None) -> None:
+    """Route Megatron-LM's model wrapper and optimizer builder through vescale-zero
+    whenever the parsed arguments have ``--use-vescale-fsdp``. Idempotent.
+
+    Args:
+        get_args: returns the parsed arguments (default: ``megatron.training.get_args``).
+    """
+    try:
+        import megatron.training.training as training
+    except ImportError as e:
+        raise ImportError(
+            "use_vescale_fsdp_in_megatron_lm needs Megatron-LM (megatron.training), which is not on the package "
+            "index: install it from a clone (pip install -e Megatron-LM). With megatron-core alone, build "
+            "VeScaleFSDP and get_vescale_optimizer directly (see examples/megatron/pretrain_gpt.py)"
+        ) from e
+    if getattr(training, _PATCHED, False):
+        return
+    if get_args is None:
+        from megatron.training import get_args
+    megatron_ddp = training.DDP
+    megatron_optimizer = training.get_megatron_optimizer
+
+    def data_parallel(config: Any, ddp_config: Any, module: Any, disable_bucketing: bool = False, **kwargs: Any):
+        args = get_args()
+        if not getattr(args, "use_vescale_fsdp", False):
+            return megatron_ddp(config=config, ddp_config=ddp_config, module=module,
+                                disable_bucketing=disable_bucketing, **kwargs)
+        validate_vescale_args(args)
+        kwargs.pop("full_param_layout", None)  # distributed-optimizer layouts: not ours
+        return VeScaleFSDP(config, ddp_config, module, disable_bucketing, options=vescale_options_from_args(args),
+                           **kwargs)
+
+    def optimizer(config: Any, model_chunks: Any, *rest: Any, **kwargs: Any):
+        args = get_args()
+        if not getattr(args, "use_vescale_fsdp", False):
+            return megatron_optimizer(config, model_chunks, *rest, **kwargs)
+        return get_vescale_optimizer(config, model_chunks, kwargs.pop("config_overrides", None),
+                                     optimizer=vescale_optimizer_name(args))
+
+    training.DDP = data_parallel
+    training.get_megatron_optimizer = optimizer
+    # ``unwrap_model`` is imported by name into many modules: replace it everywhere.
+    import megatron.core.utils as core_utils
+
+    original = core_utils.unwrap_model
+    patched = unwrap_vescale(original)
+    for module in list(sys.modules.values()):
+        if module is not None and getattr(module, "unwrap_model", None) is original:
+            setattr(module, "unwrap_model", patched)
+    setattr(training, _PATCHED, True)

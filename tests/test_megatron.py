@@ -1,0 +1,434 @@
+"""Megatron-Core: ``VeScaleFSDP`` + ``VeScaleOptimizer`` train a megatron-core GPTModel
+exactly as megatron-core's ``DistributedDataParallel`` + Megatron's FP32 optimizer step.
+
+Both runs use ``examples/megatron/pretrain_gpt.py`` (Megatron's schedules, 1F1B under
+pipeline parallelism, ``finalize_model_grads``), on CPU/gloo behind the test-only CUDA
+shim. The reference optimizer is Megatron's FP32 step written out (its own
+``get_grad_norm_fp32`` over the model-parallel group, its clipping rule, then
+``torch.optim.AdamW``), because Megatron's optimizer classes hard-code CUDA tensors.
+Tolerance: 1e-6 relative per tensor (fp32; the norm is summed in another order), 5e-6
+with three data-parallel ranks (see the test).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Dict, List
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is a test dependency (pip install -e '.[test]')")
+
+from tests.distributed import run_on_ranks  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "megatron", "pretrain_gpt.py")
+SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--vocab-size", "64", "--micro-batch-size", "2", "--train-iters", "3", "--lr", "1e-2",
+         "--weight-decay", "0.1", "--clip-grad", "0.5", "--disable-bias-linear"]
+# No linear biases: the key bias of attention gets a zero gradient in exact arithmetic
+# (softmax ignores a shift shared by all keys), so its gradient is rounding noise that
+# Adam scales up to full-size steps, in any two runs that sum in a different order.
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("pretrain_gpt", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _MegatronFP32Step:
+    """Megatron's ``FP32Optimizer.step`` on CPU (see the module docstring)."""
+
+    def __init__(self, model, config) -> None:
+        from megatron.core.optimizer import _get_param_groups
+
+        groups = _get_param_groups([model], config, None)
+        for g in groups:
+            g["lr"] = g["max_lr"] * g["lr_mult"]
+            g["weight_decay"] = config.weight_decay * g["wd_mult"]
+        self.config = config
+        self.inner = torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
+                                       eps=config.adam_eps)
+        self.params = [p for g in groups for p in g["params"]]
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self):
+        from megatron.core import parallel_state
+        from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
+
+        for p in self.params:
+            p.grad = p.main_grad
+        counted = [p.grad for p in self.params if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
+        norm = get_grad_norm_fp32(counted, grad_stats_parallel_group=parallel_state.get_model_parallel_group())
+        coeff = self.config.clip_grad / (norm + 1.0e-6)  # clip_grad_by_total_norm_fp32 (which asserts CUDA)
+        if self.config.clip_grad > 0 and coeff < 1.0:
+            for p in self.params:
+                p.grad.mul_(coeff)
+        self.inner.step()
+        return True, norm, None
+
+
+def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+
+
+def _train_both(rank: int, world_size: int, argv: List[str]) -> Dict:
+    from tests.megatron_shim import install_cuda_shim
+
+    install_cuda_shim()
+    from megatron.core import parallel_state
+
+    pg = _example()
+    args = pg.build_parser().parse_args(argv)
+    pg.setup(args)
+    try:
+        # reference: megatron-core DDP + Megatron's FP32 step
+        args.use_vescale_fsdp = False
+        pg.seed(args)
+        config = pg.transformer_config(args)
+        ddp = pg.build_model(args, config)
+        ref = pg.train_loop(args, ddp, _MegatronFP32Step(ddp, pg.optimizer_config(args)), config)
+        reference = {k: v.detach().clone() for k, v in ddp.state_dict().items() if torch.is_tensor(v)}
+        del ddp
+
+        args.use_vescale_fsdp = True
+        model, optimizer, config = pg.build(args)
+        run = pg.train_loop(args, model, optimizer, config)
+        ours = model.state_dict()  # full tensors, gathered over data parallel
+        zero_copy = _zero_copy_violations(model, optimizer)
+        rows_cut = _rows_cut(model)
+        return {
+            "keys": (sorted(reference), sorted(k for k, v in ours.items() if torch.is_tensor(v))),
+            "errors": {k: _relative_error(ours[k], reference[k]) for k in reference if k in ours},
+            "losses": (ref["losses"], run["losses"]),
+            "norms": (ref["grad_norms"], run["grad_norms"]),
+            "zero_copy": zero_copy,
+            "rows_cut": rows_cut,
+            "tp": parallel_state.get_tensor_model_parallel_world_size(),
+        }
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _zero_copy_violations(model, optimizer) -> List[str]:
+    """Optimizer parameters must be views of their group's master shard; ``.grad`` and
+    ``.main_grad`` views of its sharded-gradient buffer (data pointers, not assumed)."""
+    bad = []
+    owned = set()
+    for group in model.vescale_groups:
+        lo, hi = group.master.local.data_ptr(), group.master.local.data_ptr() + group.master.local.nbytes
+        glo = group.sharded_grad.local.data_ptr()
+        ghi = glo + group.sharded_grad.local.nbytes
+        for i, sp in enumerate(group.sharded_params):
+            owned.add(id(sp))
+            if sp.numel() and not lo <= sp.data_ptr() < hi:
+                bad.append(f"{group.managed[i].fqn}: parameter outside the master shard")
+            if i in group.grad_indices and sp.numel():
+                if not glo <= sp.main_grad.data_ptr() < ghi:
+                    bad.append(f"{group.managed[i].fqn}: main_grad outside the sharded gradient buffer")
+                if sp.grad is not None and sp.grad.data_ptr() != sp.main_grad.data_ptr():
+                    bad.append(f"{group.managed[i].fqn}: .grad is not .main_grad")
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            if id(p) not in owned:
+                bad.append("optimizer holds a parameter that is not a sharded parameter")
+    return bad
+
+
+def _rows_cut(model) -> List[str]:
+    """With --vescale-granularity row, a rank's piece of a TP-local tensor is whole rows."""
+    out = []
+    for group in model.vescale_groups:
+        for sp in group.sharded_params:
+            r = sp.sharded_range
+            row = 1
+            for d in r.shape[1:]:
+                row *= d
+            if r.start % row or r.end % row:
+                out.append(f"{r.shape}: [{r.start}, {r.end})")
+    return out
+
+
+def _check(results: List[Dict], tolerance: float, steps: int = 3) -> None:
+    for rank, res in enumerate(results):
+        ref_keys, our_keys = res["keys"]
+        assert ref_keys == our_keys, f"rank {rank}: state dict keys differ"
+        worst = max(res["errors"].items(), key=lambda kv: kv[1])
+        assert worst[1] <= tolerance, f"rank {rank}: {worst[0]} differs from DDP by {worst[1]:.2e} (relative)"
+        ref_losses, losses = res["losses"]
+        assert len(losses) == len(ref_losses)
+        for a, b in zip(losses, ref_losses):
+            assert abs(a - b) <= tolerance * abs(b), (losses, ref_losses)
+        assert not res["zero_copy"], res["zero_copy"]
+    last = [r for r in results if r["losses"][1]]
+    assert last and all(len(r["losses"][1]) == steps for r in last)
+    assert last[0]["losses"][1][-1] < last[0]["losses"][1][0], "the loss did not fall"
+
+
+@pytest.mark.parametrize(
+    "world_size, dp, layout",
+    [
+        (2, 2, ["--tensor-model-parallel-size", "1"]),
+        (3, 3, ["--tensor-model-parallel-size", "1"]),  # an odd data-parallel size
+        (4, 2, ["--tensor-model-parallel-size", "2", "--vescale-granularity", "row"]),
+        (4, 2, ["--pipeline-model-parallel-size", "2"]),  # 1F1B; the embedding is tied across stages
+        # MoE: dense parameters over dp=4, experts over expert-dp=2 (ep=2)
+        (4, 4, ["--num-experts", "4", "--expert-model-parallel-size", "2"]),
+    ],
+    ids=["tp1-dp2", "tp1-dp3", "tp2-dp2-row", "pp2-dp2", "moe-ep2-dp4"],
+)
+def test_vescale_fsdp_equals_megatron_ddp(world_size, dp, layout):
+    """No clipping: with two data-parallel ranks every sum has two addends, so the runs are
+    bit-identical; with three or four, gloo's reduce-scatter and Megatron's all-reduce add
+    in different orders (an ulp per gradient, which Adam carries on): 5e-6 relative."""
+    argv = SMALL + layout + ["--clip-grad", "0", "--global-batch-size", str(2 * 2 * dp)]  # 2 micro-batches
+    results = run_on_ranks(_train_both, world_size, argv, timeout=300)
+    _check(results, tolerance=0.0 if dp == 2 else 5e-6)
+    if "row" in layout:
+        assert all(not r["rows_cut"] for r in results), [r["rows_cut"] for r in results]
+        assert all(r["tp"] == 2 for r in results)
+
+
+def test_clipping_matches_megatron():
+    """Gradient norm over ragged shards (one world all-reduce) equals Megatron's over
+    replicated gradients to 1e-6; the clipped runs then agree to 1e-5 (the norms are summed
+    in different orders, and an ulp in the clip coefficient is amplified by Adam's second
+    step where consecutive gradients nearly cancel)."""
+    argv = SMALL + ["--clip-grad", "0.5", "--global-batch-size", "8"]
+    results = run_on_ranks(_train_both, 2, argv, timeout=300)
+    _check(results, tolerance=1e-5)
+    for res in results:
+        ref_norms, norms = res["norms"]
+        assert all(n is not None for n in norms) and len(norms) == 3
+        for a, b in zip(norms, ref_norms):
+            assert abs(a - b) <= 1e-6 * b, (norms, ref_norms)
+
+
+def _resume_and_interchange(rank: int, world_size: int, argv: List[str], ckpt_dir: str) -> Dict:
+    from tests.megatron_shim import install_cuda_shim
+
+    install_cuda_shim()
+    from megatron.core import parallel_state
+
+    from vescale_zero import checkpoint
+
+    pg = _example()
+    args = pg.build_parser().parse_args(argv)
+    pg.setup(args)
+    try:
+        args.use_vescale_fsdp = False
+        pg.seed(args)
+        config = pg.transformer_config(args)
+        ddp = pg.build_model(args, config)
+        ref = pg.train_loop(args, ddp, _MegatronFP32Step(ddp, pg.optimizer_config(args)), config)
+        ddp_full = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in ddp.state_dict().items()}
+        ddp_state = {k: v for k, v in ddp_full.items() if torch.is_tensor(v)}
+
+        args.use_vescale_fsdp = True
+        iters = args.train_iters
+        args.train_iters = iters - 1  # stop one step early, save, and resume in a new model
+        model, optimizer, config = pg.build(args)
+        pg.train_loop(args, model, optimizer, config)
+        checkpoint.save(ckpt_dir, model, optimizer)
+        args.train_iters = iters
+        resumed, resumed_opt, config = pg.build(args)
+        checkpoint.load(ckpt_dir, resumed, resumed_opt)
+        tail = pg.train_loop(args, resumed, resumed_opt, config, first_step=iters - 1)
+        ours = resumed.state_dict()
+        resumed_vs_ddp = max(_relative_error(ours[k], ddp_state[k]) for k in ddp_state)
+
+        # A DDP state dict loads into VeScaleFSDP, and ours into DDP, exactly.
+        fresh, _, _ = pg.build(args)
+        fresh.load_state_dict(ddp_full)
+        into_ours = max(_relative_error(v, ddp_state[k]) for k, v in fresh.state_dict().items()
+                        if k in ddp_state and torch.is_tensor(v))
+        args.use_vescale_fsdp = False
+        other = pg.build_model(args, pg.transformer_config(args))
+        other.load_state_dict(ours)
+        into_ddp = max(_relative_error(v, ours[k]) for k, v in other.state_dict().items()
+                       if torch.is_tensor(ours.get(k)))
+        return {"resumed_vs_ddp": resumed_vs_ddp, "last_loss": (tail["losses"], ref["losses"][-1:]),
+                "into_ours": into_ours, "into_ddp": into_ddp}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_checkpoint_resume_and_ddp_state_dict_interchange(tmp_path):
+    """Stop after 2 of 3 steps, save the shards (``vescale_zero.checkpoint``), resume in a
+    new model: bit-identical to DDP's uninterrupted run. Full state dicts move between
+    megatron-core DDP and VeScaleFSDP both ways without change (tp=2 x dp=2)."""
+    argv = SMALL + ["--clip-grad", "0", "--global-batch-size", "8", "--tensor-model-parallel-size", "2"]
+    for res in run_on_ranks(_resume_and_interchange, 4, argv, str(tmp_path / "ckpt"), timeout=300):
+        assert res["resumed_vs_ddp"] == 0.0, res
+        assert res["into_ours"] == 0.0 and res["into_ddp"] == 0.0, res
+        tail, ref_last = res["last_loss"]
+        assert tail == ref_last or not ref_last, res
+
+
+def _bad_inputs(rank: int, world_size: int) -> Dict[str, str]:
+    from tests.megatron_shim import install_cuda_shim
+
+    install_cuda_shim()
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from vescale_zero.integrations.megatron import VeScaleFSDP, get_vescale_optimizer
+
+    pg = _example()
+    args = pg.build_parser().parse_args(SMALL + ["--global-batch-size", "4"])
+    pg.setup(args)
+    outcome: Dict[str, str] = {}
+
+    def expect(key, fn, *fragments):
+        try:
+            fn()
+        except (ValueError, KeyError, TypeError) as e:
+            missing = [f for f in fragments if f not in str(e)]
+            outcome[key] = f"message lacks {missing}: {e}" if missing else "ok"
+            return
+        outcome[key] = "no error raised"
+
+    try:
+        def wrap(**ddp_kwargs):
+            config = pg.transformer_config(args)
+            module = pg.build_model_unwrapped(args, config)
+            for key in [k for k in ddp_kwargs if hasattr(config, k)]:  # as if set on the command line
+                setattr(config, key, ddp_kwargs.pop(key))
+            return VeScaleFSDP(config, DistributedDataParallelConfig(**ddp_kwargs), module)
+
+        expect("distributed optimizer", lambda: wrap(use_distributed_optimizer=True),
+               "use_distributed_optimizer", "drop --use-distributed-optimizer")
+        expect("megatron fsdp", lambda: wrap(use_megatron_fsdp=True), "use_megatron_fsdp", "--use-megatron-fsdp")
+        expect("wgrad fusion", lambda: wrap(gradient_accumulation_fusion=True), "--no-gradient-accumulation-fusion")
+        expect("flags", lambda: pg.setup(pg.build_parser().parse_args(SMALL + ["--use-vescale-fsdp",
+                                                                             "--use-distributed-optimizer"])),
+               "--use-distributed-optimizer", "drop one")
+        args.use_vescale_fsdp = True
+        model, _, _ = pg.build(args)
+        config = pg.optimizer_config(args)
+        expect("optimizer", lambda: get_vescale_optimizer(config, [model], optimizer="muon"),
+               "'muon'", "adam", "sgd", "adamw8bit")
+        state = model.state_dict()
+        key = next(k for k, v in state.items() if torch.is_tensor(v) and v.dim() == 2)
+        expect("shape", lambda: model.load_state_dict({**state, key: torch.zeros(3, 3)}), key, "(3, 3)")
+        expect("missing key", lambda: model.load_state_dict({k: v for k, v in state.items() if k != key}),
+               "missing keys", key)
+    finally:
+        parallel_state.destroy_model_parallel()
+    return outcome
+
+
+def test_unsupported_settings_give_clear_errors():
+    for outcome in run_on_ranks(_bad_inputs, 2, timeout=300):
+        bad = {k: v for k, v in outcome.items() if v != "ok"}
+        assert not bad, bad
+        assert len(outcome) == 7
+
+
+def _train_bf16(rank: int, world_size: int, argv: List[str]) -> Dict:
+    from tests.megatron_shim import install_cuda_shim
+
+    install_cuda_shim()
+    from megatron.core import parallel_state
+
+    pg = _example()
+    args = pg.build_parser().parse_args(argv)
+    pg.setup(args)
+    try:
+        args.use_vescale_fsdp, args.bf16 = True, False
+        fp32 = pg.train_loop(args, *pg.build(args))
+        args.bf16 = True
+        model, optimizer, config = pg.build(args)
+        bf16 = pg.train_loop(args, model, optimizer, config)
+        groups = model.vescale_groups
+        return {
+            "losses": (fp32["losses"], bf16["losses"]),
+            "master": sorted({str(p.dtype) for g in optimizer.param_groups for p in g["params"]}),
+            "compute": sorted({str(g.param_dtype) for g in groups}),
+            "reduce": sorted({str(g.reduce_dtype) for g in groups}),
+            "zero_copy": _zero_copy_violations(model, optimizer),
+        }
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_bf16_keeps_fp32_master_shards():
+    """``--bf16`` (Megatron's Float16Module): bf16 compute and gathers, fp32 master shards
+    and, with ``--accumulate-allreduce-grads-in-fp32``, fp32 reduce-scatter; the losses
+    follow the fp32 run to 2% (bf16 rounding)."""
+    argv = SMALL + ["--global-batch-size", "8", "--accumulate-allreduce-grads-in-fp32"]
+    for res in run_on_ranks(_train_bf16, 2, argv, timeout=300):
+        assert res["master"] == ["torch.float32"] and res["compute"] == ["torch.bfloat16"], res
+        assert res["reduce"] == ["torch.float32"], res
+        assert not res["zero_copy"], res["zero_copy"]
+        fp32, bf16 = res["losses"]
+        assert len(bf16) == 3 and all(abs(a - b) <= 0.02 * b for a, b in zip(bf16, fp32)), res["losses"]
+
+
+def _megatron_lm_switch(rank: int, world_size: int) -> Dict[str, object]:
+    """Megatron-LM's ``megatron.training.training`` stood in for by its two names."""
+    import argparse
+    import sys
+    import types
+
+    from tests.megatron_shim import install_cuda_shim
+
+    install_cuda_shim()
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.utils import unwrap_model
+
+    from vescale_zero.integrations.megatron import (
+        VeScaleFSDP,
+        VeScaleOptimizer,
+        add_vescale_fsdp_args,
+        use_vescale_fsdp_in_megatron_lm,
+    )
+
+    training = types.ModuleType("megatron.training.training")
+    training.DDP, training.get_megatron_optimizer = DistributedDataParallel, get_megatron_optimizer
+    training.unwrap_model = unwrap_model
+    package = types.ModuleType("megatron.training")
+    package.training = training
+    sys.modules.update({"megatron.training": package, "megatron.training.training": training})
+    pg = _example()
+    args = pg.build_parser().parse_args(SMALL + ["--global-batch-size", "4"])
+    pg.setup(args)
+    try:
+        mlm_args = add_vescale_fsdp_args(argparse.ArgumentParser()).parse_args(["--use-vescale-fsdp", "--vescale-granularity", "row"])
+        mlm_args.gradient_accumulation_fusion = False
+        use_vescale_fsdp_in_megatron_lm(get_args=lambda: mlm_args)
+        config = pg.transformer_config(args)
+        inner = pg.build_model_unwrapped(args, config)
+        chunk = training.DDP(config=config, ddp_config=DistributedDataParallelConfig(), module=inner,
+                             disable_bucketing=False)
+        optimizer = training.get_megatron_optimizer(pg.optimizer_config(args), [chunk], config_overrides=None,
+                                                    use_gloo_process_groups=True)
+        granularity_rows = all(sp.sharded_range.granularity % max(1, sp.sharded_range.shape[-1]) == 0
+                               for g in chunk.vescale_groups for sp in g.sharded_params if len(sp.sharded_range.shape) == 2)
+        mlm_args.use_vescale_fsdp = False
+        plain = training.DDP(config=config, ddp_config=DistributedDataParallelConfig(),
+                             module=pg.build_model_unwrapped(args, pg.transformer_config(args)), disable_bucketing=False)
+        return {
+            "wrapper": isinstance(chunk, VeScaleFSDP), "optimizer": isinstance(optimizer, VeScaleOptimizer),
+            "unwrapped": training.unwrap_model(chunk) is inner, "rows": granularity_rows,
+            "off": type(plain) is DistributedDataParallel,
+        }
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_megatron_lm_switch_routes_builders():
+    for res in run_on_ranks(_megatron_lm_switch, 2, timeout=300):
+        assert res == {"wrapper": True, "optimizer": True, "unwrapped": True, "rows": True, "off": True}, res

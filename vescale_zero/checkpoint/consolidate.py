@@ -1,0 +1,59 @@
+"""Offline: turn a sharded checkpoint into one full state dict (no process group needed).
+
+    vescale-zero consolidate CKPT model.pt [--optimizer]
+
+Every name's pieces (flat ranges from every rank file) are joined into the full tensor
+of its saved shape; buffers come from rank 0's file. The checksums are verified first, and
+a name whose pieces do not cover the whole tensor is refused, naming it. Names carry the
+checkpoint domain of integrations that set one (``"tp1-pp0/module.decoder..."``, see
+:mod:`vescale_zero.checkpoint.sharded` [Note: domains]); their tensors are the slices of
+that domain, as the host saved them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List
+
+import torch
+
+from .sharded import Piece, _fill, _rank_file, _read_metadata, _read_rank_file
+
+__all__ = ["consolidate"]
+
+
+def _join(pieces: Dict[str, List[Piece]]) -> Dict[str, torch.Tensor]:
+    out = {}
+    for name, saved in pieces.items():
+        shape = tuple(saved[0][0])
+        full = torch.empty(math.prod(shape), dtype=saved[0][3].dtype)
+        _fill(full, 0, full.numel(), saved, name)
+        out[name] = full.view(shape)
+    return out
+
+
+def consolidate(path: str, with_optimizer: bool = False) -> Dict[str, torch.Tensor]:
+    """The full state dict of the model saved at ``path`` (parameters and buffers); with
+    ``with_optimizer``, also every per-element optimizer state as ``"name::key"``."""
+    meta = _read_metadata(path)
+    files = [_read_rank_file(path, r, meta["sha256"][r]) for r in range(meta["world_size"])]
+    params: Dict[str, List[Piece]] = {}
+    states: Dict[str, List[Piece]] = {}
+    for f in files:
+        for key, piece in f["params"].items():
+            params.setdefault(key, []).append(piece)
+        for key, piece in f["optim_states"].items():
+            states.setdefault(key, []).append(piece)
+    out = _join(params)
+    for saved, others in files[0].get("aliases", {}).items():  # tied parameters, under every name
+        for name in others:
+            out[name] = out[saved]
+    buffers = files[0]["buffers"]
+    if buffers is None:
+        raise ValueError(f"{_rank_file(path, 0)} holds no buffers: it was not written by rank 0")
+    out.update(buffers)
+    if with_optimizer:
+        if files[0]["optim_groups"] is None:
+            raise ValueError(f"{path} holds no optimizer state (saved without an optimizer); drop --optimizer")
+        out.update(_join(states))
+    return out
