@@ -7,6 +7,7 @@ from .granularity import preset_granularity, resolve_granularities
 from .placement import RaggedShard
 from .planner import ShardPlan, TensorSpec, plan
 from .report import ShardingReport, reset_comm_stats, sharding_report
+from .state_dict import full_state_dict, load_full_state_dict
 
 __version__ = "0.1.0"
 
@@ -14,6 +15,8 @@ __all__ = [
     "fully_shard",
     "fully_shard_layers",
     "sharded_counterpart",
+    "full_state_dict",
+    "load_full_state_dict",
     "RaggedFSDPModule",
     "MixedPrecisionPolicy",
     "RaggedShard",

@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .fp8_gather import tile_band_granularity
 from .granularity import GranularityPolicy, resolve_granularities
 from .param_group import ManagedParam, ParamGroup
 
@@ -295,6 +296,7 @@ def fully_shard(
     mp_policy: Optional[MixedPrecisionPolicy] = None,
     granularity: GranularityPolicy = None,
     align_bytes: int = DEFAULT_ALIGN_BYTES,
+    fp8_all_gather_tile: Optional[int] = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters (those not in a sharded sub-module) as one group.
 
@@ -309,6 +311,10 @@ def fully_shard(
             sharded (master) parameters keep the module's dtype.
         granularity: each parameter's atomic block, see :mod:`vescale_zero.granularity`.
         align_bytes: every rank's shard is a multiple of this many bytes in each buffer.
+        fp8_all_gather_tile: gather parameters as float8 (e4m3) with one scale per
+            ``tile x tile`` tile (128 is usual) instead of ``param_dtype``: about half the
+            bytes of bf16. The granularity defaults to whole tile bands; a given one must
+            be a multiple of them. See :mod:`vescale_zero.fp8_gather`.
 
     Returns:
         ``module``, its class now also a :class:`RaggedFSDPModule`.
@@ -330,7 +336,18 @@ def fully_shard(
 
     group = None
     if named:
-        grans = resolve_granularities([(n, p) for n, p, _ in named], granularity)
+        if fp8_all_gather_tile is not None:
+            bands = {n: tile_band_granularity(p.shape, fp8_all_gather_tile) for n, p, _ in named}
+            grans = resolve_granularities([(n, p) for n, p, _ in named], bands if granularity is None else granularity)
+            for (n, p, _), g in zip(named, grans):
+                if g % bands[n]:
+                    raise ValueError(
+                        f"fp8_all_gather_tile={fp8_all_gather_tile}: the granularity of {n!r} {tuple(p.shape)} is "
+                        f"{g} elements, which cuts its {fp8_all_gather_tile}x{fp8_all_gather_tile} tiles; use a "
+                        f"multiple of {bands[n]} (whole tile bands), or leave granularity unset"
+                    )
+        else:
+            grans = resolve_granularities([(n, p) for n, p, _ in named], granularity)
         itemsizes = [named[0][1].element_size()]
         if mp_policy is not None:
             itemsizes += [torch.empty((), dtype=d).element_size() for d in (mp_policy.param_dtype, mp_policy.reduce_dtype) if d]
@@ -341,6 +358,7 @@ def fully_shard(
             param_dtype=mp_policy.param_dtype if mp_policy else None,
             reduce_dtype=mp_policy.reduce_dtype if mp_policy else None,
             align=align,
+            fp8_tile=fp8_all_gather_tile,
         )
         label = type(module).__name__
         for p in [p for _, p, _ in named] + group.sharded_params + group.unsharded_params:

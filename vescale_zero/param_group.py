@@ -32,8 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import CommStats
+from .collectives import CommStats, all_gather
 from .dbuffer import DBuffer
+from .fp8_gather import FP8GatherLayout
 from .planner import ShardPlan, TensorSpec, plan
 
 __all__ = ["ManagedParam", "ParamGroup", "GroupState", "ShardedRange"]
@@ -87,6 +88,7 @@ class ParamGroup:
         param_dtype: Optional[torch.dtype] = None,
         reduce_dtype: Optional[torch.dtype] = None,
         align: int = 1,
+        fp8_tile: Optional[int] = None,
     ) -> None:
         dtypes = {p.dtype for p in originals}
         devices = {p.device for p in originals}
@@ -138,6 +140,19 @@ class ParamGroup:
         for i in self._grad_indices:
             self.unsharded_params[i].register_post_accumulate_grad_hook(self._on_grad_accumulated)
 
+        # [Note: FP8 all-gather] With ``fp8_tile`` the gather moves float8 bytes plus one
+        # scale per tile instead of ``param_dtype``: each rank quantizes its own tile bands
+        # of the master shard (see vescale_zero.fp8_gather), and the full buffer is filled by
+        # dequantizing. The granularity must keep tile bands whole (fully_shard sees to it).
+        self.fp8: Optional[FP8GatherLayout] = FP8GatherLayout(self.plan, shapes, fp8_tile) if fp8_tile else None
+        if self.fp8 is not None:
+            w, S, T = self.world_size, self.plan.shard_size, self.fp8.max_scales
+            self._fp8_local = torch.zeros(S, dtype=torch.uint8, device=self.device)
+            self._fp8_full = torch.empty(w * S, dtype=torch.uint8, device=self.device)
+            self._scales_local = torch.ones(T, dtype=torch.float32, device=self.device)
+            self._scales_full = torch.empty(w * T, dtype=torch.float32, device=self.device)
+            self._fp8_version = -1
+
         self.state = GroupState.SHARDED
         self._cast_version = -1
         self.requires_grad_sync = True
@@ -168,6 +183,9 @@ class ParamGroup:
         """Gather the full parameters into ``compute.full`` (no-op unless sharded)."""
         if self.state is not GroupState.SHARDED:
             return
+        if self.fp8 is not None:
+            self._unshard_fp8(async_op)
+            return
         if self.compute.local is not self.master.local:
             # One cast per group, and only when the optimizer has changed the master shard
             # since the last one (views share the version counter of ``master.local``).
@@ -178,11 +196,28 @@ class ParamGroup:
         self._unshard_work = self.compute.all_gather(self.process_group, stats=self.stats, async_op=async_op)
         self.state = GroupState.UNSHARDING
 
+    def _unshard_fp8(self, async_op: bool) -> None:
+        if self._fp8_version != self.master.local._version:  # quantize once per optimizer step
+            with torch.no_grad():
+                self.fp8.quantize_local(self.rank, self.master.local, self._fp8_local, self._scales_local)
+            self._fp8_version = self.master.local._version
+        works = [
+            all_gather(self._fp8_full, self._fp8_local, self.process_group, self.stats, async_op),
+            all_gather(self._scales_full, self._scales_local, self.process_group, self.stats, async_op),
+        ]
+        self._unshard_work = works if async_op else None
+        self.compute.allocate()
+        self.state = GroupState.UNSHARDING
+
     def wait_for_unshard(self) -> None:
         if self.state is GroupState.UNSHARDING:
             if self._unshard_work is not None:
-                self._unshard_work.wait()
+                for work in self._unshard_work if isinstance(self._unshard_work, list) else [self._unshard_work]:
+                    work.wait()
                 self._unshard_work = None
+            if self.fp8 is not None:
+                with torch.no_grad():  # through the wire: see DBuffer [Note: version counter]
+                    self.fp8.dequantize_full(self._fp8_full, self._scales_full, self.compute._wire)
             self.state = GroupState.UNSHARDED
 
     def reshard(self) -> None:

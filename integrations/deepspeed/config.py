@@ -21,7 +21,7 @@ import warnings
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 __all__ = ["RaggedOptions", "parse_ragged_section", "RAGGED_STAGE"]
 
@@ -83,6 +83,8 @@ class RaggedOptions(BaseModel):
     reshard_after_forward: bool = True
     prefetch: bool = True
     reduce_dtype: Optional[Literal["fp32", "float32", "bf16", "bfloat16", "fp16", "float16"]] = None
+    fp8_all_gather_tile: Optional[int] = Field(default=None, gt=0)
+    """Gather parameters as float8 with one scale per tile x tile tile (e.g. 128)."""
 
     @property
     def reduce_torch_dtype(self) -> Optional[torch.dtype]:

@@ -100,6 +100,7 @@ class RaggedEngineMixin:
         vz.fully_shard_layers(
             self.module, opts.sharded_modules, mesh=groups._get_data_parallel_group(),
             reshard_after_forward=opts.reshard_after_forward, mp_policy=mp, granularity=granularity,
+            fp8_all_gather_tile=opts.fp8_all_gather_tile,
         )
         self.module.set_prefetch(opts.prefetch)
         self._ragged_scaler = self._make_loss_scaler() if precision.dtype == torch.float16 else None

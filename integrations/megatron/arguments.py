@@ -6,6 +6,7 @@
     --vescale-granularity G            'element' (default), 'row', '<N>rows' or an int
     --vescale-no-reshard-after-forward keep layers gathered from forward to backward
     --vescale-no-prefetch              gather each layer only when it runs
+    --vescale-fp8-all-gather-tile T    gather weights as float8, one scale per TxT tile
     --vescale-optimizer NAME           'adamw8bit' (block-wise 8-bit AdamW on the shards);
                                        default: Megatron's --optimizer (adam or sgd)
     --vescale-8bit-block N             8-bit AdamW quantization block (default 256)
@@ -38,6 +39,8 @@ def add_vescale_fsdp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                        action="store_false", help="Keep each layer gathered from its forward to its backward.")
     group.add_argument("--vescale-no-prefetch", dest="vescale_prefetch", action="store_false",
                        help="Do not gather the next layer while the current one computes.")
+    group.add_argument("--vescale-fp8-all-gather-tile", type=int, default=None, metavar="T",
+                       help="Gather parameters as float8 with one scale per TxT tile (e.g. 128).")
     group.add_argument("--vescale-optimizer", choices=["adamw8bit"], default=None,
                        help="A vescale-zero optimizer instead of Megatron's --optimizer.")
     group.add_argument("--vescale-8bit-block", type=int, default=256,
@@ -85,4 +88,5 @@ def vescale_options_from_args(args: argparse.Namespace) -> VeScaleFSDPOptions:
         granularity=granularity,
         reshard_after_forward=getattr(args, "vescale_reshard_after_forward", True),
         prefetch=getattr(args, "vescale_prefetch", True),
+        fp8_all_gather_tile=getattr(args, "vescale_fp8_all_gather_tile", None),
     )

@@ -65,6 +65,8 @@ class VeScaleFSDPOptions:
     """Block policy: 'element' (default), 'row', '<N>rows', an int, or a per-name mapping."""
     reshard_after_forward: bool = True
     prefetch: bool = True
+    fp8_all_gather_tile: Optional[int] = None
+    """Gather parameters as float8 with one scale per tile x tile tile (e.g. 128)."""
 
 
 def check_supported(config: TransformerConfig, ddp_config: DistributedDataParallelConfig) -> None:
@@ -178,6 +180,7 @@ class VeScaleFSDP(_BaseDataParallel):
             granularity=opts.granularity,
             reshard_after_forward=opts.reshard_after_forward,
             mp_policy=self._mixed_precision(module),
+            fp8_all_gather_tile=opts.fp8_all_gather_tile,
         )
         # Megatron's gradient scaling (DistributedDataParallel): per-token loss sums; else
         # scale by 1/(dp x cp) before a SUM, or average in the collective if asked to.
