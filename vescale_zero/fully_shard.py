@@ -69,6 +69,18 @@ class _RootContext:
         while len(self.reducing) > 1:
             self.reducing.pop(0).finish_grad_sync()
 
+    def last_before_root(self) -> Optional["_FSDPState"]:
+        """[Note: last group] The group that runs forward last before the root finishes is
+        the first one backward needs: resharding it after forward would only gather it
+        again at once. It stays gathered (from the second iteration, once the order is
+        known); peak memory is unchanged, since backward holds it at that point anyway."""
+        if not self.order_frozen:
+            return None
+        for state in reversed(self.forward_order):
+            if state is not self.root:
+                return state
+        return None
+
     def next_in_order(self, state: "_FSDPState", step: int) -> Optional["_FSDPState"]:
         if not self.order_frozen or state not in self.forward_order:
             return None
@@ -148,7 +160,7 @@ class _FSDPState:
         grad_on = torch.is_grad_enabled()
         if self.group is not None:
             self.group.ran_forward = self.group.ran_forward or grad_on
-            if self.reshard_after_forward and self is not ctx.root:
+            if self.reshard_after_forward and self is not ctx.root and not (grad_on and self is ctx.last_before_root()):
                 self.group.reshard()
         if self is ctx.root:
             ctx.order_frozen = True
