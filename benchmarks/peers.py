@@ -294,7 +294,8 @@ def main() -> None:
               f"<= 1.15x DDP [{ours['median_ms'] / rows['ddp']['median_ms']:.3f}]; peak memory <= FSDP2 "
               f"[{ours['peak_mib']:.0f} vs {rows['fsdp2']['peak_mib']:.0f} MiB] and ZeRO-3 [{rows['zero3']['peak_mib']:.0f} MiB]; "
               f"copies outside collectives {ours['copied_mib']:.2f} MiB/step")
-        print("megatron-core DDP vs VeScaleFSDP: not run (the Megatron adapter is issue 4)")
+        print("megatron-core DDP vs VeScaleFSDP: megatron-core needs CUDA, so not here; on GPUs time "
+              "examples/megatron/pretrain_gpt.py with and without --use-vescale-fsdp")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "summary": summary, "raw": raw}, f, indent=1)
