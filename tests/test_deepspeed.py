@@ -274,24 +274,25 @@ def test_pipeline_2_stages_x_2_way_matches_stage0_pipeline():
             torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-7)
 
 
-def _adamw8bit_from_config(rank, world_size, via):
+def _structured_from_config(rank, world_size, via, name):
     os.environ["LOCAL_RANK"] = str(rank)
     deepspeed = _deepspeed()
     import vescale_zero as vz
-    from vescale_zero.optim import AdamW8bit
+    from vescale_zero import optim
 
+    cls = getattr(optim, name)
     batches = make_batches(3, GLOBAL_BATCH)
     if via == "deepspeed":
         cfg = ds_config("ragged", world_size)
-        cfg["optimizer"] = {"type": "AdamW8bit", "params": {"lr": 1e-2, "weight_decay": 0.1, "block": 13}}
+        cfg["optimizer"] = {"type": name, "params": {"lr": 1e-2, "weight_decay": 0.1, "block": 13}}
         engine, *_ = deepspeed.initialize(model=AwkwardLM(seed=0), config=cfg)
-        assert isinstance(engine.optimizer, AdamW8bit)
+        assert isinstance(engine.optimizer, cls)
         _train_steps(engine, batches, rank, world_size)
         model = engine.module
     else:  # the same by hand: shard by the optimizer's blocks, accumulate, clip, step
         model = AwkwardLM(seed=0)
-        vz.fully_shard_layers(model, granularity=AdamW8bit.granularity(13))
-        opt = AdamW8bit(model.parameters(), lr=1e-2, weight_decay=0.1, block=13)
+        vz.fully_shard_layers(model, granularity=cls.granularity(13))
+        opt = cls(model.parameters(), lr=1e-2, weight_decay=0.1, block=13)
         for batch in batches:
             x, y = rank_slice(batch, rank, world_size)
             for i in range(ACCUM):
@@ -305,13 +306,14 @@ def _adamw8bit_from_config(rank, world_size, via):
     return {"misaligned": misaligned, "params": local_pieces(model)}
 
 
-def test_config_optimizer_adamw8bit_shards_by_its_blocks():
-    via_ds = run_on_ranks(_adamw8bit_from_config, 3, "deepspeed", timeout=400)
-    by_hand = run_on_ranks(_adamw8bit_from_config, 3, "direct", timeout=400)
+@pytest.mark.parametrize("name", ["AdamW8bit", "Shampoo"])
+def test_config_structured_optimizer_shards_by_its_blocks(name):
+    via_ds = run_on_ranks(_structured_from_config, 3, "deepspeed", name, timeout=400)
+    by_hand = run_on_ranks(_structured_from_config, 3, "direct", name, timeout=400)
     assert all(r["misaligned"] == 0 for r in via_ds)
     got, want = assemble([r["params"] for r in via_ds]), assemble([r["params"] for r in by_hand])
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-7)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=1e-7)
 
 
 # ---- migrating DeepSpeed checkpoints ---------------------------------------------------------

@@ -42,6 +42,7 @@ from vescale_zero.integrations.megatron import (
     add_vescale_fsdp_args,
     get_vescale_optimizer,
     validate_vescale_args,
+    vescale_optimizer_block,
     vescale_optimizer_name,
     vescale_options_from_args,
 )
@@ -204,7 +205,9 @@ def build(args: argparse.Namespace) -> Tuple[torch.nn.Module, Any, TransformerCo
     model = build_model(args, config)
     opt_config = optimizer_config(args)
     if args.use_vescale_fsdp:
-        optimizer = get_vescale_optimizer(opt_config, [model], optimizer=vescale_optimizer_name(args))
+        name = vescale_optimizer_name(args)
+        optimizer = get_vescale_optimizer(opt_config, [model], optimizer=name,
+                                          block=vescale_optimizer_block(args) if name else None)
     else:
         optimizer = get_megatron_optimizer(opt_config, [model])
     return model, optimizer, config

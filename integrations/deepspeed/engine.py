@@ -19,6 +19,7 @@ counters, LR schedulers, logging) is DeepSpeed's own.
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any, Optional
 
@@ -32,7 +33,7 @@ from deepspeed.utils import groups
 import vescale_zero as vz
 from vescale_zero import checkpoint
 from vescale_zero.fully_shard import groups_of
-from vescale_zero.optim import AdamW8bit
+from vescale_zero.optim import AdamW8bit, Shampoo
 from vescale_zero.state_dict import load_full_state_dict
 
 from .config import RaggedOptions
@@ -40,7 +41,7 @@ from .config import RaggedOptions
 __all__ = ["RaggedEngineMixin", "RaggedDeepSpeedEngine", "RaggedPipelineEngine", "RaggedPrecision"]
 
 
-STRUCTURED_OPTIMIZERS = {"adamw8bit": AdamW8bit}
+STRUCTURED_OPTIMIZERS = {"adamw8bit": AdamW8bit, "shampoo": Shampoo}
 """Config ``optimizer.type`` values (lower case) served by vescale-zero's own optimizers."""
 
 
@@ -134,7 +135,8 @@ class RaggedEngineMixin:
         return STRUCTURED_OPTIMIZERS.get(name)
 
     def _optimizer_block(self) -> int:
-        return int((self.optimizer_params() or {}).get("block", 256))
+        default = inspect.signature(self._structured_optimizer()).parameters["block"].default
+        return int((self.optimizer_params() or {}).get("block", default))
 
     def _is_supported_optimizer(self, optimizer_name: str) -> bool:
         return (optimizer_name or "").lower() in STRUCTURED_OPTIMIZERS or super()._is_supported_optimizer(optimizer_name)

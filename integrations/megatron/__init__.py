@@ -10,7 +10,13 @@ In Megatron-LM: ``use_vescale_fsdp_in_megatron_lm()`` before ``pretrain(...,
 extra_args_provider=add_vescale_fsdp_args)``, then pass ``--use-vescale-fsdp``.
 """
 
-from .arguments import add_vescale_fsdp_args, validate_vescale_args, vescale_optimizer_name, vescale_options_from_args
+from .arguments import (
+    add_vescale_fsdp_args,
+    validate_vescale_args,
+    vescale_optimizer_block,
+    vescale_optimizer_name,
+    vescale_options_from_args,
+)
 from .data_parallel import VeScaleFSDP, VeScaleFSDPOptions, check_supported
 from .megatron_lm import use_vescale_fsdp_in_megatron_lm
 from .optimizer import SUPPORTED_OPTIMIZERS, VeScaleOptimizer, get_vescale_optimizer
@@ -24,6 +30,7 @@ __all__ = [
     "validate_vescale_args",
     "vescale_options_from_args",
     "vescale_optimizer_name",
+    "vescale_optimizer_block",
     "check_supported",
     "use_vescale_fsdp_in_megatron_lm",
     "SUPPORTED_OPTIMIZERS",

@@ -7,21 +7,27 @@
     --vescale-no-reshard-after-forward keep layers gathered from forward to backward
     --vescale-no-prefetch              gather each layer only when it runs
     --vescale-fp8-all-gather-tile T    gather weights as float8, one scale per TxT tile
-    --vescale-optimizer NAME           'adamw8bit' (block-wise 8-bit AdamW on the shards);
-                                       default: Megatron's --optimizer (adam or sgd)
-    --vescale-8bit-block N             8-bit AdamW quantization block (default 256)
+    --vescale-optimizer NAME           'adamw8bit' (block-wise 8-bit AdamW) or 'shampoo'
+                                       (blocked Shampoo); default: Megatron's --optimizer
+    --vescale-optimizer-block N        its block (8-bit: 256 elements; Shampoo: 128 rows/cols)
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 from typing import Any, Optional, Union
 
-from vescale_zero.optim import AdamW8bit
+from vescale_zero.optim import AdamW8bit, Shampoo
 
 from .data_parallel import VeScaleFSDPOptions
 
-__all__ = ["add_vescale_fsdp_args", "validate_vescale_args", "vescale_options_from_args", "vescale_optimizer_name"]
+__all__ = [
+    "add_vescale_fsdp_args", "validate_vescale_args", "vescale_options_from_args", "vescale_optimizer_name",
+    "vescale_optimizer_block", "STRUCTURED_OPTIMIZERS",
+]
+
+STRUCTURED_OPTIMIZERS = {"adamw8bit": AdamW8bit, "shampoo": Shampoo}
 
 
 def _granularity(text: str) -> Union[int, str]:
@@ -41,10 +47,11 @@ def add_vescale_fsdp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                        help="Do not gather the next layer while the current one computes.")
     group.add_argument("--vescale-fp8-all-gather-tile", type=int, default=None, metavar="T",
                        help="Gather parameters as float8 with one scale per TxT tile (e.g. 128).")
-    group.add_argument("--vescale-optimizer", choices=["adamw8bit"], default=None,
-                       help="A vescale-zero optimizer instead of Megatron's --optimizer.")
-    group.add_argument("--vescale-8bit-block", type=int, default=256,
-                       help="Quantization block of --vescale-optimizer adamw8bit (elements).")
+    group.add_argument("--vescale-optimizer", choices=["adamw8bit", "shampoo"], default=None,
+                       help="A vescale-zero structure-aware optimizer instead of Megatron's --optimizer.")
+    group.add_argument("--vescale-optimizer-block", "--vescale-8bit-block", dest="vescale_optimizer_block", type=int,
+                       default=None, help="Its block: 8-bit quantization block in elements (default 256), or "
+                       "Shampoo's preconditioner block side (default 128).")
     return parser
 
 
@@ -65,9 +72,18 @@ def validate_vescale_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--use-vescale-fsdp cannot be combined with {flag}; drop one of the two")
     if getattr(args, "gradient_accumulation_fusion", False):
         raise ValueError("--use-vescale-fsdp needs --no-gradient-accumulation-fusion")
-    block = getattr(args, "vescale_8bit_block", 256)
-    if block <= 0:
-        raise ValueError(f"--vescale-8bit-block must be a positive number of elements, got {block}")
+    block = getattr(args, "vescale_optimizer_block", None)
+    if block is not None and block <= 0:
+        raise ValueError(f"--vescale-optimizer-block must be a positive number, got {block}")
+
+
+def vescale_optimizer_block(args: argparse.Namespace) -> int:
+    """The block of ``--vescale-optimizer`` (its class default unless given)."""
+    block = getattr(args, "vescale_optimizer_block", None)
+    if block is not None:
+        return block
+    cls = STRUCTURED_OPTIMIZERS[vescale_optimizer_name(args)]
+    return inspect.signature(cls).parameters["block"].default
 
 
 def vescale_optimizer_name(args: argparse.Namespace) -> Optional[str]:
@@ -77,13 +93,15 @@ def vescale_optimizer_name(args: argparse.Namespace) -> Optional[str]:
 
 def vescale_options_from_args(args: argparse.Namespace) -> VeScaleFSDPOptions:
     granularity: Any = getattr(args, "vescale_granularity", None)
-    if vescale_optimizer_name(args) == "adamw8bit":
+    name = vescale_optimizer_name(args)
+    if name is not None:
         if granularity is not None:
             raise ValueError(
-                "--vescale-optimizer adamw8bit sets the granularity itself (whole quantization blocks "
-                "per rank); drop --vescale-granularity"
+                f"--vescale-optimizer {name} sets the granularity itself (its blocks whole on one rank); "
+                "drop --vescale-granularity"
             )
-        granularity = AdamW8bit.granularity(getattr(args, "vescale_8bit_block", 256))
+        cls = STRUCTURED_OPTIMIZERS[name]
+        granularity = cls.granularity(vescale_optimizer_block(args))
     return VeScaleFSDPOptions(
         granularity=granularity,
         reshard_after_forward=getattr(args, "vescale_reshard_after_forward", True),

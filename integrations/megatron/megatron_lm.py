@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, Optional
 
-from .arguments import validate_vescale_args, vescale_optimizer_name, vescale_options_from_args
+from .arguments import validate_vescale_args, vescale_optimizer_block, vescale_optimizer_name, vescale_options_from_args
 from .data_parallel import VeScaleFSDP
 from .optimizer import get_vescale_optimizer
 
@@ -80,8 +80,9 @@ def use_vescale_fsdp_in_megatron_lm(get_args: Optional[Callable[[], Any]] = None
         args = get_args()
         if not getattr(args, "use_vescale_fsdp", False):
             return megatron_optimizer(config, model_chunks, *rest, **kwargs)
-        return get_vescale_optimizer(config, model_chunks, kwargs.pop("config_overrides", None),
-                                     optimizer=vescale_optimizer_name(args))
+        name = vescale_optimizer_name(args)
+        return get_vescale_optimizer(config, model_chunks, kwargs.pop("config_overrides", None), optimizer=name,
+                                     block=vescale_optimizer_block(args) if name else None)
 
     training.DDP = data_parallel
     training.get_megatron_optimizer = optimizer

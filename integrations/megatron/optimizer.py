@@ -29,13 +29,13 @@ from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
-from vescale_zero.optim import AdamW8bit
+from vescale_zero.optim import AdamW8bit, Shampoo
 
 from .data_parallel import VeScaleFSDP
 
 __all__ = ["VeScaleOptimizer", "get_vescale_optimizer", "SUPPORTED_OPTIMIZERS"]
 
-SUPPORTED_OPTIMIZERS = ("adam", "sgd", "adamw8bit")
+SUPPORTED_OPTIMIZERS = ("adam", "sgd", "adamw8bit", "shampoo")
 
 
 def _grad_scaler(config: OptimizerConfig, device: torch.device) -> Optional[MegatronGradScaler]:
@@ -205,13 +205,15 @@ def get_vescale_optimizer(
     config_overrides: Optional[Dict[Any, Any]] = None,
     *,
     optimizer: Optional[str] = None,
+    block: Optional[int] = None,
     **unused: Any,
 ) -> VeScaleOptimizer:
     """Megatron's ``get_megatron_optimizer`` for ``VeScaleFSDP`` chunks: Megatron's own
     parameter groups (weight-decay and LR multipliers, expert flag), on the shards.
 
     ``config.optimizer``: ``"adam"`` (AdamW when ``decoupled_weight_decay``, else Adam),
-    ``"sgd"``, or ``"adamw8bit"`` (:class:`vescale_zero.optim.AdamW8bit`); ``optimizer``
+    ``"sgd"``, ``"adamw8bit"`` (:class:`vescale_zero.optim.AdamW8bit`) or ``"shampoo"``
+    (:class:`vescale_zero.optim.Shampoo`, AdamW for 1-D parameters), of ``block``; ``optimizer``
     overrides it (Megatron-LM's ``--optimizer`` does not know ``adamw8bit``). Other
     keyword arguments of ``get_megatron_optimizer`` (process-group options) are accepted
     and unused: the groups come from the model chunks.
@@ -247,7 +249,11 @@ def get_vescale_optimizer(
                     weight_decay=config.weight_decay)
     elif name == "adamw8bit":
         inner = AdamW8bit(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
-                          weight_decay=config.weight_decay)
+                          weight_decay=config.weight_decay, **({"block": block} if block else {}))
+    elif name == "shampoo":
+        inner = Shampoo(groups, lr=config.lr, momentum=config.sgd_momentum, weight_decay=config.weight_decay,
+                        adamw_lr=config.lr, adamw_betas=(config.adam_beta1, config.adam_beta2),
+                        adamw_eps=config.adam_eps, **({"block": block} if block else {}))
     else:
         inner = torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum, weight_decay=config.weight_decay)
     return VeScaleOptimizer(inner, config)

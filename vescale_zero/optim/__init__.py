@@ -1,5 +1,6 @@
 """Structure-aware optimizers: they need whole blocks on one rank, and declare the granularity."""
 
 from .adamw8bit import AdamW8bit
+from .shampoo import Shampoo
 
-__all__ = ["AdamW8bit"]
+__all__ = ["AdamW8bit", "Shampoo"]

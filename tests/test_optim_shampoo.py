@@ -1,0 +1,72 @@
+"""Blocked Shampoo on ragged shards equals unsharded Shampoo bit for bit (same gradients)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vescale_zero as vz
+from vescale_zero.optim import Shampoo
+from vescale_zero.testing import GPT, GPTConfig, SyntheticCorpus
+from tests.distributed import run_on_ranks
+from tests.models import local_pieces
+from tests.test_optim_8bit import _full_grads
+
+BLOCK = 16  # divides the GPT's row counts: bands of 16 rows, several 16x16 blocks per matrix
+CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)
+
+
+def _sharded_vs_unsharded(rank, world_size):
+    reference = GPT(CFG)
+    model = GPT(CFG)
+    model.load_state_dict(reference.state_dict())
+    ref_params = {n: p for n, p in reference.named_parameters() if p.requires_grad}
+    ref_opt = Shampoo(ref_params.values(), lr=1e-2, weight_decay=0.1, block=BLOCK, update_freq=2)
+    vz.fully_shard_layers(model, granularity=Shampoo.granularity(BLOCK))
+    opt = Shampoo([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1, block=BLOCK,
+                  update_freq=2)
+    corpus = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
+    shampoo_params = 0
+    for step in range(4):
+        model(*corpus.batch(step, 12, rank, world_size)).backward()
+        grads = _full_grads(model)
+        for name, p in ref_params.items():
+            p.grad = grads[name].clone()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        for name, (shape, s, e, values) in local_pieces(model).items():
+            if name in ref_params:
+                assert torch.equal(values, ref_params[name].detach().view(-1)[s:e]), (step, name, s, e)
+                shampoo_params += len(shape) >= 2 and e > s
+    return shampoo_params
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_sharded_shampoo_equals_unsharded_bit_for_bit(world_size):
+    counts = run_on_ranks(_sharded_vs_unsharded, world_size)
+    assert sum(counts) > 0, "no matrix was preconditioned"
+
+
+def _split(rank, world_size):
+    model = GPT(CFG)
+    vz.fully_shard_layers(model, granularity="element")
+    opt = Shampoo([p for p in model.parameters() if p.requires_grad], block=BLOCK)
+    model(*SyntheticCorpus(CFG.vocab_size, CFG.seq_len).batch(0, 12, rank, world_size)).backward()
+    try:
+        opt.step()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_bad_input_is_refused_with_the_fix():
+    messages = [m for m in run_on_ranks(_split, 3) if m]
+    assert messages and "would be split across ranks" in messages[0] and f"Shampoo.granularity({BLOCK})" in messages[0]
+    with pytest.raises(ValueError, match="update_freq"):
+        Shampoo([torch.nn.Parameter(torch.ones(2, 2))], update_freq=0)
+    vector = torch.nn.Parameter(torch.ones(4))
+    opt = Shampoo([{"params": [vector], "use_shampoo": True}])
+    vector.grad = torch.ones(4)
+    with pytest.raises(ValueError, match="matrices only"):
+        opt.step()

@@ -1,0 +1,186 @@
+"""Blocked Shampoo on ragged shards: every preconditioner block lives on one rank.
+
+A matrix ``[R, C]`` (N-D: dim 0 x the rest) is cut into blocks of at most ``block x
+block`` from its origin. Sharded with ``granularity=Shampoo.granularity(block)`` a rank's
+piece is whole bands of ``block`` rows (or the whole matrix when ``block`` does not divide
+R), so each block -- and its two preconditioners -- is on exactly one rank and the step
+needs no communication::
+
+    matrix [R, C]             rank k's piece: bands i..j (whole rows)
+    +------+------+---+       for each block G (<= block x block) of the piece:
+    | B00  | B01  |B02|  band 0    L += G G^T        R_ += G^T G
+    +------+------+---+            every `update_freq` steps: L^-1/4, R_^-1/4 (eigh)
+    | B10  | B11  |B12|  band 1    P = L^-1/4 G R_^-1/4, scaled to ||G|| (SGD grafting)
+    +------+------+---+            m = momentum * m + P;  p -= lr * (m + wd * p)
+
+1-D parameters (norms, biases) and parameters in a group with ``use_shampoo=False`` take
+AdamW (``adamw_*`` hyper-parameters). Given the same gradients the sharded run performs
+the same per-block arithmetic as the unsharded one, so the two agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable, List, Optional, Tuple
+
+import torch
+
+__all__ = ["Shampoo"]
+
+
+def _matrix_shape(shape: Tuple[int, ...]) -> Tuple[int, int]:
+    return (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else (1, math.prod(shape))
+
+
+def _inverse_root(m: torch.Tensor, root: int, eps: float) -> torch.Tensor:
+    """``m^(-1/root)`` of a symmetric PSD matrix, via its eigen-decomposition (fp32)."""
+    vals, vecs = torch.linalg.eigh(m)
+    vals = vals.clamp_min(0.0) + eps
+    return (vecs * vals.pow(-1.0 / root)) @ vecs.T
+
+
+class Shampoo(torch.optim.Optimizer):
+    """Blocked Shampoo (see module docstring).
+
+    Args:
+        lr, momentum, weight_decay: of the preconditioned (Shampoo) update; weight decay
+            is decoupled.
+        block: the largest preconditioner block side (rows and columns).
+        eps: added to the eigenvalues before the inverse root.
+        update_freq: recompute the inverse roots every this many steps.
+        adamw_lr, adamw_betas, adamw_eps: AdamW for 1-D and opted-out parameters.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-2,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        block: int = 128,
+        eps: float = 1e-6,
+        update_freq: int = 1,
+        adamw_lr: float = 1e-3,
+        adamw_betas: Tuple[float, float] = (0.9, 0.999),
+        adamw_eps: float = 1e-8,
+    ) -> None:
+        if block < 1:
+            raise ValueError(f"Shampoo: block must be a positive number of rows/columns, got {block}")
+        if update_freq < 1:
+            raise ValueError(f"Shampoo: update_freq must be >= 1 (steps between inverse roots), got {update_freq}")
+        if lr < 0 or adamw_lr < 0:
+            raise ValueError(f"Shampoo: learning rates must be >= 0, got lr={lr}, adamw_lr={adamw_lr}")
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, block=block, eps=eps,
+                        update_freq=update_freq, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
+                        use_shampoo=None)
+        super().__init__(params, defaults)
+
+    @staticmethod
+    def granularity(block: int = 128) -> Callable[[str, torch.Tensor], int]:
+        """A ``fully_shard`` granularity policy keeping every block on one rank: bands of
+        ``block`` rows where they divide dim 0, else the whole parameter (1-D: whole)."""
+
+        def policy(name: str, param: torch.Tensor) -> int:
+            rows, cols = _matrix_shape(tuple(param.shape))
+            if param.dim() >= 2 and rows % block == 0:
+                return block * cols
+            return max(1, param.numel())
+
+        return policy
+
+    @staticmethod
+    def _full_shape_and_rows(p: torch.Tensor, block: int) -> Tuple[Tuple[int, ...], int, int]:
+        """(full shape, first row, row count) of the piece ``p`` holds; checks the layout."""
+        rng = getattr(p, "sharded_range", None)
+        if rng is None:
+            shape = tuple(p.shape)
+            return shape, 0, _matrix_shape(shape)[0]
+        rows, cols = _matrix_shape(rng.shape)
+        whole_bands = rng.start % (block * cols) == 0 and ((rng.end - rng.start) % (block * cols) == 0 or rng.end == rows * cols)
+        whole_tensor = rng.start == 0 and rng.end == rows * cols
+        if rng.end > rng.start and not (whole_bands or whole_tensor):
+            raise ValueError(
+                f"Shampoo: a {block}x{block} block of a parameter of shape {rng.shape} would be split across ranks "
+                f"(this rank holds elements [{rng.start}, {rng.end})); shard it with "
+                f"fully_shard(..., granularity=Shampoo.granularity({block}))"
+            )
+        return tuple(rng.shape), rng.start // cols, (rng.end - rng.start) // cols
+
+    def _blocks(self, rows: int, cols: int, block: int) -> List[Tuple[int, int, int, int]]:
+        return [(r, min(r + block, rows), c, min(c + block, cols))
+                for r in range(0, rows, block) for c in range(0, cols, block)]
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable] = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                shape = getattr(p, "sharded_range", None).shape if hasattr(p, "sharded_range") else tuple(p.shape)
+                use = group["use_shampoo"]
+                if use is None:
+                    use = len(shape) >= 2
+                if use and len(shape) < 2:
+                    raise ValueError(f"Shampoo: use_shampoo=True on a {len(shape)}-D parameter {tuple(shape)}; "
+                                     "precondition matrices only (leave use_shampoo unset for 1-D parameters)")
+                if use:
+                    self._shampoo(p, group)
+                else:
+                    self._adamw(p, group)
+        return loss
+
+    def _shampoo(self, p: torch.Tensor, group: dict) -> None:
+        block = group["block"]
+        full_shape, first_row, n_rows = self._full_shape_and_rows(p, block)
+        if p.numel() == 0:
+            return
+        cols = _matrix_shape(full_shape)[1]
+        g = p.grad.float().view(n_rows, cols)
+        state = self.state[p]
+        if not state:
+            state["step"] = 0
+            state["momentum"] = torch.zeros_like(p, dtype=torch.float32)
+            state["blocks"] = []
+            square = dict(dtype=torch.float32, device=p.device)
+            for r0, r1, c0, c1 in self._blocks(n_rows, cols, block):
+                state["blocks"].append({"L": torch.zeros(r1 - r0, r1 - r0, **square),
+                                        "R": torch.zeros(c1 - c0, c1 - c0, **square)})
+        state["step"] += 1
+        update = torch.empty_like(g)
+        refresh = (state["step"] - 1) % group["update_freq"] == 0
+        for (r0, r1, c0, c1), pre in zip(self._blocks(n_rows, cols, block), state["blocks"]):
+            gb = g[r0:r1, c0:c1]
+            pre["L"].add_(gb @ gb.T)
+            pre["R"].add_(gb.T @ gb)
+            if refresh:
+                pre["Li"] = _inverse_root(pre["L"], 4, group["eps"])
+                pre["Ri"] = _inverse_root(pre["R"], 4, group["eps"])
+            u = pre["Li"] @ gb @ pre["Ri"]
+            norm_u = u.norm()
+            update[r0:r1, c0:c1] = u * (gb.norm() / norm_u) if norm_u > 0 else u
+        m = state["momentum"].view(n_rows, cols)
+        m.mul_(group["momentum"]).add_(update)
+        if group["weight_decay"]:
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+        p.add_(m.view_as(p).to(p.dtype), alpha=-group["lr"])
+
+    def _adamw(self, p: torch.Tensor, group: dict) -> None:
+        state = self.state[p]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+        state["step"] += 1
+        b1, b2 = group["adamw_betas"]
+        g = p.grad.float()
+        state["exp_avg"].mul_(b1).add_(g, alpha=1 - b1)
+        state["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
+        bc1, bc2 = 1 - b1 ** state["step"], 1 - b2 ** state["step"]
+        denom = (state["exp_avg_sq"] / bc2).sqrt().add_(group["adamw_eps"])
+        if group["weight_decay"]:
+            p.mul_(1 - group["adamw_lr"] * group["weight_decay"])
+        p.add_((state["exp_avg"] / bc1 / denom).to(p.dtype), alpha=-group["adamw_lr"])
