@@ -20,6 +20,7 @@ counters, LR schedulers, logging) is DeepSpeed's own.
 from __future__ import annotations
 
 import inspect
+import math
 import os
 from typing import Any, Optional
 
@@ -240,15 +241,21 @@ class RaggedEngineMixin:
         """[Note: migration] A checkpoint of DeepSpeed's own engine (stage 0-3, any world
         size): the fp32 weights are rebuilt with DeepSpeed's ``zero_to_fp32`` (stage 0: the
         module states) and each rank keeps its own ranges; counters, LR scheduler and client
-        state come along. ZeRO's optimizer partitions do not (yet), so that must be asked for."""
+        state come along. Adam's moments come from DeepSpeed's own universal-checkpoint
+        conversion (``ds_to_universal``: one file per parameter and state), made once next
+        to the checkpoint as ``<tag>_universal``; each rank reads its ranges of them."""
         path = os.path.join(load_dir, tag)
-        if load_optimizer_states and not load_module_only:
-            raise ValueError(
-                f"{path} is a DeepSpeed ZeRO checkpoint: its weights migrate into ragged shards, its optimizer state "
-                "(ZeRO's flat partitions) does not yet. Load it with load_optimizer_states=False (Adam's moments "
-                "restart from the migrated fp32 weights), then save_checkpoint to continue in the ragged format"
-            )
         states = torch.load(_deepspeed_model_states(path), map_location="cpu", weights_only=False)
+        universal = None
+        if load_optimizer_states and not load_module_only:
+            if os.path.basename(_deepspeed_model_states(path)).startswith("zero_pp_rank_"):
+                raise ValueError(
+                    f"{path} is a ZeRO stage-3 checkpoint: its weights migrate into ragged shards, its Adam state "
+                    "does not (DeepSpeed's universal conversion of stage 3 did not reproduce the moments in our "
+                    "tests). Load it with load_optimizer_states=False (the moments restart from the migrated fp32 "
+                    "weights); stage 0-2 checkpoints migrate with their optimizer state"
+                )
+            universal = self._universal_checkpoint(load_dir, tag)
         if any(name.endswith("optim_states.pt") and name.startswith(("zero_pp_rank_", "bf16_zero_pp_rank_"))
                for name in os.listdir(path)):
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -257,6 +264,8 @@ class RaggedEngineMixin:
         else:
             full = states["module"]
         load_full_state_dict(self.module, full, strict=strict)
+        if universal is not None:
+            self._load_universal_optimizer_state(universal)
         if not load_module_only:
             if load_lr_scheduler_states and self.lr_scheduler is not None and states.get("lr_scheduler") is not None:
                 self.lr_scheduler.load_state_dict(states["lr_scheduler"])
@@ -264,6 +273,72 @@ class RaggedEngineMixin:
                 if key in states:
                     setattr(self, key, states[key])
         return path, {k: v for k, v in states.items() if k not in _DS_ENGINE_KEYS}
+
+    def _universal_checkpoint(self, load_dir: str, tag: str) -> str:
+        """``<load_dir>/<tag>_universal``, converted by rank 0 if it is not there yet."""
+        target = os.path.join(load_dir, f"{tag}_universal")
+        error = None
+        if dist.get_rank() == 0 and not os.path.isdir(os.path.join(target, "zero")):
+            import argparse
+
+            from deepspeed.checkpoint import ds_to_universal
+
+            tmp = f"{target}.tmp-{os.getpid()}"
+            try:
+                ds_to_universal.main(argparse.Namespace(
+                    input_folder=os.path.join(load_dir, tag), output_folder=tmp, num_extract_workers=1,
+                    num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True))
+                os.replace(tmp, target)
+            except Exception as e:  # noqa: BLE001 - reported on every rank below
+                error = f"{type(e).__name__}: {e}"
+        flag = [error]
+        dist.broadcast_object_list(flag, src=0)
+        if flag[0] is not None:
+            raise ValueError(
+                f"{os.path.join(load_dir, tag)}: DeepSpeed's universal-checkpoint conversion of the optimizer state "
+                f"failed ({flag[0]}); load with load_optimizer_states=False to migrate the weights only"
+            )
+        return target
+
+    def _load_universal_optimizer_state(self, universal: str) -> None:
+        """Adam's ``exp_avg`` / ``exp_avg_sq`` / ``step`` of every parameter, cut to this
+        rank's ranges (the sharded optimizer must keep Adam's state names)."""
+        optimizer = self.optimizer
+        owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        steps = [os.path.join(universal, "zero", n, "step.pt") for n in sorted(os.listdir(os.path.join(universal, "zero")))]
+        steps = [f for f in steps if os.path.exists(f)]
+        # DeepSpeed keeps one step count per parameter group; some conversions write it only
+        # for some parameters, so the first one found stands in for a missing one.
+        common_step = torch.load(steps[0], map_location="cpu", weights_only=False) if steps else None
+        shared = os.path.join(universal, "zero", "optimizer_state.pt")
+        if common_step is None and os.path.exists(shared):  # stage 3 keeps it with the shared state
+            inner = torch.load(shared, map_location="cpu", weights_only=False).get("optimizer_state_dict", {})
+            common_step = next((st["step"] for st in inner.get("state", {}).values() if "step" in st), None)
+        for name, param, shape, start, end in checkpoint.managed_pieces(self.module):
+            if id(param) not in owned or not param.requires_grad:
+                continue
+            folder = os.path.join(universal, "zero", name)
+            files = {key: os.path.join(folder, f"{key}.pt") for key in ("exp_avg", "exp_avg_sq", "step")}
+            if not os.path.exists(files["step"]) and common_step is not None:
+                files.pop("step")
+            missing = [k for k, f in files.items() if not os.path.exists(f)]
+            if missing:
+                raise ValueError(
+                    f"{folder}: no {missing} for {name!r}; the DeepSpeed checkpoint does not hold Adam state for it "
+                    "(another optimizer?); load with load_optimizer_states=False"
+                )
+            state = {}
+            for key in ("exp_avg", "exp_avg_sq"):
+                saved = torch.load(files[key], map_location="cpu", weights_only=False)
+                full = saved["param"] if isinstance(saved, dict) else saved  # stage 3 writes the bare tensor
+                if full.numel() == math.prod(shape):
+                    full = full.reshape(shape)
+                if tuple(full.shape) != tuple(shape):
+                    raise ValueError(f"{files[key]}: shape {tuple(full.shape)} is not the model's {tuple(shape)}")
+                state[key] = full.reshape(-1)[start:end].to(device=param.device, dtype=torch.float32).clone()
+            step = torch.load(files["step"], map_location="cpu", weights_only=False) if "step" in files else common_step
+            state["step"] = torch.as_tensor(step).float().reshape(())
+            optimizer.state[param] = state
 
     @property
     def loss_scale(self) -> float:

@@ -1,6 +1,6 @@
 """Sharded checkpoints of ``fully_shard`` models: each rank writes only its own pieces."""
 
 from .consolidate import consolidate
-from .sharded import CheckpointError, load, read_latest, save, write_latest
+from .sharded import CheckpointError, load, managed_pieces, read_latest, save, write_latest
 
-__all__ = ["save", "load", "consolidate", "CheckpointError", "read_latest", "write_latest"]
+__all__ = ["save", "load", "consolidate", "managed_pieces", "CheckpointError", "read_latest", "write_latest"]

@@ -35,7 +35,7 @@ from torch import nn
 
 from ..fully_shard import RaggedFSDPModule
 
-__all__ = ["save", "load", "CheckpointError", "read_latest", "write_latest"]
+__all__ = ["save", "load", "managed_pieces", "CheckpointError", "read_latest", "write_latest"]
 
 FORMAT = "vescale-zero/ragged-v1"
 Piece = Tuple[Tuple[int, ...], int, int, torch.Tensor]
@@ -52,7 +52,7 @@ class CheckpointError(RuntimeError):
     """A checkpoint that is missing, partial or corrupt; the message names the file."""
 
 
-def _managed(model: nn.Module) -> List[Tuple[str, nn.Parameter, Tuple[int, ...], int, int]]:
+def managed_pieces(model: nn.Module) -> List[Tuple[str, nn.Parameter, Tuple[int, ...], int, int]]:
     """``(name, sharded param, full shape, start, end)`` for every parameter of every group."""
     out = []
     for prefix, module in model.named_modules():
@@ -111,8 +111,8 @@ def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     tmp = f"{path.rstrip(os.sep)}.tmp-{token[0]}"
     os.makedirs(tmp, exist_ok=True)
     params, states, scalars = {}, {}, {}
-    by_param = {id(p): (name, shape, s, e) for name, p, shape, s, e in _managed(model)}
-    for name, p, shape, s, e in _managed(model):
+    by_param = {id(p): (name, shape, s, e) for name, p, shape, s, e in managed_pieces(model)}
+    for name, p, shape, s, e in managed_pieces(model):
         params[name] = (shape, s, e, p.detach().cpu().clone())
     if optimizer is not None:
         for p, state in optimizer.state.items():
@@ -210,7 +210,7 @@ def _load_local(path: str, model: nn.Module, optimizer: Optional[torch.optim.Opt
     for f in files:
         for key, piece in list(f["params"].items()) + list(f["optim_states"].items()):
             pieces.setdefault(key, []).append(piece)
-    managed = _managed(model)
+    managed = managed_pieces(model)
     with torch.no_grad():
         for name, p, shape, s, e in managed:
             saved = pieces.get(name)
