@@ -476,26 +476,28 @@ def _structured(rank: int, world_size: int, argv: List[str], name: str) -> Dict:
     from vescale_zero import optim
 
     pg = _example()
-    args = pg.build_parser().parse_args(argv + ["--use-vescale-fsdp", "--vescale-optimizer", name,
-                                                "--vescale-optimizer-block", "16"])
+    block = [] if name == "muon" else ["--vescale-optimizer-block", "16"]
+    args = pg.build_parser().parse_args(argv + ["--use-vescale-fsdp", "--vescale-optimizer", name] + block)
     pg.setup(args)
     try:
         model, optimizer, config = pg.build(args)
         before = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
         run = pg.train_loop(args, model, optimizer, config)
         after = model.state_dict()
-        cls = {"adamw8bit": optim.AdamW8bit, "shampoo": optim.Shampoo}[name]
-        rows = all(sp.sharded_range.start % 16 == 0 for g in model.vescale_groups for sp in g.sharded_params)
+        cls = {"adamw8bit": optim.AdamW8bit, "shampoo": optim.Shampoo, "muon": optim.Muon}[name]
+        rows = name == "muon" or all(sp.sharded_range.start % 16 == 0 for g in model.vescale_groups
+                                     for sp in g.sharded_params)
         return {"inner": isinstance(optimizer.optimizer, cls), "aligned": rows,
                 "moved": sum(not torch.equal(before[k], after[k]) for k in before), "losses": run["losses"]}
     finally:
         parallel_state.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("name", ["adamw8bit", "shampoo"])
+@pytest.mark.parametrize("name", ["adamw8bit", "shampoo", "muon"])
 def test_structured_optimizer_flags(name):
-    """``--vescale-optimizer adamw8bit | shampoo``: the granularity follows the optimizer's
-    block (every piece starts on one), and training moves every tensor."""
+    """``--vescale-optimizer adamw8bit | shampoo | muon``: the granularity follows the
+    optimizer's block (every piece starts on one; Muon needs none), and training moves
+    the weights."""
     for res in run_on_ranks(_structured, 2, SMALL + ["--global-batch-size", "8"], name, timeout=300):
         assert res["inner"] and res["aligned"], res
         assert res["moved"] > 0 and all(math.isfinite(x) for x in res["losses"]), res

@@ -34,7 +34,7 @@ from deepspeed.utils import groups
 import vescale_zero as vz
 from vescale_zero import checkpoint
 from vescale_zero.fully_shard import groups_of
-from vescale_zero.optim import AdamW8bit, Shampoo
+from vescale_zero.optim import AdamW8bit, Muon, Shampoo
 from vescale_zero.state_dict import load_full_state_dict
 
 from .config import RaggedOptions
@@ -42,7 +42,7 @@ from .config import RaggedOptions
 __all__ = ["RaggedEngineMixin", "RaggedDeepSpeedEngine", "RaggedPipelineEngine", "RaggedPrecision"]
 
 
-STRUCTURED_OPTIMIZERS = {"adamw8bit": AdamW8bit, "shampoo": Shampoo}
+STRUCTURED_OPTIMIZERS = {"adamw8bit": AdamW8bit, "shampoo": Shampoo, "muon": Muon}
 """Config ``optimizer.type`` values (lower case) served by vescale-zero's own optimizers."""
 
 
@@ -96,7 +96,7 @@ class RaggedEngineMixin:
         elif opts.reduce_torch_dtype is not None:
             mp = vz.MixedPrecisionPolicy(reduce_dtype=opts.reduce_torch_dtype)
         granularity = opts.granularity
-        if granularity is None and self._structured_optimizer() is not None:
+        if granularity is None and hasattr(self._structured_optimizer(), "granularity"):
             # the optimizer's blocks must stay whole on one rank: shard by them
             granularity = self._structured_optimizer().granularity(self._optimizer_block())
         vz.fully_shard_layers(
@@ -146,7 +146,10 @@ class RaggedEngineMixin:
         cls = self._structured_optimizer()
         if cls is None:
             return super()._configure_basic_optimizer(model_parameters)
-        return cls(model_parameters, **dict(self.optimizer_params() or {}))
+        params = dict(self.optimizer_params() or {})
+        if cls is Muon:  # moves its matrices within DeepSpeed's data-parallel group
+            params.setdefault("process_group", groups._get_data_parallel_group())
+        return cls(model_parameters, **params)
 
     def _configure_optimizer(self, client_optimizer: Any, model_parameters: Any) -> None:
         if isinstance(client_optimizer, torch.optim.Optimizer):

@@ -7,8 +7,8 @@
     --vescale-no-reshard-after-forward keep layers gathered from forward to backward
     --vescale-no-prefetch              gather each layer only when it runs
     --vescale-fp8-all-gather-tile T    gather weights as float8, one scale per TxT tile
-    --vescale-optimizer NAME           'adamw8bit' (block-wise 8-bit AdamW) or 'shampoo'
-                                       (blocked Shampoo); default: Megatron's --optimizer
+    --vescale-optimizer NAME           'adamw8bit' (block-wise 8-bit AdamW), 'shampoo' (blocked
+                                       Shampoo) or 'muon'; default: Megatron's --optimizer
     --vescale-optimizer-block N        its block (8-bit: 256 elements; Shampoo: 128 rows/cols)
 """
 
@@ -18,7 +18,7 @@ import argparse
 import inspect
 from typing import Any, Optional, Union
 
-from vescale_zero.optim import AdamW8bit, Shampoo
+from vescale_zero.optim import AdamW8bit, Muon, Shampoo
 
 from .data_parallel import VeScaleFSDPOptions
 
@@ -27,7 +27,7 @@ __all__ = [
     "vescale_optimizer_block", "STRUCTURED_OPTIMIZERS",
 ]
 
-STRUCTURED_OPTIMIZERS = {"adamw8bit": AdamW8bit, "shampoo": Shampoo}
+STRUCTURED_OPTIMIZERS = {"adamw8bit": AdamW8bit, "shampoo": Shampoo, "muon": Muon}
 
 
 def _granularity(text: str) -> Union[int, str]:
@@ -47,7 +47,7 @@ def add_vescale_fsdp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                        help="Do not gather the next layer while the current one computes.")
     group.add_argument("--vescale-fp8-all-gather-tile", type=int, default=None, metavar="T",
                        help="Gather parameters as float8 with one scale per TxT tile (e.g. 128).")
-    group.add_argument("--vescale-optimizer", choices=["adamw8bit", "shampoo"], default=None,
+    group.add_argument("--vescale-optimizer", choices=["adamw8bit", "shampoo", "muon"], default=None,
                        help="A vescale-zero structure-aware optimizer instead of Megatron's --optimizer.")
     group.add_argument("--vescale-optimizer-block", "--vescale-8bit-block", dest="vescale_optimizer_block", type=int,
                        default=None, help="Its block: 8-bit quantization block in elements (default 256), or "
@@ -83,7 +83,8 @@ def vescale_optimizer_block(args: argparse.Namespace) -> int:
     if block is not None:
         return block
     cls = STRUCTURED_OPTIMIZERS[vescale_optimizer_name(args)]
-    return inspect.signature(cls).parameters["block"].default
+    block = inspect.signature(cls).parameters.get("block")
+    return block.default if block is not None else None
 
 
 def vescale_optimizer_name(args: argparse.Namespace) -> Optional[str]:
@@ -101,7 +102,8 @@ def vescale_options_from_args(args: argparse.Namespace) -> VeScaleFSDPOptions:
                 "drop --vescale-granularity"
             )
         cls = STRUCTURED_OPTIMIZERS[name]
-        granularity = cls.granularity(vescale_optimizer_block(args))
+        if hasattr(cls, "granularity"):  # Muon needs none: it joins each matrix on a root rank
+            granularity = cls.granularity(vescale_optimizer_block(args))
     return VeScaleFSDPOptions(
         granularity=granularity,
         reshard_after_forward=getattr(args, "vescale_reshard_after_forward", True),

@@ -29,13 +29,13 @@ from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
-from vescale_zero.optim import AdamW8bit, Shampoo
+from vescale_zero.optim import AdamW8bit, Muon, Shampoo
 
 from .data_parallel import VeScaleFSDP
 
 __all__ = ["VeScaleOptimizer", "get_vescale_optimizer", "SUPPORTED_OPTIMIZERS"]
 
-SUPPORTED_OPTIMIZERS = ("adam", "sgd", "adamw8bit", "shampoo")
+SUPPORTED_OPTIMIZERS = ("adam", "sgd", "adamw8bit", "shampoo", "muon")
 
 
 def _grad_scaler(config: OptimizerConfig, device: torch.device) -> Optional[MegatronGradScaler]:
@@ -212,8 +212,9 @@ def get_vescale_optimizer(
     parameter groups (weight-decay and LR multipliers, expert flag), on the shards.
 
     ``config.optimizer``: ``"adam"`` (AdamW when ``decoupled_weight_decay``, else Adam),
-    ``"sgd"``, ``"adamw8bit"`` (:class:`vescale_zero.optim.AdamW8bit`) or ``"shampoo"``
-    (:class:`vescale_zero.optim.Shampoo`, AdamW for 1-D parameters), of ``block``; ``optimizer``
+    ``"sgd"``, ``"adamw8bit"`` (:class:`vescale_zero.optim.AdamW8bit`), ``"shampoo"``
+    (:class:`vescale_zero.optim.Shampoo`) or ``"muon"`` (:class:`vescale_zero.optim.Muon`,
+    Megatron's ``muon_*`` settings), the last two with AdamW for 1-D parameters; ``optimizer``
     overrides it (Megatron-LM's ``--optimizer`` does not know ``adamw8bit``). Other
     keyword arguments of ``get_megatron_optimizer`` (process-group options) are accepted
     and unused: the groups come from the model chunks.
@@ -254,6 +255,17 @@ def get_vescale_optimizer(
         inner = Shampoo(groups, lr=config.lr, momentum=config.sgd_momentum, weight_decay=config.weight_decay,
                         adamw_lr=config.lr, adamw_betas=(config.adam_beta1, config.adam_beta2),
                         adamw_eps=config.adam_eps, **({"block": block} if block else {}))
+    elif name == "muon":
+        if len({id(getattr(c, "dp_cp_group", None)) for c in model_chunks}) > 1 or any(
+            not getattr(p, "allreduce", True) for g in groups for p in g["params"]
+        ):
+            raise ValueError("--vescale-optimizer muon: expert parameters (another data-parallel group) are not "
+                             "supported yet; use adam for MoE models")
+        inner = Muon(groups, lr=config.lr, momentum=getattr(config, "muon_momentum", 0.95),
+                     nesterov=getattr(config, "muon_use_nesterov", True), ns_steps=getattr(config, "muon_num_ns_steps", 5),
+                     weight_decay=config.weight_decay, adamw_lr=config.lr,
+                     adamw_betas=(config.adam_beta1, config.adam_beta2), adamw_eps=config.adam_eps,
+                     process_group=model_chunks[0].dp_cp_group)
     else:
         inner = torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum, weight_decay=config.weight_decay)
     return VeScaleOptimizer(inner, config)
