@@ -31,7 +31,8 @@ class GatherEverythingMuon(Muon):
     """The baseline: every full matrix on every rank (one all-reduce of zero-filled pieces
     each), Newton-Schulz on all of them everywhere, each rank keeps its piece."""
 
-    def _muon_step(self, muon):
+    def _muon_step(self, muon, while_moving=lambda: None):
+        while_moving()
         sent = 0
         for p, group in muon:
             state = self.state[p]

@@ -12,7 +12,8 @@
 
 The roots are assigned greedily, largest Newton-Schulz cost first, to the least loaded rank,
 so no rank does much more than its share. Both moves are one ``all_to_all_single`` each
-(uneven splits; it works on gloo and NCCL). The root sees exactly the matrix an unsharded
+(uneven splits; it works on gloo and NCCL); the first is asynchronous, and the AdamW update
+of the non-matrix parameters runs while it is in flight. The root sees exactly the matrix an unsharded
 run sees, so given the same gradients the sharded update equals the unsharded one.
 
 Newton-Schulz: the quintic iteration with coefficients (3.4445, -4.7750, 2.0315) on the
@@ -150,15 +151,20 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         muon = self._muon_params()
         muon_ids = {id(p) for p, _ in muon}
-        for group in self.param_groups:
-            for p in group["params"]:
-                if id(p) not in muon_ids and p.grad is not None:
-                    self._adamw(p, group)
+
+        def adamw_rest() -> None:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if id(p) not in muon_ids and p.grad is not None:
+                        self._adamw(p, group)
+
         if muon:
-            self._muon_step(muon)
+            self._muon_step(muon, while_moving=adamw_rest)  # AdamW runs while the pieces travel
+        else:
+            adamw_rest()
         return loss
 
-    def _muon_step(self, muon: List[Tuple[torch.Tensor, dict]]) -> None:
+    def _muon_step(self, muon: List[Tuple[torch.Tensor, dict]], while_moving: Callable[[], None] = lambda: None) -> None:
         params = [p for p, _ in muon]
         layout = self._plan(params)
         world, rank, ranges, roots = layout["world"], layout["rank"], layout["ranges"], layout["roots"]
@@ -179,7 +185,10 @@ class Muon(torch.optim.Optimizer):
                 for r in range(world)]
         recv_sizes = [sum(ranges[s][k][1] - ranges[s][k][0] for k in range(len(params)) if roots[k] == rank)
                       for s in range(world)]
-        received = self._exchange(send, recv_sizes, device)
+        received, work = self._exchange(send, recv_sizes, device, async_op=True)
+        while_moving()
+        if work is not None:
+            work.wait()
         # 3. Newton-Schulz on the matrices rooted here, pieces joined in rank order
         offsets = [0] * world
         chunks = list(received.split(recv_sizes)) if world > 1 else [received]
@@ -200,7 +209,7 @@ class Muon(torch.optim.Optimizer):
                           or [torch.empty(0, device=device)]) for s in range(world)]
         mine_sizes = [sum(ranges[rank][k][1] - ranges[rank][k][0] for k in range(len(params)) if roots[k] == r)
                       for r in range(world)]
-        updates = self._exchange(back, mine_sizes, device)
+        updates, _ = self._exchange(back, mine_sizes, device)
         per_root = list(updates.split(mine_sizes)) if world > 1 else [updates]
         cursor = [0] * world
         # 5. apply, decoupled weight decay
@@ -218,13 +227,15 @@ class Muon(torch.optim.Optimizer):
         sent = sum(t.numel() for s, t in enumerate(send) if s != rank) + sum(t.numel() for s, t in enumerate(back) if s != rank)
         self.last_step_stats = {"ns_cost": load, "bytes_moved": 4 * sent}
 
-    def _exchange(self, send: List[torch.Tensor], recv_sizes: List[int], device: torch.device) -> torch.Tensor:
+    def _exchange(self, send: List[torch.Tensor], recv_sizes: List[int], device: torch.device, async_op: bool = False):
+        """``(received, work)``: one all_to_all_single; ``work`` to wait on when async."""
         if len(send) == 1:
-            return send[0]
+            return send[0], None
         out = torch.empty(sum(recv_sizes), dtype=torch.float32, device=device)
-        dist.all_to_all_single(out, torch.cat(send), output_split_sizes=recv_sizes,
-                               input_split_sizes=[t.numel() for t in send], group=self.process_group)
-        return out
+        work = dist.all_to_all_single(out, torch.cat(send), output_split_sizes=recv_sizes,
+                                      input_split_sizes=[t.numel() for t in send], group=self.process_group,
+                                      async_op=async_op)
+        return out, work
 
     def _adamw(self, p: torch.Tensor, group: dict) -> None:
         state = self.state[p]
