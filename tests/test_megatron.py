@@ -397,9 +397,17 @@ def _megatron_lm_switch(rank: int, world_size: int) -> Dict[str, object]:
         use_vescale_fsdp_in_megatron_lm,
     )
 
+    import torch.distributed as dist
+
+    def save_checkpoint(iteration, model, optimizer, *rest, **kwargs):
+        """Megatron-LM's torch format: only data-parallel rank 0 asks for the model state."""
+        if parallel_state.get_data_parallel_rank() == 0:
+            return model[0].state_dict_for_save_checkpoint()
+        return None
+
     training = types.ModuleType("megatron.training.training")
     training.DDP, training.get_megatron_optimizer = DistributedDataParallel, get_megatron_optimizer
-    training.unwrap_model = unwrap_model
+    training.unwrap_model, training.save_checkpoint = unwrap_model, save_checkpoint
     package = types.ModuleType("megatron.training")
     package.training = training
     sys.modules.update({"megatron.training": package, "megatron.training.training": training})
@@ -418,13 +426,17 @@ def _megatron_lm_switch(rank: int, world_size: int) -> Dict[str, object]:
                                                     use_gloo_process_groups=True)
         granularity_rows = all(sp.sharded_range.granularity % max(1, sp.sharded_range.shape[-1]) == 0
                                for g in chunk.vescale_groups for sp in g.sharded_params if len(sp.sharded_range.shape) == 2)
+        saved = training.save_checkpoint(1, [chunk], optimizer)  # hangs if it gathered on rank 0 alone
+        full = chunk.state_dict()
+        saved_ok = dist.get_rank() != 0 or (
+            saved is not None and all(torch.equal(saved[k], v) for k, v in full.items() if torch.is_tensor(v)))
         mlm_args.use_vescale_fsdp = False
         plain = training.DDP(config=config, ddp_config=DistributedDataParallelConfig(),
                              module=pg.build_model_unwrapped(args, pg.transformer_config(args)), disable_bucketing=False)
         return {
             "wrapper": isinstance(chunk, VeScaleFSDP), "optimizer": isinstance(optimizer, VeScaleOptimizer),
             "unwrapped": training.unwrap_model(chunk) is inner, "rows": granularity_rows,
-            "off": type(plain) is DistributedDataParallel,
+            "off": type(plain) is DistributedDataParallel, "saved": saved_ok,
         }
     finally:
         parallel_state.destroy_model_parallel()
@@ -432,7 +444,8 @@ def _megatron_lm_switch(rank: int, world_size: int) -> Dict[str, object]:
 
 def test_megatron_lm_switch_routes_builders():
     for res in run_on_ranks(_megatron_lm_switch, 2, timeout=300):
-        assert res == {"wrapper": True, "optimizer": True, "unwrapped": True, "rows": True, "off": True}, res
+        assert res == {"wrapper": True, "optimizer": True, "unwrapped": True, "rows": True, "off": True,
+                       "saved": True}, res
 
 
 def _train_fp8(rank: int, world_size: int, argv: List[str]) -> Dict:

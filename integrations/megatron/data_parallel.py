@@ -257,10 +257,21 @@ class VeScaleFSDP(_BaseDataParallel):
     def start_param_sync(self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False) -> None:
         """Parameters are gathered by each group's forward hook; nothing to start here."""
 
+    def prepare_state_dict(self) -> None:
+        """Gather the full state dict now, on every rank (collective), so that a later
+        :meth:`state_dict` on a subset of ranks -- Megatron-LM's torch checkpoints call it
+        on data-parallel rank 0 only -- needs no communication. :meth:`release_state_dict`
+        drops it."""
+        self._prepared = full_state_dict(self.module)
+
+    def release_state_dict(self) -> None:
+        self._prepared = None
+
     def state_dict(self, prefix: str = "", keep_vars: bool = False, destination: Any = None) -> Dict[str, Any]:
-        """The *full* (unsharded) state dict, as Megatron's DDP would give: collective over
-        the data-parallel groups; interchangeable with DDP checkpoints."""
-        full = full_state_dict(self.module)
+        """The *full* (unsharded) state dict, as Megatron's DDP would give; interchangeable
+        with DDP checkpoints. Collective over the data-parallel groups unless
+        :meth:`prepare_state_dict` ran first."""
+        full = getattr(self, "_prepared", None) or full_state_dict(self.module)
         out = destination if destination is not None else {}
         for key, value in full.items():
             out[prefix + key] = value

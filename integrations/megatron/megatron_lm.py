@@ -3,7 +3,8 @@
 Megatron-LM (not on the package index) picks the data-parallel class in
 ``megatron.training.training.get_model`` through the module-level name ``DDP`` and the
 optimizer through ``get_megatron_optimizer``; ``megatron.core.utils.unwrap_model``
-peels known wrappers. In a Megatron-LM pretraining script::
+peels known wrappers; ``save_checkpoint`` (torch format) asks data-parallel rank 0 alone
+for the model state, which we gather on every rank beforehand. In a Megatron-LM pretraining script::
 
     from vescale_zero.integrations.megatron import add_vescale_fsdp_args, use_vescale_fsdp_in_megatron_lm
 
@@ -86,6 +87,27 @@ def use_vescale_fsdp_in_megatron_lm(get_args: Optional[Callable[[], Any]] = None
 
     training.DDP = data_parallel
     training.get_megatron_optimizer = optimizer
+    # Megatron-LM's torch checkpoints ask data-parallel rank 0 alone for the model's state
+    # dict; gather it on every rank first (VeScaleFSDP.prepare_state_dict) so nobody waits.
+    try:
+        import megatron.training.checkpointing as checkpointing
+    except ImportError:
+        checkpointing = None
+    megatron_save = getattr(training, "save_checkpoint", None) or getattr(checkpointing, "save_checkpoint", None)
+    if megatron_save is not None:
+        def save_checkpoint(iteration: Any, model: Any, *rest: Any, **kwargs: Any):
+            chunks = [m for m in (model if isinstance(model, list) else [model]) if isinstance(m, VeScaleFSDP)]
+            for chunk in chunks:
+                chunk.prepare_state_dict()
+            try:
+                return megatron_save(iteration, model, *rest, **kwargs)
+            finally:
+                for chunk in chunks:
+                    chunk.release_state_dict()
+
+        training.save_checkpoint = save_checkpoint
+        if checkpointing is not None:
+            checkpointing.save_checkpoint = save_checkpoint
     # ``unwrap_model`` is imported by name into many modules: replace it everywhere.
     import megatron.core.utils as core_utils
 

@@ -156,7 +156,8 @@ class VeScaleOptimizer(MegatronOptimizer):
     # ---- state -------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         """This rank's optimizer state (its shards only: every data-parallel rank saves)."""
-        out: Dict[str, Any] = {"optimizer": self.optimizer.state_dict()}
+        out: Dict[str, Any] = {"optimizer": self.optimizer.state_dict(),
+                               "shard_numels": [p.numel() for p in self.get_parameters()]}
         if self.grad_scaler is not None:
             out["grad_scaler"] = self.grad_scaler.state_dict()
         return out
@@ -166,6 +167,13 @@ class VeScaleOptimizer(MegatronOptimizer):
             raise KeyError(
                 "not a VeScaleOptimizer state dict (no 'optimizer' key); a Megatron optimizer checkpoint "
                 "holds differently laid-out state and cannot be loaded into ragged shards"
+            )
+        mine = [p.numel() for p in self.get_parameters()]
+        if state_dict.get("shard_numels", mine) != mine:
+            raise ValueError(
+                "this optimizer state was saved by another data-parallel rank (its shards have other sizes): "
+                "Megatron-LM's torch checkpoints keep data-parallel rank 0's optimizer state only. Save and load the "
+                "sharded optimizer with vescale_zero.checkpoint.save/load, or resume with --no-load-optim"
             )
         self.optimizer.load_state_dict(state_dict["optimizer"])
         if self.grad_scaler is not None and "grad_scaler" in state_dict:
