@@ -317,8 +317,8 @@ def _bad_inputs(rank: int, world_size: int) -> Dict[str, str]:
         args.use_vescale_fsdp = True
         model, _, _ = pg.build(args)
         config = pg.optimizer_config(args)
-        expect("optimizer", lambda: get_vescale_optimizer(config, [model], optimizer="muon"),
-               "'muon'", "adam", "sgd", "adamw8bit")
+        expect("optimizer", lambda: get_vescale_optimizer(config, [model], optimizer="lamb"),
+               "'lamb'", "adam", "sgd", "adamw8bit", "shampoo", "muon")
         state = model.state_dict()
         key = next(k for k, v in state.items() if torch.is_tensor(v) and v.dim() == 2)
         expect("shape", lambda: model.load_state_dict({**state, key: torch.zeros(3, 3)}), key, "(3, 3)")
