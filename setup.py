@@ -22,7 +22,9 @@ setup(
         "deepspeed": ["deepspeed>=0.16"],
         "megatron": ["megatron-core>=0.16,<0.18"],
         "plot": ["matplotlib"],
-        "test": ["pytest>=8", "hypothesis>=6", "pytest-timeout", "deepspeed>=0.16", "megatron-core>=0.16.1,<0.18", "matplotlib"],
+        "safetensors": ["safetensors"],
+        "test": ["pytest>=8", "hypothesis>=6", "pytest-timeout", "deepspeed>=0.16", "megatron-core>=0.16.1,<0.18", "matplotlib",
+                 "safetensors"],
     },
     entry_points={"console_scripts": ["vescale-zero=vescale_zero.cli:main"]},
 )

@@ -118,13 +118,31 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _save_safetensors(state: dict, output: str) -> None:
+    import torch
+
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise SystemExit(f"writing {output} needs safetensors: pip install safetensors (or write a .pt file)") from None
+    others = sorted(k for k, v in state.items() if not torch.is_tensor(v))
+    if others:
+        raise SystemExit(f"{output}: safetensors holds tensors only, and {others[:3]} are not (per-block optimizer "
+                         "state such as Shampoo's); write a .pt file, or drop --optimizer")
+    # Tied parameters share storage, which safetensors refuses: each name gets its own copy.
+    save_file({k: v.contiguous().clone() for k, v in state.items()}, output)
+
+
 def _cmd_consolidate(args: argparse.Namespace) -> int:
     import torch
 
     from .checkpoint import consolidate
 
     state = consolidate(args.checkpoint, with_optimizer=args.optimizer)
-    torch.save(state, args.output)
+    if args.output.endswith(".safetensors"):
+        _save_safetensors(state, args.output)
+    else:
+        torch.save(state, args.output)
     tensors = [v for v in state.values() if torch.is_tensor(v)]
     mib = sum(t.numel() * t.element_size() for t in tensors) / 2**20
     print(f"wrote {args.output}: {len(state)} entries, {sum(t.numel() for t in tensors):,d} elements, {mib:.1f} MiB")
@@ -144,10 +162,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--plot", help="write a PNG of padding vs FSDP size here")
     p.add_argument("--gpus", type=int, help="suggest the HSDP shape (FSDP size x replicas) for this many GPUs")
     p.add_argument("--max-padding", type=float, default=3.0, help="padding %% the HSDP suggestion accepts (default 3)")
-    c = sub.add_parser("consolidate", help="join a sharded checkpoint into one full state dict (torch.save file)")
+    c = sub.add_parser("consolidate", help="join a sharded checkpoint into one full state dict (torch or safetensors)")
     c.add_argument("checkpoint", help="a checkpoint directory written by vescale_zero.checkpoint.save")
-    c.add_argument("output", help="the .pt file to write")
-    c.add_argument("--optimizer", action="store_true", help="also the per-element optimizer state, as 'name::key'")
+    c.add_argument("output", help="the file to write: .safetensors for safetensors, anything else for torch.save")
+    c.add_argument("--optimizer", action="store_true", help="also the optimizer state, as 'name::key'")
     args = parser.parse_args(argv)
     if args.command == "consolidate":
         return _cmd_consolidate(args)

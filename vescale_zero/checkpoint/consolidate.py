@@ -13,11 +13,11 @@ that domain, as the host saved them.
 from __future__ import annotations
 
 import math
-from typing import Dict, List
+from typing import Any, Dict, List
 
 import torch
 
-from .sharded import Piece, _fill, _rank_file, _read_metadata, _read_rank_file
+from .sharded import Piece, _entries, _fill, _rank_file, _read_metadata, _read_rank_file
 
 __all__ = ["consolidate"]
 
@@ -32,14 +32,18 @@ def _join(pieces: Dict[str, List[Piece]]) -> Dict[str, torch.Tensor]:
     return out
 
 
-def consolidate(path: str, with_optimizer: bool = False) -> Dict[str, torch.Tensor]:
+def consolidate(path: str, with_optimizer: bool = False) -> Dict[str, Any]:
     """The full state dict of the model saved at ``path`` (parameters and buffers); with
-    ``with_optimizer``, also every per-element optimizer state as ``"name::key"``."""
+    ``with_optimizer``, also every per-element optimizer state as ``"name::key"`` (full
+    shape) and every per-block one (8-bit scales, Shampoo blocks) with all its blocks."""
     meta = _read_metadata(path)
     files = [_read_rank_file(path, r, meta["sha256"][r]) for r in range(meta["world_size"])]
     params: Dict[str, List[Piece]] = {}
     states: Dict[str, List[Piece]] = {}
+    blocks: Dict[str, List[Piece]] = {}
     for f in files:
+        for key, piece in f.get("optim_blocks", {}).items():
+            blocks.setdefault(key, []).append(piece)
         for key, piece in f["params"].items():
             params.setdefault(key, []).append(piece)
         for key, piece in f["optim_states"].items():
@@ -56,4 +60,5 @@ def consolidate(path: str, with_optimizer: bool = False) -> Dict[str, torch.Tens
         if files[0]["optim_groups"] is None:
             raise ValueError(f"{path} holds no optimizer state (saved without an optimizer); drop --optimizer")
         out.update(_join(states))
+        out.update({key: _entries(0, saved[0][0][0], saved, key) for key, saved in blocks.items()})
     return out

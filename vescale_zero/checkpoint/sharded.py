@@ -3,7 +3,8 @@
 On disk, one directory per checkpoint::
 
     CKPT/
-      metadata.json        world size, format, and the sha256 of every rank file
+      metadata.json        world size, format, the sha256 of every rank file and the
+                           ranges each holds (a loading rank reads only the files it needs)
       rank00000.pt         rank 0's pieces: {name: (shape, start, end, values)} for the
       rank00001.pt         parameters, the same for each per-element optimizer state,
       ...                  scalar optimizer state, hyper-parameters, buffers, extra
@@ -11,6 +12,21 @@ On disk, one directory per checkpoint::
 A piece is a flat range ``[start, end)`` of a parameter, so loading is independent of
 the layout that wrote it: each rank asks for its own ranges under the *current* plan
 (any world size, any granularity) and copies them out of whichever files overlap.
+
+[Note: per-block state]
+Structure-aware optimizers keep state per *block* rather than per element: 8-bit AdamW
+one scale per ``block`` elements, Shampoo two preconditioners per tile. Such state is
+addressed by entry: an optimizer that has it defines ``sharded_state_span(param, key)``
+returning ``(first, last, total)``, the entries ``[first, last)`` (of ``total`` for the
+whole parameter) that ``param``'s piece holds along dim 0 of the state tensor (or the
+positions of a state list). They are saved as entry ranges and re-cut on load like
+elements, so per-block state reshards to any world size whose pieces keep the blocks
+whole (which the optimizer's granularity policy guarantees)::
+
+    param  [ e0 e1 e2 e3 | e4 e5 e6 e7 | e8 e9 ]      block = 4 elements, 3 blocks
+    saved  rank 0: elems [0, 6)  -- not block-aligned: the optimizer refuses it
+    saved  rank 0: elems [0, 8)  scales [0, 2)    rank 1: elems [8, 10)  scales [2, 3)
+    load   rank 0: elems [0, 4)  scales [0, 1)    rank 1: [4, 10) -> scales [1, 3)
 
 [Note: crash safety]
 Every rank writes into ``CKPT.tmp-<id>/``; after a barrier rank 0 writes the metadata
@@ -23,11 +39,12 @@ and the checksum of every file it reads, and names the file when one is wrong.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
 import uuid
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -38,7 +55,10 @@ from ..fully_shard import RaggedFSDPModule
 __all__ = ["save", "load", "managed_pieces", "CheckpointError", "read_latest", "write_latest"]
 
 FORMAT = "vescale-zero/ragged-v1"
-Piece = Tuple[Tuple[int, ...], int, int, torch.Tensor]
+Piece = Tuple[Tuple[int, ...], int, int, Any]
+"""``(full shape, start, end, values)``: elements (or entries) ``[start, end)`` along dim 0
+of the flattened tensor of ``full shape``; ``values`` is a tensor, or a list of entries."""
+SpanFn = Callable[[torch.Tensor, str], Optional[Tuple[int, int, int]]]
 
 CHECKPOINT_DOMAIN = "checkpoint_domain"
 """[Note: domains] Pieces are matched by name across every rank's file, which is right
@@ -99,6 +119,18 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
+def _state_span_fn(optimizer: Any) -> Optional[SpanFn]:
+    """The ``sharded_state_span`` of ``optimizer`` or of the optimizer it wraps (Megatron's
+    and DeepSpeed's wrappers keep the real one as ``.optimizer``); see [Note: per-block state]."""
+    seen = 0
+    while optimizer is not None and seen < 4:
+        fn = getattr(optimizer, "sharded_state_span", None)
+        if callable(fn):
+            return fn
+        optimizer, seen = getattr(optimizer, "optimizer", None), seen + 1
+    return None
+
+
 def _rank_file(ckpt: str, rank: int) -> str:
     return os.path.join(ckpt, f"rank{rank:05d}.pt")
 
@@ -110,31 +142,39 @@ def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     dist.broadcast_object_list(token, src=0)
     tmp = f"{path.rstrip(os.sep)}.tmp-{token[0]}"
     os.makedirs(tmp, exist_ok=True)
-    params, states, scalars = {}, {}, {}
+    params, states, blocks, scalars = {}, {}, {}, {}
     by_param = {id(p): (name, shape, s, e) for name, p, shape, s, e in managed_pieces(model)}
     for name, p, shape, s, e in managed_pieces(model):
         params[name] = (shape, s, e, p.detach().cpu().clone())
     if optimizer is not None:
+        span_of = _state_span_fn(optimizer)
         for p, state in optimizer.state.items():
             name, shape, s, e = by_param[id(p)]
             for key, value in state.items():
-                if torch.is_tensor(value) and value.numel() == p.numel() and value.dim() == 1 and value.numel() == e - s:
+                span = span_of(p, key) if span_of is not None else None
+                if span is not None:  # per-block state, see [Note: per-block state]
+                    first, last, total = span
+                    blocks[f"{name}::{key}"] = ((total,), first, last, _to_cpu(value))
+                elif torch.is_tensor(value) and value.numel() == p.numel() and value.dim() == 1 and value.numel() == e - s:
                     states[f"{name}::{key}"] = (shape, s, e, value.detach().cpu().clone())
-                else:  # a scalar (e.g. step), or state tied to this piece (e.g. per-block scales)
-                    saved = value.detach().cpu().clone() if torch.is_tensor(value) else value
-                    scalars[f"{name}::{key}"] = (s, e, saved)
+                else:  # a scalar (e.g. step), or other state tied to this piece
+                    scalars[f"{name}::{key}"] = (s, e, _to_cpu(value))
     payload = {
-        "params": params, "optim_states": states, "optim_scalars": scalars, "aliases": _aliases(model),
+        "params": params, "optim_states": states, "optim_blocks": blocks, "optim_scalars": scalars,
+        "aliases": _aliases(model),
         "optim_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else None,
         "buffers": {n: b.detach().cpu().clone() for n, b in model.named_buffers()} if rank == 0 else None,
         "extra": extra,
     }
     torch.save(payload, _rank_file(tmp, rank))
-    digests = [None] * world
-    dist.all_gather_object(digests, _sha256(_rank_file(tmp, rank)))
+    # The index (which ranges each file holds) lets a loading rank open only the files it needs.
+    mine = (_sha256(_rank_file(tmp, rank)), {name: [s, e] for name, (_, s, e, _) in params.items()})
+    gathered: List[Any] = [None] * world
+    dist.all_gather_object(gathered, mine)
     if rank == 0:
         with open(os.path.join(tmp, "metadata.json"), "w") as f:
-            json.dump({"format": FORMAT, "world_size": world, "sha256": digests}, f)
+            json.dump({"format": FORMAT, "world_size": world, "sha256": [g[0] for g in gathered],
+                       "index": [g[1] for g in gathered]}, f)
         if os.path.exists(path):  # re-saving a tag: the old one goes only once the new one is whole
             old = f"{path.rstrip(os.sep)}.old-{token[0]}"
             os.replace(path, old)
@@ -143,6 +183,26 @@ def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
         else:
             os.replace(tmp, path)
     dist.barrier()
+
+
+def _to_cpu(value: Any) -> Any:
+    if torch.is_tensor(value):
+        return value.detach().cpu().clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if torch.is_tensor(value):
+        return value.to(device)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
 
 
 def _read_metadata(path: str) -> Dict[str, Any]:
@@ -162,12 +222,31 @@ def _read_metadata(path: str) -> Dict[str, Any]:
 
 
 def _read_rank_file(path: str, rank: int, digest: str) -> Dict[str, Any]:
+    """One rank file, read once: checked against its sha256, then unpickled from memory."""
     file = _rank_file(path, rank)
     if not os.path.exists(file):
         raise CheckpointError(f"{file} is missing (the checkpoint was written by {rank + 1}+ ranks)")
-    if _sha256(file) != digest:
+    with open(file, "rb") as f:
+        data = f.read()
+    if hashlib.sha256(data).hexdigest() != digest:
         raise CheckpointError(f"{file} does not match its sha256 in metadata.json: the file is corrupt or truncated")
-    return torch.load(file, map_location="cpu", weights_only=False)
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+
+
+def _files_needed(meta: Dict[str, Any], managed: List[Tuple[str, nn.Parameter, Tuple[int, ...], int, int]]) -> List[int]:
+    """Rank 0's file (buffers, hyper-parameters, extra) and every file holding a range
+    that overlaps one of this rank's pieces; all files for a checkpoint without index."""
+    index = meta.get("index")
+    if index is None:
+        return list(range(meta["world_size"]))
+    needed = {0}
+    for r, ranges in enumerate(index):
+        for name, _, _, s, e in managed:
+            saved = ranges.get(name)
+            if saved is not None and max(saved[0], s) < min(saved[1], e):
+                needed.add(r)
+                break
+    return sorted(needed)
 
 
 def _fill(target: torch.Tensor, start: int, end: int, pieces: List[Piece], what: str) -> None:
@@ -180,6 +259,23 @@ def _fill(target: torch.Tensor, start: int, end: int, pieces: List[Piece], what:
             covered += hi - lo
     if covered != end - start:
         raise CheckpointError(f"{what}: the checkpoint holds {covered} of the {end - start} elements this rank needs")
+
+
+def _entries(first: int, last: int, pieces: List[Piece], what: str) -> Any:
+    """Entries ``[first, last)`` of per-block state joined from the saved pieces: a tensor
+    (concatenated along dim 0) or a list, like the saved values."""
+    parts, covered = [], 0
+    for _, s, e, values in sorted(pieces, key=lambda piece: piece[1]):
+        lo, hi = max(s, first), min(e, last)
+        if lo < hi:
+            parts.append(values[lo - s : hi - s])
+            covered += hi - lo
+    if covered != last - first:
+        raise CheckpointError(f"{what}: the checkpoint holds {covered} of the {last - first} blocks this rank needs")
+    sample = pieces[0][3]
+    if torch.is_tensor(sample):
+        return torch.cat(parts) if parts else sample[:0].clone()
+    return [entry for part in parts for entry in part]
 
 
 def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
@@ -205,12 +301,15 @@ def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
 
 def _load_local(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Any:
     meta = _read_metadata(path)
-    files = [_read_rank_file(path, r, meta["sha256"][r]) for r in range(meta["world_size"])]
+    managed = managed_pieces(model)
+    files = [_read_rank_file(path, r, meta["sha256"][r]) for r in _files_needed(meta, managed)]
     pieces: Dict[str, List[Piece]] = {}
+    blocks: Dict[str, List[Piece]] = {}
     for f in files:
         for key, piece in list(f["params"].items()) + list(f["optim_states"].items()):
             pieces.setdefault(key, []).append(piece)
-    managed = managed_pieces(model)
+        for key, piece in f.get("optim_blocks", {}).items():
+            blocks.setdefault(key, []).append(piece)
     with torch.no_grad():
         for name, p, shape, s, e in managed:
             saved = pieces.get(name)
@@ -226,9 +325,15 @@ def _load_local(path: str, model: nn.Module, optimizer: Optional[torch.optim.Opt
             if files[0]["optim_groups"] is None:
                 raise CheckpointError(f"{path} holds no optimizer state")
             by_id = {id(p): (name, s, e) for name, p, _, s, e in managed}
+            span_of = _state_span_fn(optimizer)
             for group, saved_group in zip(optimizer.param_groups, files[0]["optim_groups"]):
                 group.update(saved_group)
                 for p in group["params"]:
+                    if id(p) not in by_id:
+                        raise CheckpointError(
+                            f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not a sharded "
+                            "parameter of the model; build the optimizer after fully_shard, from model.parameters()"
+                        )
                     name, s, e = by_id[id(p)]
                     state = _piece_scalars(files, name, s, e)
                     for key, saved in pieces.items():
@@ -236,28 +341,49 @@ def _load_local(path: str, model: nn.Module, optimizer: Optional[torch.optim.Opt
                             t = torch.zeros(e - s, dtype=saved[0][3].dtype, device=p.device)
                             _fill(t, s, e, saved, key)
                             state[key[len(name) + 2 :]] = t
+                    for key, saved in blocks.items():
+                        if key.startswith(name + "::"):
+                            state[key[len(name) + 2 :]] = _load_blocks(span_of, p, key[len(name) + 2 :], saved, key)
                     if state:
                         optimizer.state[p] = state
     return files[0]["extra"]
 
 
+def _load_blocks(span_of: Optional[SpanFn], param: torch.Tensor, key: str, saved: List[Piece], what: str) -> Any:
+    try:  # the optimizer refuses a piece that splits one of its blocks
+        span = span_of(param, key) if span_of is not None else None
+    except ValueError as e:
+        raise CheckpointError(f"{what}: {e}") from None
+    if span is None:
+        raise CheckpointError(f"{what} is per-block optimizer state, and this optimizer does not say which blocks "
+                              "this rank holds (no sharded_state_span); load it into the optimizer that saved it")
+    first, last, total = span
+    if total != saved[0][0][0]:
+        raise CheckpointError(
+            f"{what}: the checkpoint holds {saved[0][0][0]} blocks for this parameter and this optimizer has "
+            f"{total}; load with the block size it was saved with"
+        )
+    return _to_device(_entries(first, last, saved, what), param.device)
+
+
 def _piece_scalars(files: List[Dict[str, Any]], name: str, start: int, end: int) -> Dict[str, Any]:
-    """Optimizer state of ``name`` that is not per element: a true scalar (``step``) from any
-    file; anything larger (per-block scales) only from the file whose piece is the same
-    range, since it cannot be cut and re-joined."""
+    """Optimizer state of ``name`` that is neither per element nor per block: a true scalar
+    (``step``) from any file; anything larger (a tensor, a list) only from the file whose
+    piece is the same range, since without a span it cannot be cut and re-joined."""
     state: Dict[str, Any] = {}
     prefix = name + "::"
     for f in files:
         for key, (s, e, value) in f["optim_scalars"].items():
             if not key.startswith(prefix) or key[len(prefix):] in state:
                 continue
-            small = not torch.is_tensor(value) or value.numel() <= 1
+            small = value.numel() <= 1 if torch.is_tensor(value) else isinstance(value, (int, float, bool, str, type(None)))
             if small or (s, e) == (start, end):
                 state[key[len(prefix):]] = value.clone() if torch.is_tensor(value) else value
     missing = {k[len(prefix):] for f in files for k in f["optim_scalars"] if k.startswith(prefix)} - set(state)
     if missing and end > start:
         raise CheckpointError(
-            f"optimizer state {sorted(missing)} of {name!r} is stored per piece (e.g. per-block scales) and this "
+            f"optimizer state {sorted(missing)} of {name!r} is stored per piece (its optimizer defines no "
+            f"sharded_state_span to re-cut it) and this "
             f"rank's piece [{start}, {end}) differs from every saved one; load it with the world size and "
             "granularity it was saved with"
         )

@@ -47,6 +47,18 @@ class AdamW8bit(torch.optim.Optimizer):
         ``block`` elements where it divides the parameter, else the whole parameter."""
         return lambda name, param: block if param.numel() % block == 0 else max(1, param.numel())
 
+    def sharded_state_span(self, param: torch.Tensor, key: str) -> Optional[Tuple[int, int, int]]:
+        """The scales of ``param``'s piece as ``(first, last, total)`` blocks of the full
+        parameter, so checkpoints re-cut them (:mod:`vescale_zero.checkpoint`); ``None`` for
+        per-element state (the codes) and the step."""
+        if key not in ("exp_avg_scale", "exp_avg_sq_scale"):
+            return None
+        block = next(g["block"] for g in self.param_groups if any(q is param for q in g["params"]))
+        self._check_layout(param, block)
+        rng = getattr(param, "sharded_range", None)
+        start, end, total = (rng.start, rng.end, math.prod(rng.shape)) if rng is not None else (0, param.numel(), param.numel())
+        return start // block, -(-end // block), -(-total // block)
+
     @staticmethod
     def _check_layout(p: torch.Tensor, block: int) -> None:
         rng = getattr(p, "sharded_range", None)

@@ -106,6 +106,19 @@ class Shampoo(torch.optim.Optimizer):
             )
         return tuple(rng.shape), rng.start // cols, (rng.end - rng.start) // cols
 
+    def sharded_state_span(self, param: torch.Tensor, key: str) -> Optional[Tuple[int, int, int]]:
+        """The preconditioner blocks of ``param``'s piece as ``(first, last, total)`` of the
+        full matrix's row-major block list, so checkpoints re-cut them
+        (:mod:`vescale_zero.checkpoint`); ``None`` for per-element state and the step."""
+        if key != "blocks":
+            return None
+        block = next(g["block"] for g in self.param_groups if any(q is param for q in g["params"]))
+        full_shape, first_row, n_rows = self._full_shape_and_rows(param, block)
+        rows, cols = _matrix_shape(full_shape)
+        per_band = -(-cols // block)
+        last_band = -(-(first_row + n_rows) // block) if n_rows else first_row // block
+        return (first_row // block) * per_band, last_band * per_band, -(-rows // block) * per_band
+
     def _blocks(self, rows: int, cols: int, block: int) -> List[Tuple[int, int, int, int]]:
         return [(r, min(r + block, rows), c, min(c + block, cols))
                 for r in range(0, rows, block) for c in range(0, cols, block)]
