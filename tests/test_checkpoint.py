@@ -207,6 +207,13 @@ def test_consolidate_gives_the_unsharded_state_dict(tmp_path):
         assert torch.equal(state[name], value), name
     assert {k.split("::")[1] for k in state if "::" in k} == {"exp_avg", "exp_avg_sq"}
     assert state["blocks.0.fc1.weight::exp_avg"].shape == state["blocks.0.fc1.weight"].shape
+    from safetensors.torch import load_file
+
+    st_out = str(tmp_path / "full.safetensors")
+    assert main(["consolidate", path, st_out]) == 0
+    tensors = load_file(st_out)
+    plain.load_state_dict(tensors, strict=True)
+    assert all(torch.equal(tensors[k], state[k]) for k in tensors)
 
 
 def _killed_while_saving(rank, world_size, directory):
