@@ -83,6 +83,13 @@ def test_partial_or_corrupt_checkpoints_are_refused(tmp_path):
     refused("rank00001.pt", "missing")
     with open(rank1, "wb") as f:
         f.write(good)
+    common = os.path.join(path, "common.pt")
+    good_common = open(common, "rb").read()
+    with open(common, "wb") as f:
+        f.write(good_common[:-1] + bytes([good_common[-1] ^ 1]))
+    refused("common.pt", "corrupt")
+    with open(common, "wb") as f:
+        f.write(good_common)
     os.remove(os.path.join(path, "metadata.json"))  # as if the writer died before publishing
     refused("metadata.json", "partial checkpoint")
 

@@ -17,7 +17,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from .sharded import Piece, _entries, _fill, _rank_file, _read_metadata, _read_rank_file
+from .sharded import Piece, _entries, _fill, _read_common, _read_metadata, _read_rank_file
 
 __all__ = ["consolidate"]
 
@@ -49,15 +49,13 @@ def consolidate(path: str, with_optimizer: bool = False) -> Dict[str, Any]:
         for key, piece in f["optim_states"].items():
             states.setdefault(key, []).append(piece)
     out = _join(params)
-    for saved, others in files[0].get("aliases", {}).items():  # tied parameters, under every name
+    common = _read_common(path, meta)
+    for saved, others in common.get("aliases", {}).items():  # tied parameters, under every name
         for name in others:
             out[name] = out[saved]
-    buffers = files[0]["buffers"]
-    if buffers is None:
-        raise ValueError(f"{_rank_file(path, 0)} holds no buffers: it was not written by rank 0")
-    out.update(buffers)
+    out.update(common["buffers"])
     if with_optimizer:
-        if files[0]["optim_groups"] is None:
+        if common["optim_groups"] is None:
             raise ValueError(f"{path} holds no optimizer state (saved without an optimizer); drop --optimizer")
         out.update(_join(states))
         out.update({key: _entries(0, saved[0][0][0], saved, key) for key, saved in blocks.items()})

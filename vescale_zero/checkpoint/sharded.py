@@ -5,9 +5,11 @@ On disk, one directory per checkpoint::
     CKPT/
       metadata.json        world size, format, the sha256 of every rank file and the
                            ranges each holds (a loading rank reads only the files it needs)
+      common.pt            written by rank 0: buffers, optimizer hyper-parameters, names of
+                           tied parameters, the caller's ``extra``
       rank00000.pt         rank 0's pieces: {name: (shape, start, end, values)} for the
       rank00001.pt         parameters, the same for each per-element optimizer state,
-      ...                  scalar optimizer state, hyper-parameters, buffers, extra
+      ...                  per-block optimizer state (by entry) and scalar optimizer state
 
 A piece is a flat range ``[start, end)`` of a parameter, so loading is independent of
 the layout that wrote it: each rank asks for its own ranges under the *current* plan
@@ -55,6 +57,7 @@ from ..fully_shard import RaggedFSDPModule
 __all__ = ["save", "load", "managed_pieces", "CheckpointError", "read_latest", "write_latest"]
 
 FORMAT = "vescale-zero/ragged-v1"
+COMMON_FILE = "common.pt"
 Piece = Tuple[Tuple[int, ...], int, int, Any]
 """``(full shape, start, end, values)``: elements (or entries) ``[start, end)`` along dim 0
 of the flattened tensor of ``full shape``; ``values`` is a tensor, or a list of entries."""
@@ -159,14 +162,15 @@ def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
                     states[f"{name}::{key}"] = (shape, s, e, value.detach().cpu().clone())
                 else:  # a scalar (e.g. step), or other state tied to this piece
                     scalars[f"{name}::{key}"] = (s, e, _to_cpu(value))
-    payload = {
-        "params": params, "optim_states": states, "optim_blocks": blocks, "optim_scalars": scalars,
-        "aliases": _aliases(model),
-        "optim_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else None,
-        "buffers": {n: b.detach().cpu().clone() for n, b in model.named_buffers()} if rank == 0 else None,
-        "extra": extra,
-    }
+    payload = {"params": params, "optim_states": states, "optim_blocks": blocks, "optim_scalars": scalars}
     torch.save(payload, _rank_file(tmp, rank))
+    if rank == 0:  # what every loading rank needs, apart from the big rank files
+        torch.save({
+            "aliases": _aliases(model),
+            "optim_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else None,
+            "buffers": {n: b.detach().cpu().clone() for n, b in model.named_buffers()},
+            "extra": extra,
+        }, os.path.join(tmp, COMMON_FILE))
     # The index (which ranges each file holds) lets a loading rank open only the files it needs.
     mine = (_sha256(_rank_file(tmp, rank)), {name: [s, e] for name, (_, s, e, _) in params.items()})
     gathered: List[Any] = [None] * world
@@ -174,7 +178,7 @@ def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     if rank == 0:
         with open(os.path.join(tmp, "metadata.json"), "w") as f:
             json.dump({"format": FORMAT, "world_size": world, "sha256": [g[0] for g in gathered],
-                       "index": [g[1] for g in gathered]}, f)
+                       "common_sha256": _sha256(os.path.join(tmp, COMMON_FILE)), "index": [g[1] for g in gathered]}, f)
         if os.path.exists(path):  # re-saving a tag: the old one goes only once the new one is whole
             old = f"{path.rstrip(os.sep)}.old-{token[0]}"
             os.replace(path, old)
@@ -226,6 +230,20 @@ def _read_rank_file(path: str, rank: int, digest: str) -> Dict[str, Any]:
     file = _rank_file(path, rank)
     if not os.path.exists(file):
         raise CheckpointError(f"{file} is missing (the checkpoint was written by {rank + 1}+ ranks)")
+    return _read_checked(file, digest)
+
+
+def _read_common(path: str, meta: Dict[str, Any]) -> Dict[str, Any]:
+    """Buffers, hyper-parameters, aliases and extra (in rank 0's file before common.pt)."""
+    if "common_sha256" not in meta:
+        return _read_rank_file(path, 0, meta["sha256"][0])
+    file = os.path.join(path, COMMON_FILE)
+    if not os.path.exists(file):
+        raise CheckpointError(f"{file} is missing: the checkpoint is incomplete")
+    return _read_checked(file, meta["common_sha256"])
+
+
+def _read_checked(file: str, digest: str) -> Dict[str, Any]:
     with open(file, "rb") as f:
         data = f.read()
     if hashlib.sha256(data).hexdigest() != digest:
@@ -234,12 +252,12 @@ def _read_rank_file(path: str, rank: int, digest: str) -> Dict[str, Any]:
 
 
 def _files_needed(meta: Dict[str, Any], managed: List[Tuple[str, nn.Parameter, Tuple[int, ...], int, int]]) -> List[int]:
-    """Rank 0's file (buffers, hyper-parameters, extra) and every file holding a range
-    that overlaps one of this rank's pieces; all files for a checkpoint without index."""
+    """Every rank file holding a range that overlaps one of this rank's pieces; all files
+    for a checkpoint without index."""
     index = meta.get("index")
     if index is None:
         return list(range(meta["world_size"]))
-    needed = {0}
+    needed = set()
     for r, ranges in enumerate(index):
         for name, _, _, s, e in managed:
             saved = ranges.get(name)
@@ -302,6 +320,7 @@ def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
 def _load_local(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Any:
     meta = _read_metadata(path)
     managed = managed_pieces(model)
+    common = _read_common(path, meta)
     files = [_read_rank_file(path, r, meta["sha256"][r]) for r in _files_needed(meta, managed)]
     pieces: Dict[str, List[Piece]] = {}
     blocks: Dict[str, List[Piece]] = {}
@@ -318,15 +337,15 @@ def _load_local(path: str, model: nn.Module, optimizer: Optional[torch.optim.Opt
                 raise CheckpointError(f"{path}: parameter {name!r} of shape {shape} is {'missing' if got is None else f'saved as {got}'}")
             _fill(p.data, s, e, saved, name)
         for name, buf in model.named_buffers():
-            saved = files[0]["buffers"].get(name)
+            saved = common["buffers"].get(name)
             if saved is not None:
                 buf.copy_(saved)
         if optimizer is not None:
-            if files[0]["optim_groups"] is None:
+            if common["optim_groups"] is None:
                 raise CheckpointError(f"{path} holds no optimizer state")
             by_id = {id(p): (name, s, e) for name, p, _, s, e in managed}
             span_of = _state_span_fn(optimizer)
-            for group, saved_group in zip(optimizer.param_groups, files[0]["optim_groups"]):
+            for group, saved_group in zip(optimizer.param_groups, common["optim_groups"]):
                 group.update(saved_group)
                 for p in group["params"]:
                     if id(p) not in by_id:
@@ -346,7 +365,7 @@ def _load_local(path: str, model: nn.Module, optimizer: Optional[torch.optim.Opt
                             state[key[len(name) + 2 :]] = _load_blocks(span_of, p, key[len(name) + 2 :], saved, key)
                     if state:
                         optimizer.state[p] = state
-    return files[0]["extra"]
+    return common["extra"]
 
 
 def _load_blocks(span_of: Optional[SpanFn], param: torch.Tensor, key: str, saved: List[Piece], what: str) -> Any:
