@@ -251,14 +251,18 @@ def _read_checked(file: str, digest: str) -> Dict[str, Any]:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
 
 
-def _files_needed(meta: Dict[str, Any], managed: List[Tuple[str, nn.Parameter, Tuple[int, ...], int, int]]) -> List[int]:
-    """Every rank file holding a range that overlaps one of this rank's pieces; all files
-    for a checkpoint without index."""
+def _files_needed(meta: Dict[str, Any], managed: List[Tuple[str, nn.Parameter, Tuple[int, ...], int, int]],
+                  whole: List[str]) -> List[int]:
+    """Every rank file holding a range that overlaps one of this rank's pieces or a piece
+    of the ``whole`` names; all files for a checkpoint without index."""
     index = meta.get("index")
     if index is None:
         return list(range(meta["world_size"]))
     needed = set()
     for r, ranges in enumerate(index):
+        if any(name in ranges for name in whole):
+            needed.add(r)
+            continue
         for name, _, _, s, e in managed:
             saved = ranges.get(name)
             if saved is not None and max(saved[0], s) < min(saved[1], e):
@@ -299,9 +303,16 @@ def _entries(first: int, last: int, pieces: List[Piece], what: str) -> Any:
 def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
     """Load a checkpoint written by :func:`save` at any world size; returns its ``extra``.
 
+    A DCP checkpoint of PyTorch FSDP2 is converted first (once, by rank 0, next to it as
+    ``path.vescale``; :mod:`vescale_zero.checkpoint.convert`).
+
     Collective: if any rank refuses the checkpoint, every rank raises (none goes on to
     train alone and hang in its next collective).
     """
+    from .convert import is_dcp_checkpoint
+
+    if is_dcp_checkpoint(path):
+        path = _converted_dcp(path)
     error: Optional[CheckpointError] = None
     try:
         extra = _load_local(path, model, optimizer)
@@ -317,11 +328,34 @@ def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     return extra
 
 
+def _converted_dcp(path: str) -> str:
+    """``path`` + ``.vescale``: a DCP (FSDP2) checkpoint converted once, by rank 0."""
+    from .convert import from_fsdp2
+
+    target = path.rstrip(os.sep) + ".vescale"
+    error = None
+    if (not dist.is_initialized() or dist.get_rank() == 0) and not os.path.exists(os.path.join(target, "metadata.json")):
+        try:
+            from_fsdp2(path, target)
+        except (CheckpointError, OSError, RuntimeError, ValueError) as e:
+            error = f"{type(e).__name__}: {e}"
+    if dist.is_initialized():
+        flag = [error]
+        dist.broadcast_object_list(flag, src=0)
+        error = flag[0]
+    if error is not None:
+        raise CheckpointError(f"{path} is a DCP (FSDP2) checkpoint and converting it to {target} failed ({error}); "
+                              f"convert it offline: vescale-zero convert --from fsdp2 {path} {target}")
+    return target
+
+
 def _load_local(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Any:
     meta = _read_metadata(path)
     managed = managed_pieces(model)
     common = _read_common(path, meta)
-    files = [_read_rank_file(path, r, meta["sha256"][r]) for r in _files_needed(meta, managed)]
+    # Buffers of a converted checkpoint (vescale_zero.checkpoint.convert) are among the pieces.
+    loose = [n for n, _ in model.named_buffers() if n not in common["buffers"]]
+    files = [_read_rank_file(path, r, meta["sha256"][r]) for r in _files_needed(meta, managed, loose)]
     pieces: Dict[str, List[Piece]] = {}
     blocks: Dict[str, List[Piece]] = {}
     for f in files:
@@ -338,15 +372,26 @@ def _load_local(path: str, model: nn.Module, optimizer: Optional[torch.optim.Opt
             _fill(p.data, s, e, saved, name)
         for name, buf in model.named_buffers():
             saved = common["buffers"].get(name)
+            if saved is None and name in pieces:
+                saved = torch.empty(buf.numel(), dtype=buf.dtype)
+                _fill(saved, 0, buf.numel(), pieces[name], name)
             if saved is not None:
-                buf.copy_(saved)
+                buf.copy_(saved.view(buf.shape))
         if optimizer is not None:
-            if common["optim_groups"] is None:
+            saved_groups = common["optim_groups"]
+            if saved_groups is None and not any("::" in k for k in pieces) and not blocks:
                 raise CheckpointError(f"{path} holds no optimizer state")
+            if saved_groups and len(saved_groups) != len(optimizer.param_groups):
+                raise CheckpointError(
+                    f"{path} holds {len(saved_groups)} optimizer param groups and this optimizer has "
+                    f"{len(optimizer.param_groups)}; build the optimizer with the same groups (e.g. the same "
+                    "weight-decay split)"
+                )
             by_id = {id(p): (name, s, e) for name, p, _, s, e in managed}
             span_of = _state_span_fn(optimizer)
-            for group, saved_group in zip(optimizer.param_groups, common["optim_groups"]):
-                group.update(saved_group)
+            for i, group in enumerate(optimizer.param_groups):
+                if saved_groups:  # a converted checkpoint may hold none: the optimizer keeps its own
+                    group.update(saved_groups[i])
                 for p in group["params"]:
                     if id(p) not in by_id:
                         raise CheckpointError(
