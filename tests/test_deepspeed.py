@@ -355,7 +355,8 @@ def test_zero_checkpoint_migrates_to_ragged_and_training_continues(tmp_path, sta
     (exactly), counters and client state, and for stage 2 Adam's moments (through
     DeepSpeed's universal conversion): the next 3 steps then match ZeRO's own continuation
     (1e-6, as the other parity tests: another world size sums in another order). Stage 3's
-    moments are refused, naming the weights-only load."""
+    moments are refused, naming the weights-only load. The engine converts with the code
+    of ``vescale-zero convert --from deepspeed``: the offline result is the same."""
     zero = run_on_ranks(_zero_then_ragged, 2, str(tmp_path), stage, "zero", timeout=400)
     ours = run_on_ranks(_zero_then_ragged, 3, str(tmp_path), stage, "ragged", timeout=400)
     saved, loaded = zero[0]["saved"], assemble([r["loaded"] for r in ours])
@@ -368,6 +369,13 @@ def test_zero_checkpoint_migrates_to_ragged_and_training_continues(tmp_path, sta
         assert all(r["refused"] and "load_optimizer_states=False" in r["refused"] for r in ours)
         return
     assert sum(r["moments"] for r in ours) > 0 and not any(r["refused"] for r in ours)
+    from vescale_zero import checkpoint
+    from vescale_zero.cli import main
+
+    assert main(["convert", "--from", "deepspeed", str(tmp_path), str(tmp_path / "offline")]) == 0
+    engine_side, offline = (checkpoint.consolidate(str(p), with_optimizer=True)
+                            for p in (tmp_path / "global_step3_vescale", tmp_path / "offline"))
+    assert engine_side.keys() == offline.keys() and all(torch.equal(engine_side[k], offline[k]) for k in offline)
     got, want = assemble([r["params"] for r in ours]), zero[0]["params"]
     for name in want:
         torch.testing.assert_close(got[name], want[name].float(), rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")

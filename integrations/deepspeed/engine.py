@@ -20,7 +20,6 @@ counters, LR schedulers, logging) is DeepSpeed's own.
 from __future__ import annotations
 
 import inspect
-import math
 import os
 from typing import Any, Optional
 
@@ -33,9 +32,9 @@ from deepspeed.utils import groups
 
 import vescale_zero as vz
 from vescale_zero import checkpoint
+from vescale_zero.checkpoint.convert import is_deepspeed_checkpoint
 from vescale_zero.fully_shard import groups_of
 from vescale_zero.optim import AdamW8bit, Muon, Shampoo
-from vescale_zero.state_dict import load_full_state_dict
 
 from .config import RaggedOptions
 
@@ -44,31 +43,6 @@ __all__ = ["RaggedEngineMixin", "RaggedDeepSpeedEngine", "RaggedPipelineEngine",
 
 STRUCTURED_OPTIMIZERS = {"adamw8bit": AdamW8bit, "shampoo": Shampoo, "muon": Muon}
 """Config ``optimizer.type`` values (lower case) served by vescale-zero's own optimizers."""
-
-
-_DS_MODEL_STATES = "mp_rank_00_model_states.pt"
-_DS_ENGINE_KEYS = {
-    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
-    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
-    "checkpoint_parallel_dimensions", "universal_checkpoint_info",
-}
-"""What DeepSpeed's engine writes into its model-states file; the rest is client state."""
-
-
-def _deepspeed_model_states(path: str) -> Optional[str]:
-    """The model-states file of a DeepSpeed checkpoint directory (stage 3 writes one per
-    rank; rank 0's has the counters), or ``None`` if ``path`` is not one."""
-    if os.path.exists(os.path.join(path, "metadata.json")):
-        return None
-    for name in (_DS_MODEL_STATES, "zero_pp_rank_0_" + _DS_MODEL_STATES):
-        if os.path.exists(os.path.join(path, name)):
-            return os.path.join(path, name)
-    return None
-
-
-def _is_deepspeed_checkpoint(path: str) -> bool:
-    return _deepspeed_model_states(path) is not None
 
 
 class RaggedPrecision:
@@ -225,7 +199,7 @@ class RaggedEngineMixin:
         DeepSpeed (ZeRO 0-3) checkpoint's weights; ``(path, client_state)``."""
         tag = str(tag if tag is not None else checkpoint.read_latest(load_dir))
         path = os.path.join(load_dir, tag)
-        if _is_deepspeed_checkpoint(path):
+        if is_deepspeed_checkpoint(path):
             return self._migrate_deepspeed_checkpoint(load_dir, tag, load_module_strict, load_optimizer_states,
                                                       load_lr_scheduler_states, load_module_only)
         with_optimizer = load_optimizer_states and not load_module_only
@@ -242,106 +216,32 @@ class RaggedEngineMixin:
     def _migrate_deepspeed_checkpoint(self, load_dir: str, tag: str, strict: bool, load_optimizer_states: bool,
                                       load_lr_scheduler_states: bool, load_module_only: bool):
         """[Note: migration] A checkpoint of DeepSpeed's own engine (stage 0-3, any world
-        size): the fp32 weights are rebuilt with DeepSpeed's ``zero_to_fp32`` (stage 0: the
-        module states) and each rank keeps its own ranges; counters, LR scheduler and client
-        state come along. Adam's moments come from DeepSpeed's own universal-checkpoint
-        conversion (``ds_to_universal``: one file per parameter and state), made once next
-        to the checkpoint as ``<tag>_universal``; each rank reads its ranges of them."""
-        path = os.path.join(load_dir, tag)
-        states = torch.load(_deepspeed_model_states(path), map_location="cpu", weights_only=False)
-        universal = None
-        if load_optimizer_states and not load_module_only:
-            if os.path.basename(_deepspeed_model_states(path)).startswith("zero_pp_rank_"):
-                raise ValueError(
-                    f"{path} is a ZeRO stage-3 checkpoint: its weights migrate into ragged shards, its Adam state "
-                    "does not (DeepSpeed's universal conversion of stage 3 did not reproduce the moments in our "
-                    "tests). Load it with load_optimizer_states=False (the moments restart from the migrated fp32 "
-                    "weights); stage 0-2 checkpoints migrate with their optimizer state"
-                )
-            universal = self._universal_checkpoint(load_dir, tag)
-        if any(name.endswith("optim_states.pt") and name.startswith(("zero_pp_rank_", "bf16_zero_pp_rank_"))
-               for name in os.listdir(path)):
-            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-            full = get_fp32_state_dict_from_zero_checkpoint(load_dir, tag)
-        else:
-            full = states["module"]
-        load_full_state_dict(self.module, full, strict=strict)
-        if universal is not None:
-            self._load_universal_optimizer_state(universal)
-        if not load_module_only:
-            if load_lr_scheduler_states and self.lr_scheduler is not None and states.get("lr_scheduler") is not None:
-                self.lr_scheduler.load_state_dict(states["lr_scheduler"])
-            for key in ("global_steps", "global_samples", "skipped_steps"):
-                if key in states:
-                    setattr(self, key, states[key])
-        return path, {k: v for k, v in states.items() if k not in _DS_ENGINE_KEYS}
-
-    def _universal_checkpoint(self, load_dir: str, tag: str) -> str:
-        """``<load_dir>/<tag>_universal``, converted by rank 0 if it is not there yet."""
-        target = os.path.join(load_dir, f"{tag}_universal")
+        size) is converted once, by rank 0, next to it as ``<tag>_vescale`` (weights only:
+        ``<tag>_vescale_weights``) with :func:`vescale_zero.checkpoint.from_deepspeed` --
+        the code ``vescale-zero convert --from deepspeed`` runs -- and then loaded like our
+        own checkpoints: each rank reads its ranges; counters, LR scheduler and client
+        state come along."""
+        weights_only = load_module_only or not load_optimizer_states
+        target = os.path.join(load_dir, f"{tag}_vescale" + ("_weights" if weights_only else ""))
         error = None
-        if dist.get_rank() == 0 and not os.path.isdir(os.path.join(target, "zero")):
-            import argparse
-
-            from deepspeed.checkpoint import ds_to_universal
-
-            tmp = f"{target}.tmp-{os.getpid()}"
+        if dist.get_rank() == 0 and not os.path.exists(os.path.join(target, "metadata.json")):
             try:
-                ds_to_universal.main(argparse.Namespace(
-                    input_folder=os.path.join(load_dir, tag), output_folder=tmp, num_extract_workers=1,
-                    num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True))
-                os.replace(tmp, target)
+                checkpoint.from_deepspeed(load_dir, tag, target, weights_only=weights_only)
             except Exception as e:  # noqa: BLE001 - reported on every rank below
-                error = f"{type(e).__name__}: {e}"
+                error = str(e) if isinstance(e, checkpoint.CheckpointError) else f"{type(e).__name__}: {e}"
         flag = [error]
         dist.broadcast_object_list(flag, src=0)
         if flag[0] is not None:
-            raise ValueError(
-                f"{os.path.join(load_dir, tag)}: DeepSpeed's universal-checkpoint conversion of the optimizer state "
-                f"failed ({flag[0]}); load with load_optimizer_states=False to migrate the weights only"
-            )
-        return target
-
-    def _load_universal_optimizer_state(self, universal: str) -> None:
-        """Adam's ``exp_avg`` / ``exp_avg_sq`` / ``step`` of every parameter, cut to this
-        rank's ranges (the sharded optimizer must keep Adam's state names)."""
-        optimizer = self.optimizer
-        owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        steps = [os.path.join(universal, "zero", n, "step.pt") for n in sorted(os.listdir(os.path.join(universal, "zero")))]
-        steps = [f for f in steps if os.path.exists(f)]
-        # DeepSpeed keeps one step count per parameter group; some conversions write it only
-        # for some parameters, so the first one found stands in for a missing one.
-        common_step = torch.load(steps[0], map_location="cpu", weights_only=False) if steps else None
-        shared = os.path.join(universal, "zero", "optimizer_state.pt")
-        if common_step is None and os.path.exists(shared):  # stage 3 keeps it with the shared state
-            inner = torch.load(shared, map_location="cpu", weights_only=False).get("optimizer_state_dict", {})
-            common_step = next((st["step"] for st in inner.get("state", {}).values() if "step" in st), None)
-        for name, param, shape, start, end in checkpoint.managed_pieces(self.module):
-            if id(param) not in owned or not param.requires_grad:
-                continue
-            folder = os.path.join(universal, "zero", name)
-            files = {key: os.path.join(folder, f"{key}.pt") for key in ("exp_avg", "exp_avg_sq", "step")}
-            if not os.path.exists(files["step"]) and common_step is not None:
-                files.pop("step")
-            missing = [k for k, f in files.items() if not os.path.exists(f)]
-            if missing:
-                raise ValueError(
-                    f"{folder}: no {missing} for {name!r}; the DeepSpeed checkpoint does not hold Adam state for it "
-                    "(another optimizer?); load with load_optimizer_states=False"
-                )
-            state = {}
-            for key in ("exp_avg", "exp_avg_sq"):
-                saved = torch.load(files[key], map_location="cpu", weights_only=False)
-                full = saved["param"] if isinstance(saved, dict) else saved  # stage 3 writes the bare tensor
-                if full.numel() == math.prod(shape):
-                    full = full.reshape(shape)
-                if tuple(full.shape) != tuple(shape):
-                    raise ValueError(f"{files[key]}: shape {tuple(full.shape)} is not the model's {tuple(shape)}")
-                state[key] = full.reshape(-1)[start:end].to(device=param.device, dtype=torch.float32).clone()
-            step = torch.load(files["step"], map_location="cpu", weights_only=False) if "step" in files else common_step
-            state["step"] = torch.as_tensor(step).float().reshape(())
-            optimizer.state[param] = state
+            raise ValueError(f"{os.path.join(load_dir, tag)}: {flag[0]}")
+        extra = checkpoint.load(target, self.module, None if weights_only else self.optimizer)
+        engine = extra["deepspeed"]
+        if not load_module_only:
+            if load_lr_scheduler_states and self.lr_scheduler is not None and engine.get("lr_scheduler") is not None:
+                self.lr_scheduler.load_state_dict(engine["lr_scheduler"])
+            for key in ("global_steps", "global_samples", "skipped_steps"):
+                if engine.get(key) is not None:
+                    setattr(self, key, engine[key])
+        return os.path.join(load_dir, tag), extra["client_state"]
 
     @property
     def loss_scale(self) -> float:

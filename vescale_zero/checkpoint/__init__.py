@@ -1,7 +1,7 @@
 """Sharded checkpoints of ``fully_shard`` models: each rank writes only its own pieces."""
 
 from .consolidate import consolidate
-from .convert import convert, from_deepspeed, from_fsdp2
+from .convert import from_deepspeed, from_fsdp2
 from .sharded import CheckpointError, load, managed_pieces, read_latest, save, write_latest
 
-__all__ = ["save", "load", "consolidate", "convert", "from_fsdp2", "from_deepspeed", "managed_pieces", "CheckpointError", "read_latest", "write_latest"]
+__all__ = ["save", "load", "consolidate", "from_fsdp2", "from_deepspeed", "managed_pieces", "CheckpointError", "read_latest", "write_latest"]

@@ -55,7 +55,7 @@ def consolidate(path: str, with_optimizer: bool = False) -> Dict[str, Any]:
             out[name] = out[saved]
     out.update(common["buffers"])
     if with_optimizer:
-        if common["optim_groups"] is None:
+        if common["optim_groups"] is None and not states and not blocks:
             raise ValueError(f"{path} holds no optimizer state (saved without an optimizer); drop --optimizer")
         out.update(_join(states))
         out.update({key: _entries(0, saved[0][0][0], saved, key) for key, saved in blocks.items()})

@@ -187,8 +187,8 @@ def _universal_adam_state(universal: str, shapes: Dict[str, Tuple[int, ...]]) ->
     out: Dict[str, Dict[str, Any]] = {}
     for name, shape in shapes.items():
         folder = os.path.join(zero, name)
-        if not os.path.isdir(folder):
-            continue  # frozen: DeepSpeed keeps no optimizer state for it
+        if not any(os.path.exists(os.path.join(folder, f"{k}.pt")) for k in ("exp_avg", "exp_avg_sq")):
+            continue  # a buffer or a frozen parameter: no optimizer state
         state: Dict[str, Any] = {}
         for key in ("exp_avg", "exp_avg_sq"):
             file = os.path.join(folder, f"{key}.pt")
