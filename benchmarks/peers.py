@@ -3,9 +3,13 @@
     .venv/bin/python benchmarks/peers.py [--ranks 2 4] [--cycles 2] [--json peers.json]
 
 Variants: DDP (the no-sharding limit), PyTorch FSDP2 ``fully_shard``, DeepSpeed ZeRO-3,
-vescale-zero ``fully_shard`` and vescale-zero's DeepSpeed ``"stage": "ragged"``. Each
+vescale-zero ``fully_shard`` and vescale-zero's DeepSpeed ``"stage": "ragged"``; then,
+where megatron-core is installed (``--no-megatron`` leaves it out), megatron-core's own
+``GPTModel`` of the same dims under its ``DistributedDataParallel`` and under our
+``VeScaleFSDP`` (``examples/megatron/pretrain_gpt.py``; on CPU through the test shim, see
+``build_megatron_variant``), reported in a table of their own since the model differs. Each
 variant runs in fresh processes (so its memory is its own) and the variants cycle
-A B C D E A B C D E. fp32 on gloo (CPU), NCCL when GPUs are present. Reported per rank:
+A B C D E ... A B C D E .... fp32 on gloo (CPU), NCCL when GPUs are present. Reported per rank:
 
 * ms/step (median and spread over all timed steps of all cycles) and tokens/s;
 * peak memory: on GPU the CUDA allocator's peak; on CPU the highest resident set size
@@ -37,6 +41,8 @@ import torch.multiprocessing as mp
 from tqdm import tqdm
 
 VARIANTS = ("ddp", "fsdp2", "zero3", "vescale", "ds_ragged")
+MEGATRON_VARIANTS = ("mcore_ddp", "mcore_vescale")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COPY_OPS = {"aten::copy_", "aten::cat", "aten::_chunk_cat", "aten::split_with_sizes_copy", "aten::_foreach_copy_",
             "aten::_to_copy"}
 _ITEM = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4, "bool": 1}
@@ -141,6 +147,56 @@ def build_variant(variant: str, cfg, device, args):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3), None
 
 
+def build_megatron_variant(variant: str, args: argparse.Namespace, world: int):
+    """``(model, optimizer, step)``: megatron-core's ``GPTModel`` (local layer spec, the GPT
+    dims of the other variants) through ``examples/megatron/pretrain_gpt.py`` under
+    megatron-core ``DistributedDataParallel`` + Megatron's optimizer (``mcore_ddp``) or
+    ``--use-vescale-fsdp`` (``mcore_vescale``); ``step(i)`` is one iteration of Megatron's
+    schedule. Without CUDA, megatron-core runs through the test shim (tests/megatron_shim.py)
+    and the DDP side through its CPU stand-in for Megatron's FP32 optimizer step."""
+    import importlib.util
+    import sys
+
+    cuda = torch.cuda.is_available()
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    if not cuda:
+        from tests.megatron_shim import MegatronFP32Step, install_cuda_shim
+
+        install_cuda_shim()
+    spec = importlib.util.spec_from_file_location("pretrain_gpt", os.path.join(REPO, "examples/megatron/pretrain_gpt.py"))
+    pg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pg)
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    argv = ["--num-layers", str(args.layers), "--hidden-size", str(args.d_model), "--num-attention-heads", "8",
+            "--seq-length", str(args.seq_len), "--vocab-size", "512", "--micro-batch-size", str(args.global_batch // world),
+            "--global-batch-size", str(args.global_batch), "--lr", "1e-3", "--clip-grad", "0", "--weight-decay", "0.01"]
+    margs = pg.build_parser().parse_args(argv + (["--use-vescale-fsdp"] if variant == "mcore_vescale" else []))
+    pg.setup(margs)
+    if variant == "mcore_vescale" or cuda:
+        model, opt, config = pg.build(margs)
+    else:
+        pg.seed(margs)
+        config = pg.transformer_config(margs)
+        model = pg.build_model(margs, config)
+        opt = MegatronFP32Step(model, pg.optimizer_config(margs))
+    config.no_sync_func = model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    forward_backward = get_forward_backward_func()
+
+    def step(i: int) -> None:
+        model.zero_grad_buffer()
+        opt.zero_grad()
+        forward_backward(forward_step_func=pg.forward_step, data_iterator=iter(pg.batches(margs, i, 1)), model=[model],
+                         num_microbatches=1, seq_length=margs.seq_length, micro_batch_size=margs.micro_batch_size,
+                         forward_only=False)
+        opt.step()
+
+    return model, opt, step
+
+
 def _profile_collective_waits() -> None:
     """Mark every ``Work.wait`` as part of its collective in the profile: gloo completes
     async reduce-scatters there (copying this rank's chunk out of an all-reduced clone),
@@ -181,9 +237,17 @@ def worker(rank: int, world: int, port: int, variant: str, args: argparse.Namesp
     corpus = SyntheticCorpus(cfg.vocab_size, cfg.seq_len)
     gc.collect()
     base = _RssSampler.rss_mib()
-    model, opt, engine = build_variant(variant, cfg, device, args)
+    megatron = variant in MEGATRON_VARIANTS
+    if megatron:
+        model, opt, megatron_step = build_megatron_variant(variant, args, world)
+        engine = None
+    else:
+        model, opt, engine = build_variant(variant, cfg, device, args)
 
     def step(i: int) -> None:
+        if megatron:
+            megatron_step(i)
+            return
         x, y = (t.to(device) for t in corpus.batch(i, args.global_batch, rank, world))
         if engine is not None:
             engine.backward(engine(x, y))
@@ -219,7 +283,9 @@ def worker(rank: int, world: int, port: int, variant: str, args: argparse.Namesp
     with profile(record_shapes=True) as prof:
         step(args.warmup + args.steps)
     traffic = _traffic(prof)
-    if variant != "plain":  # the unsharded model's own copies on the same local batch
+    if megatron:  # another model (megatron-core's GPTModel): no plain baseline to subtract
+        traffic["copied"] = None
+    elif variant != "plain":  # the unsharded model's own copies on the same local batch
         plain, popt, _ = build_variant("plain", cfg, device, args)
         with profile(record_shapes=True) as prof:  # the same work as step(), batch included
             x, y = (t.to(device) for t in corpus.batch(0, args.global_batch, rank, world))
@@ -233,7 +299,19 @@ def worker(rank: int, world: int, port: int, variant: str, args: argparse.Namesp
         out[f"{world}:{variant}"] = out.get(f"{world}:{variant}", []) + [gathered]
     del model, opt, engine
     gc.collect()
+    if megatron:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
+
+
+def _has_megatron() -> bool:
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _summarise(runs, args, world):
@@ -247,7 +325,7 @@ def _summarise(runs, args, world):
         "all_gather_mib": statistics.median(r["all_gather"] for r in per_rank) / 2**20,
         "reduce_scatter_mib": statistics.median(r["reduce_scatter"] for r in per_rank) / 2**20,
         "all_reduce_mib": statistics.median(r["all_reduce"] for r in per_rank) / 2**20,
-        "copied_mib": statistics.median(r["copied"] for r in per_rank) / 2**20,
+        "copied_mib": None if per_rank[0]["copied"] is None else statistics.median(r["copied"] for r in per_rank) / 2**20,
     }
 
 
@@ -262,13 +340,15 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--json", help="write the raw measurements and the summary here")
+    p.add_argument("--no-megatron", action="store_true", help="leave out megatron-core DDP vs VeScaleFSDP")
     args = p.parse_args()
+    variants = VARIANTS + (() if args.no_megatron or not _has_megatron() else MEGATRON_VARIANTS)
     if torch.cuda.is_available():
         args.ranks = [min(r, torch.cuda.device_count()) for r in args.ranks]
-    runs = [(w, c, v) for w in args.ranks for c in range(args.cycles) for v in VARIANTS]
+    runs = [(w, c, v) for w in args.ranks for c in range(args.cycles) for v in variants]
     with mp.Manager() as manager:
         out = manager.dict()
-        for world, _, variant in tqdm(runs, desc="runs (A B C D E, cycled)"):
+        for world, _, variant in tqdm(runs, desc=f"runs ({' '.join(variants)}, cycled)"):
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
@@ -294,8 +374,16 @@ def main() -> None:
               f"<= 1.15x DDP [{ours['median_ms'] / rows['ddp']['median_ms']:.3f}]; peak memory <= FSDP2 "
               f"[{ours['peak_mib']:.0f} vs {rows['fsdp2']['peak_mib']:.0f} MiB] and ZeRO-3 [{rows['zero3']['peak_mib']:.0f} MiB]; "
               f"copies outside collectives {ours['copied_mib']:.2f} MiB/step")
-        print("megatron-core DDP vs VeScaleFSDP: megatron-core needs CUDA, so not here; on GPUs time "
-              "examples/megatron/pretrain_gpt.py with and without --use-vescale-fsdp")
+        if f"{world}:mcore_ddp" in raw:
+            ddp, ours = (_summarise(raw[f"{world}:{v}"], args, world) for v in MEGATRON_VARIANTS)
+            summary[world].update(mcore_ddp=ddp, mcore_vescale=ours)
+            print(f"megatron-core GPTModel, same dims, Megatron's schedule ({'CUDA' if torch.cuda.is_available() else 'CPU via tests/megatron_shim.py'}):")
+            print(f"{'variant':14s} {'ms med':>8s} {'min':>7s} {'max':>7s} {'peak MiB':>9s} {'AG MiB':>7s} {'RS MiB':>7s} "
+                  f"{'AR MiB':>7s} {'/mcore_ddp':>10s}")
+            for v, r in (("mcore_ddp", ddp), ("mcore_vescale", ours)):
+                print(f"{v:14s} {r['median_ms']:8.1f} {r['min_ms']:7.1f} {r['max_ms']:7.1f} {r['peak_mib']:9.1f} "
+                      f"{r['all_gather_mib']:7.2f} {r['reduce_scatter_mib']:7.2f} {r['all_reduce_mib']:7.2f} "
+                      f"{r['median_ms'] / ddp['median_ms']:10.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "summary": summary, "raw": raw}, f, indent=1)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["install_cuda_shim"]
+__all__ = ["install_cuda_shim", "MegatronFP32Step"]
 
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint",
               "zeros_like", "ones_like", "empty_like", "full_like")
@@ -92,3 +92,45 @@ def install_cuda_shim() -> None:
     if not hasattr(moe_utils, "te_general_gemm"):  # 0.16.1 reads it unguarded when TE is absent
         moe_utils.te_general_gemm = None
     _installed = True
+
+
+class MegatronFP32Step:
+    """Megatron's ``FP32Optimizer.step`` on CPU: megatron-core's optimizer classes call
+    CUDA (multi-tensor kernels, ``clip_grad_by_total_norm_fp32`` asserts CUDA tensors), so
+    the DDP reference runs the same math -- ``main_grad`` as the gradient, Megatron's own
+    grad-norm over the model-parallel group, clipping, torch AdamW on Megatron's param
+    groups -- here."""
+
+    def __init__(self, model, config) -> None:
+        from megatron.core.optimizer import _get_param_groups
+
+        groups = _get_param_groups([model], config, None)
+        for g in groups:
+            g["lr"] = g["max_lr"] * g["lr_mult"]
+            g["weight_decay"] = config.weight_decay * g["wd_mult"]
+        self.config = config
+        self.inner = torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
+                                       eps=config.adam_eps)
+        self.params = [p for g in groups for p in g["params"]]
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self):
+        from megatron.core import parallel_state
+        from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
+
+        for p in self.params:
+            p.grad = p.main_grad
+        counted = [p.grad for p in self.params if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
+        norm = get_grad_norm_fp32(counted, grad_stats_parallel_group=parallel_state.get_model_parallel_group())
+        coeff = self.config.clip_grad / (norm + 1.0e-6)  # clip_grad_by_total_norm_fp32 (which asserts CUDA)
+        if self.config.clip_grad > 0 and coeff < 1.0:
+            for p in self.params:
+                p.grad.mul_(coeff)
+        self.inner.step()
+        return True, norm, None

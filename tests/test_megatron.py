@@ -41,50 +41,12 @@ def _example():
     return module
 
 
-class _MegatronFP32Step:
-    """Megatron's ``FP32Optimizer.step`` on CPU (see the module docstring)."""
-
-    def __init__(self, model, config) -> None:
-        from megatron.core.optimizer import _get_param_groups
-
-        groups = _get_param_groups([model], config, None)
-        for g in groups:
-            g["lr"] = g["max_lr"] * g["lr_mult"]
-            g["weight_decay"] = config.weight_decay * g["wd_mult"]
-        self.config = config
-        self.inner = torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
-                                       eps=config.adam_eps)
-        self.params = [p for g in groups for p in g["params"]]
-
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
-
-    @torch.no_grad()
-    def step(self):
-        from megatron.core import parallel_state
-        from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-        from megatron.core.transformer.module import param_is_not_shared
-
-        for p in self.params:
-            p.grad = p.main_grad
-        counted = [p.grad for p in self.params if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
-        norm = get_grad_norm_fp32(counted, grad_stats_parallel_group=parallel_state.get_model_parallel_group())
-        coeff = self.config.clip_grad / (norm + 1.0e-6)  # clip_grad_by_total_norm_fp32 (which asserts CUDA)
-        if self.config.clip_grad > 0 and coeff < 1.0:
-            for p in self.params:
-                p.grad.mul_(coeff)
-        self.inner.step()
-        return True, norm, None
-
-
 def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
 
 def _train_both(rank: int, world_size: int, argv: List[str]) -> Dict:
-    from tests.megatron_shim import install_cuda_shim
+    from tests.megatron_shim import MegatronFP32Step, install_cuda_shim
 
     install_cuda_shim()
     from megatron.core import parallel_state
@@ -98,7 +60,7 @@ def _train_both(rank: int, world_size: int, argv: List[str]) -> Dict:
         pg.seed(args)
         config = pg.transformer_config(args)
         ddp = pg.build_model(args, config)
-        ref = pg.train_loop(args, ddp, _MegatronFP32Step(ddp, pg.optimizer_config(args)), config)
+        ref = pg.train_loop(args, ddp, MegatronFP32Step(ddp, pg.optimizer_config(args)), config)
         reference = {k: v.detach().clone() for k, v in ddp.state_dict().items() if torch.is_tensor(v)}
         del ddp
 
@@ -216,7 +178,7 @@ def test_clipping_matches_megatron():
 
 
 def _resume_and_interchange(rank: int, world_size: int, argv: List[str], ckpt_dir: str) -> Dict:
-    from tests.megatron_shim import install_cuda_shim
+    from tests.megatron_shim import MegatronFP32Step, install_cuda_shim
 
     install_cuda_shim()
     from megatron.core import parallel_state
@@ -231,7 +193,7 @@ def _resume_and_interchange(rank: int, world_size: int, argv: List[str], ckpt_di
         pg.seed(args)
         config = pg.transformer_config(args)
         ddp = pg.build_model(args, config)
-        ref = pg.train_loop(args, ddp, _MegatronFP32Step(ddp, pg.optimizer_config(args)), config)
+        ref = pg.train_loop(args, ddp, MegatronFP32Step(ddp, pg.optimizer_config(args)), config)
         ddp_full = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in ddp.state_dict().items()}
         ddp_state = {k: v for k, v in ddp_full.items() if torch.is_tensor(v)}
 

@@ -21,9 +21,8 @@ parameters of the loading model (its buffers) are found by name among the pieces
   bare model state dict; optimizer state nested or flattened). DCP's own reader gathers
   every tensor whole in this process (as ``dcp_to_torch_save`` does).
 * DeepSpeed (stage 0-3, any world size): fp32 weights from DeepSpeed's ``zero_to_fp32``;
-  Adam's moments of stage 0-2 from DeepSpeed's universal-checkpoint conversion
-  (``ds_to_universal``); the engine's counters and client state as ``extra``. Stage 3's
-  moments are refused (see ``from_deepspeed``).
+  Adam's moments (and step) from DeepSpeed's universal-checkpoint conversion
+  (``ds_to_universal``); the engine's counters and client state as ``extra``.
 """
 
 from __future__ import annotations
@@ -182,8 +181,14 @@ def _universal_adam_state(universal: str, shapes: Dict[str, Tuple[int, ...]]) ->
     steps = [os.path.join(zero, n, "step.pt") for n in sorted(os.listdir(zero))]
     steps = [f for f in steps if os.path.exists(f)]
     # DeepSpeed keeps one step per parameter group; some conversions write it for some
-    # parameters only, so the first one found stands in for a missing one.
-    common_step = torch.load(steps[0], map_location="cpu", weights_only=False) if steps else None
+    # parameters only, so the first one found stands in for a missing one. Stage 3's
+    # conversion writes none: its step is only in zero/optimizer_state.pt, where
+    # DeepSpeed's own stage-3 universal loader reads it (state[0]["step"]).
+    if steps:
+        common_step = torch.load(steps[0], map_location="cpu", weights_only=False)
+    else:
+        common = torch.load(os.path.join(zero, "optimizer_state.pt"), map_location="cpu", weights_only=False)
+        common_step = common["optimizer_state_dict"]["state"][0]["step"]
     out: Dict[str, Dict[str, Any]] = {}
     for name, shape in shapes.items():
         folder = os.path.join(zero, name)
@@ -220,9 +225,7 @@ def from_deepspeed(load_dir: str, tag: Optional[str], dst: str, weights_only: bo
     """Convert DeepSpeed checkpoint ``load_dir/tag`` (``tag`` from ``latest`` if ``None``).
 
     ``extra`` holds ``{"deepspeed": {lr_scheduler, global_steps, global_samples,
-    skipped_steps}, "client_state": ...}``. Stage 3's Adam moments are refused unless
-    ``weights_only``: DeepSpeed's universal conversion of stage 3 did not reproduce
-    ZeRO-3's continuation in our tests.
+    skipped_steps}, "client_state": ...}``.
     """
     if tag is None:
         latest = os.path.join(load_dir, "latest")
@@ -235,13 +238,6 @@ def from_deepspeed(load_dir: str, tag: Optional[str], dst: str, weights_only: bo
     if states_file is None:
         raise CheckpointError(f"{path} is not a DeepSpeed checkpoint (no {_DS_MODEL_STATES})")
     states = torch.load(states_file, map_location="cpu", weights_only=False)
-    stage3 = os.path.basename(states_file).startswith("zero_pp_rank_")
-    if stage3 and not weights_only:
-        raise CheckpointError(
-            f"{path} is a ZeRO stage-3 checkpoint: its weights convert, its Adam state does not (DeepSpeed's "
-            "universal conversion of stage 3 did not reproduce ZeRO-3's continuation in our tests). Convert with "
-            "--weights-only (load_optimizer_states=False); stage 0-2 checkpoints convert with their Adam state"
-        )
     if any(n.endswith("optim_states.pt") and n.startswith(("zero_pp_rank_", "bf16_zero_pp_rank_")) for n in os.listdir(path)):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
