@@ -338,8 +338,8 @@ def test_bf16_keeps_fp32_master_shards():
         assert len(bf16) == 3 and all(abs(a - b) <= 0.02 * b for a, b in zip(bf16, fp32)), res["losses"]
 
 
-def _megatron_lm_switch(rank: int, world_size: int) -> Dict[str, object]:
-    """Megatron-LM's ``megatron.training.training`` stood in for by its two names."""
+def _megatron_lm_switch(rank: int, world_size: int, save_dir: str) -> Dict[str, object]:
+    """Megatron-LM's ``megatron.training.training`` stood in for by its names."""
     import argparse
     import sys
     import types
@@ -379,7 +379,9 @@ def _megatron_lm_switch(rank: int, world_size: int) -> Dict[str, object]:
     try:
         mlm_args = add_vescale_fsdp_args(argparse.ArgumentParser()).parse_args(["--use-vescale-fsdp", "--vescale-granularity", "row"])
         mlm_args.gradient_accumulation_fusion = False
+        mlm_args.save, mlm_args.no_save_optim = save_dir, False
         use_vescale_fsdp_in_megatron_lm(get_args=lambda: mlm_args)
+        pg.seed(args)  # Megatron's RNG tracker, which the forward pass needs
         config = pg.transformer_config(args)
         inner = pg.build_model_unwrapped(args, config)
         chunk = training.DDP(config=config, ddp_config=DistributedDataParallelConfig(), module=inner,
@@ -388,26 +390,45 @@ def _megatron_lm_switch(rank: int, world_size: int) -> Dict[str, object]:
                                                     use_gloo_process_groups=True)
         granularity_rows = all(sp.sharded_range.granularity % max(1, sp.sharded_range.shape[-1]) == 0
                                for g in chunk.vescale_groups for sp in g.sharded_params if len(sp.sharded_range.shape) == 2)
+        args.train_iters = 2
+        pg.train_loop(args, chunk, optimizer, config)  # so the optimizer has state
         saved = training.save_checkpoint(1, [chunk], optimizer)  # hangs if it gathered on rank 0 alone
         full = chunk.state_dict()
         saved_ok = dist.get_rank() != 0 or (
             saved is not None and all(torch.equal(saved[k], v) for k, v in full.items() if torch.is_tensor(v)))
+        # Resume: Megatron-LM's file holds data-parallel rank 0's optimizer state dict, and
+        # every rank hands it to load_state_dict; it points at every rank's shards.
+        written = [optimizer.state_dict() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(written, src=0)
+        resumed = training.DDP(config=config, ddp_config=DistributedDataParallelConfig(),
+                               module=pg.build_model_unwrapped(args, pg.transformer_config(args)), disable_bucketing=False)
+        resumed_opt = training.get_megatron_optimizer(pg.optimizer_config(args), [resumed], config_overrides=None)
+        resumed_opt.load_state_dict(written[0])
+        before = [optimizer.optimizer.state[p] for p in optimizer.get_parameters()]
+        after = [resumed_opt.optimizer.state[p] for p in resumed_opt.get_parameters()]
+        optim_ok = "vescale_zero_checkpoint" in written[0] and sum(len(b) for b in before) > 0 and all(
+            b.keys() == a.keys() and all(torch.equal(torch.as_tensor(b[k]), torch.as_tensor(a[k])) for k in b)
+            for b, a in zip(before, after))
         mlm_args.use_vescale_fsdp = False
         plain = training.DDP(config=config, ddp_config=DistributedDataParallelConfig(),
                              module=pg.build_model_unwrapped(args, pg.transformer_config(args)), disable_bucketing=False)
         return {
             "wrapper": isinstance(chunk, VeScaleFSDP), "optimizer": isinstance(optimizer, VeScaleOptimizer),
             "unwrapped": training.unwrap_model(chunk) is inner, "rows": granularity_rows,
-            "off": type(plain) is DistributedDataParallel, "saved": saved_ok,
+            "off": type(plain) is DistributedDataParallel, "saved": saved_ok, "optimizer resumed": optim_ok,
         }
     finally:
         parallel_state.destroy_model_parallel()
 
 
-def test_megatron_lm_switch_routes_builders():
-    for res in run_on_ranks(_megatron_lm_switch, 2, timeout=300):
+def test_megatron_lm_switch_routes_builders(tmp_path):
+    """The switch picks our classes under --use-vescale-fsdp (Megatron's without), and its
+    save_checkpoint writes every rank's optimizer shards beside Megatron-LM's rank-0 file:
+    a new optimizer given that file's state dict holds exactly the saved state."""
+    for res in run_on_ranks(_megatron_lm_switch, 2, str(tmp_path), timeout=300):
         assert res == {"wrapper": True, "optimizer": True, "unwrapped": True, "rows": True, "off": True,
-                       "saved": True}, res
+                       "saved": True, "optimizer resumed": True}, res
+    assert os.path.exists(tmp_path / "iter_0000001" / "vescale_zero_optim" / "metadata.json")
 
 
 def _train_fp8(rank: int, world_size: int, argv: List[str]) -> Dict:

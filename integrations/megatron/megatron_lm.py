@@ -4,7 +4,9 @@ Megatron-LM (not on the package index) picks the data-parallel class in
 ``megatron.training.training.get_model`` through the module-level name ``DDP`` and the
 optimizer through ``get_megatron_optimizer``; ``megatron.core.utils.unwrap_model``
 peels known wrappers; ``save_checkpoint`` (torch format) asks data-parallel rank 0 alone
-for the model state, which we gather on every rank beforehand. In a Megatron-LM pretraining script::
+for the model state, which we gather on every rank beforehand, and writes rank 0's
+optimizer state only, so every rank's optimizer shards are saved beside it (see
+``integrations/megatron/optimizer.py`` [Note: optimizer checkpoints]). In a Megatron-LM pretraining script::
 
     from vescale_zero.integrations.megatron import add_vescale_fsdp_args, use_vescale_fsdp_in_megatron_lm
 
@@ -17,12 +19,13 @@ Without ``--use-vescale-fsdp`` every call goes to Megatron's own classes unchang
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Callable, Optional
 
 from .arguments import validate_vescale_args, vescale_optimizer_block, vescale_optimizer_name, vescale_options_from_args
 from .data_parallel import VeScaleFSDP
-from .optimizer import get_vescale_optimizer
+from .optimizer import VeScaleOptimizer, get_vescale_optimizer
 
 __all__ = ["use_vescale_fsdp_in_megatron_lm", "unwrap_vescale"]
 
@@ -97,6 +100,12 @@ def use_vescale_fsdp_in_megatron_lm(get_args: Optional[Callable[[], Any]] = None
     if megatron_save is not None:
         def save_checkpoint(iteration: Any, model: Any, *rest: Any, **kwargs: Any):
             chunks = [m for m in (model if isinstance(model, list) else [model]) if isinstance(m, VeScaleFSDP)]
+            optimizer = rest[0] if rest else kwargs.get("optimizer")
+            args = get_args()
+            if isinstance(optimizer, VeScaleOptimizer) and getattr(args, "save", None) and not getattr(
+                    args, "no_save_optim", False):
+                # Rank 0's torch file cannot hold every rank's shards: they go beside it.
+                optimizer.save_sharded(os.path.join(args.save, f"iter_{int(iteration):07d}", "vescale_zero_optim"))
             for chunk in chunks:
                 chunk.prepare_state_dict()
             try:

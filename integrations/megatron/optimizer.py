@@ -10,12 +10,20 @@ data-parallel shards are disjoint, tensor-parallel duplicates (LayerNorms, TP si
 count on TP rank 0 only (expert-TP rank 0 for experts), a word embedding tied across
 pipeline stages counts on the first stage only (``param.shared``). One all-reduce of the
 local sum of squares over the whole world is then the norm of the full gradient: what
-Megatron computes over its model-parallel group on replicated gradients.
+Megatron-LM computes over its model-parallel group on replicated gradients.
+
+[Note: optimizer checkpoints] Megatron-LM's torch checkpoints are written by data-parallel
+rank 0 alone, so they cannot hold the other ranks' shards. :meth:`VeScaleOptimizer.save_sharded`
+writes every rank's shards with :mod:`vescale_zero.checkpoint` (the Megatron-LM switch calls
+it from ``save_checkpoint``, into ``iter_N/vescale_zero_optim``); :meth:`state_dict` then
+points there, and :meth:`load_state_dict` -- called by every rank on resume -- loads that
+checkpoint, at any data-parallel size.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -29,6 +37,7 @@ from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
+from vescale_zero import checkpoint
 from vescale_zero.optim import AdamW8bit, Muon, Shampoo
 
 from .data_parallel import VeScaleFSDP
@@ -56,10 +65,14 @@ class VeScaleOptimizer(MegatronOptimizer):
         optimizer: built on the sharded parameters of ``VeScaleFSDP`` chunks.
         config: Megatron's ``OptimizerConfig`` (``clip_grad``, ``log_num_zeros_in_grad``,
             ``fp16`` loss scaling: ``loss_scale`` / ``initial_loss_scale`` / ...).
+        model_chunks: the ``VeScaleFSDP`` chunks it optimizes (for sharded checkpoints).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig,
+                 model_chunks: Optional[List[nn.Module]] = None) -> None:
         super().__init__(optimizer, config)
+        self.model_chunks = list(model_chunks or [])
+        self._sharded_checkpoint: Optional[str] = None
         self.is_stub_optimizer = False
         params = self.get_parameters()
         self._device = params[0].device if params else torch.device("cpu")
@@ -153,16 +166,45 @@ class VeScaleOptimizer(MegatronOptimizer):
     def reload_model_params(self, state_dict: Any = None) -> None:
         """Nothing to reload: the sharded model parameters are the master parameters."""
 
-    # ---- state -------------------------------------------------------------------------
+    # ---- state (see [Note: optimizer checkpoints]) --------------------------------------
+    def _chunk(self) -> nn.Module:
+        chunks = [c for c in self.model_chunks if isinstance(c, VeScaleFSDP)]
+        if len(chunks) != 1:
+            raise ValueError(
+                f"sharded optimizer checkpoints need exactly one VeScaleFSDP model chunk, this optimizer has "
+                f"{len(chunks)} (virtual pipeline stages are not supported yet); resume with --no-load-optim"
+            )
+        return chunks[0]
+
+    def save_sharded(self, path: str) -> None:
+        """Write every rank's optimizer shards (and weights) under ``path``; collective."""
+        extra = {"grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None}
+        checkpoint.save(path, self._chunk(), self.optimizer, extra=extra)
+        self._sharded_checkpoint = path
+
     def state_dict(self) -> Dict[str, Any]:
-        """This rank's optimizer state (its shards only: every data-parallel rank saves)."""
+        """This rank's optimizer state (its shards only), and where :meth:`save_sharded`
+        last wrote every rank's."""
         out: Dict[str, Any] = {"optimizer": self.optimizer.state_dict(),
                                "shard_numels": [p.numel() for p in self.get_parameters()]}
         if self.grad_scaler is not None:
             out["grad_scaler"] = self.grad_scaler.state_dict()
+        if self._sharded_checkpoint is not None:
+            out["vescale_zero_checkpoint"] = self._sharded_checkpoint
         return out
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        path = state_dict.get("vescale_zero_checkpoint")
+        if path is not None:  # every rank's shards, at any data-parallel size
+            if not os.path.isdir(path):
+                raise checkpoint.CheckpointError(
+                    f"the optimizer state was saved as sharded checkpoint {path}, which is not there (moved with "
+                    "its Megatron checkpoint?); put it back, or resume with --no-load-optim"
+                )
+            extra = checkpoint.load(path, self._chunk(), self.optimizer)
+            if self.grad_scaler is not None and extra.get("grad_scaler") is not None:
+                self.grad_scaler.load_state_dict(extra["grad_scaler"])
+            return
         if "optimizer" not in state_dict:
             raise KeyError(
                 "not a VeScaleOptimizer state dict (no 'optimizer' key); a Megatron optimizer checkpoint "
@@ -172,8 +214,9 @@ class VeScaleOptimizer(MegatronOptimizer):
         if state_dict.get("shard_numels", mine) != mine:
             raise ValueError(
                 "this optimizer state was saved by another data-parallel rank (its shards have other sizes): "
-                "Megatron-LM's torch checkpoints keep data-parallel rank 0's optimizer state only. Save and load the "
-                "sharded optimizer with vescale_zero.checkpoint.save/load, or resume with --no-load-optim"
+                "Megatron-LM's torch checkpoints keep data-parallel rank 0's optimizer state only. Save through "
+                "use_vescale_fsdp_in_megatron_lm's save_checkpoint (it writes every rank's shards beside it), or with "
+                "VeScaleOptimizer.save_sharded / vescale_zero.checkpoint, or resume with --no-load-optim"
             )
         self.optimizer.load_state_dict(state_dict["optimizer"])
         if self.grad_scaler is not None and "grad_scaler" in state_dict:
@@ -276,4 +319,4 @@ def get_vescale_optimizer(
                      process_group=model_chunks[0].dp_cp_group)
     else:
         inner = torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum, weight_decay=config.weight_decay)
-    return VeScaleOptimizer(inner, config)
+    return VeScaleOptimizer(inner, config, model_chunks)
