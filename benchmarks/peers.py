@@ -15,7 +15,8 @@ A B C D E ... A B C D E .... fp32 on gloo (CPU), NCCL when GPUs are present. Rep
 * peak memory: on GPU the CUDA allocator's peak; on CPU the highest resident set size
   sampled every 2 ms during the timed steps, minus the RSS before the model was built
   (freed pages are returned to the OS with malloc_trim after set-up);
-* bytes through collectives per step (profiled: all-gather, reduce-scatter, all-reduce);
+* bytes through collectives per step (profiled: all-gather, reduce-scatter, all-reduce; an
+  all_to_all counts as a reduce-scatter, which is what vescale-zero runs as one on gloo);
 * bytes copied outside collectives per step: bytes through copy kernels (copy_, cat,
   _chunk_cat, split_with_sizes_copy, _foreach_copy_, _to_copy) that are not made by a
   collective (not under, nor during, a c10d / gloo / nccl op on the same thread) (tensor lists counted as 4-byte elements: exact for fp32), minus the same count for the unsharded model on the same local batch, so the
@@ -84,7 +85,8 @@ def _traffic(prof) -> Dict[str, int]:
         name, shapes, types = e.name, e.structured_input_shapes or e.input_shapes or [], e.input_dtypes or []
         if name == "c10d::_allgather_base_" and shapes:
             out["all_gather"] += _bytes(shapes[0], types[0] if types else "float")
-        elif name == "c10d::_reduce_scatter_base_" and len(shapes) > 1:
+        elif name in ("c10d::_reduce_scatter_base_", "c10d::alltoall_base_") and len(shapes) > 1:
+            # all_to_all: vescale-zero's reduce-scatter on gloo (collectives.py [Note: gloo reduce-scatter])
             out["reduce_scatter"] += _bytes(shapes[1], types[1] if len(types) > 1 else "float")
         elif name.startswith("c10d::allreduce") and shapes:
             out["all_reduce"] += _bytes(shapes[0], types[0] if types else "float")
