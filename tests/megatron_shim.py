@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["install_cuda_shim", "MegatronFP32Step"]
+__all__ = ["install_cuda_shim", "MegatronFP32Step", "megatron_optimizer_on_cpu"]
 
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint",
               "zeros_like", "ones_like", "empty_like", "full_like")
@@ -92,6 +92,26 @@ def install_cuda_shim() -> None:
     if not hasattr(moe_utils, "te_general_gemm"):  # 0.16.1 reads it unguarded when TE is absent
         moe_utils.te_general_gemm = None
     _installed = True
+
+
+@contextlib.contextmanager
+def megatron_optimizer_on_cpu():
+    """Build megatron-core's own optimizers on CPU: its distributed optimizer accepts
+    parameters only when ``param.type()`` names a CUDA tensor type. Use with
+    ``--clip-grad 0`` (its clipping asserts CUDA tensors)."""
+    original = torch.Tensor.type
+
+    def type_(self, *args: Any, **kwargs: Any):
+        name = original(self, *args, **kwargs)
+        if not args and not kwargs and name.startswith("torch.") and not name.startswith("torch.cuda."):
+            return "torch.cuda." + name[len("torch."):]
+        return name
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
 
 
 class MegatronFP32Step:

@@ -9,11 +9,20 @@ so it is interchangeable with checkpoints of DDP, Megatron's DDP or an unsharded
 
 ``load_full_state_dict`` goes the other way without communication: each rank copies
 the flat range it owns of every tensor into its master shard.
+
+``full_optimizer_state`` / ``load_full_optimizer_state`` do the same for element-wise
+optimizer state (Adam's moments, SGD's momentum: one value per parameter element), keyed
+by the parameter's state-dict key -- the "model space" layout of Megatron's checkpoints
+and of ``torch.optim`` on an unsharded model::
+
+    rank k:   state[p_k]["exp_avg"]  = piece of exp_avg(p)   (shaped like p_k, the shard)
+    gather:   the group's pieces laid out as the master shard, one all-gather per key
+    result:   {"layer.p": {"exp_avg": full exp_avg(p), ...}, ...}
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -22,7 +31,11 @@ from .collectives import all_gather
 from .fully_shard import groups_of
 from .param_group import GroupState, ParamGroup
 
-__all__ = ["full_state_dict", "load_full_state_dict"]
+__all__ = ["full_state_dict", "load_full_state_dict", "full_optimizer_state", "load_full_optimizer_state",
+           "ELEMENT_WISE_STATE"]
+
+ELEMENT_WISE_STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
+"""Optimizer state keys holding one value per parameter element (torch's Adam/AdamW/SGD)."""
 
 
 def _managed_index(module: nn.Module) -> Dict[int, Tuple[ParamGroup, int]]:
@@ -33,6 +46,31 @@ def _managed_index(module: nn.Module) -> Dict[int, Tuple[ParamGroup, int]]:
             index[id(group.sharded_params[i])] = (group, i)
             index[id(group.unsharded_params[i])] = (group, i)
     return index
+
+
+def _gather_group(group: ParamGroup, pieces: List[Optional[torch.Tensor]], dtype: torch.dtype) -> List[torch.Tensor]:
+    """Each managed tensor of ``group`` whole, from this rank's ``pieces`` (one per tensor,
+    shaped like its shard; ``None`` reads as zeros); one all-gather. Collective."""
+    local = torch.zeros(group.plan.shard_size, dtype=dtype, device=group.device)
+    for i, piece in enumerate(pieces):
+        start, end = group.master.local_range(i)
+        if piece is not None and end > start:
+            local.narrow(0, group.plan.local_slices(group.rank)[i][2], end - start).copy_(piece.reshape(-1))
+    flat = torch.empty(group.plan.global_size, dtype=dtype, device=group.device)
+    all_gather(flat, local, group.process_group)
+    return [flat.narrow(0, off, spec.numel).view(group.managed[i].shape)
+            for i, (spec, off) in enumerate(zip(group.plan.specs, group.plan.offsets))]
+
+
+def _first_keys(module: nn.Module) -> Dict[Tuple[int, int], str]:
+    """(group id, index) -> the first state-dict key naming that managed parameter."""
+    index = _managed_index(module)
+    keys: Dict[Tuple[int, int], str] = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        hit = index.get(id(value))
+        if hit is not None:
+            keys.setdefault((id(hit[0]), hit[1]), key)
+    return keys
 
 
 def full_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:
@@ -69,7 +107,9 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tenso
     """
     current = module.state_dict(keep_vars=True)
     index = _managed_index(module)
-    missing = sorted(set(current) - set(state_dict))
+    # A missing ``_extra_state`` is the module's business: its load hooks fill a default
+    # (Megatron's linear layers do; its GPTModel drops the tied output layer's).
+    missing = sorted(k for k in set(current) - set(state_dict) if not k.endswith("_extra_state"))
     unexpected = sorted(set(state_dict) - set(current))
     if strict and (missing or unexpected):
         raise KeyError(
@@ -104,3 +144,78 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tenso
     for group in groups_of(module):
         if group.state is not GroupState.SHARDED:
             group.reshard()  # drop full parameters gathered before the load
+
+
+def full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[Dict[str, Dict[str, torch.Tensor]], Optional[float]]:
+    """``({param key: {state key: full tensor}}, step)`` for element-wise optimizer state.
+
+    Collective over every group under ``module`` (one all-gather per group and state
+    key). Keys are the module's state-dict keys (the first name of a tied parameter).
+    Raises ``ValueError`` for state that is not one value per element (8-bit blocks,
+    Shampoo preconditioners, ...): such state has no full-tensor form.
+    """
+    keys = _first_keys(module)
+    out: Dict[str, Dict[str, torch.Tensor]] = {}
+    steps = set()
+    for group in groups_of(module):
+        states = [optimizer.state.get(p, {}) for p in group.sharded_params]
+        names = sorted({k for st in states for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0})
+        for st in states:
+            if "step" in st:
+                steps.add(float(st["step"]))
+        unknown = [k for k in names if k not in ELEMENT_WISE_STATE]
+        if unknown:
+            raise ValueError(
+                f"optimizer {type(optimizer).__name__} keeps state {unknown} that is not one value per parameter "
+                f"element, so it has no full-tensor (model-space) form; save it with vescale_zero.checkpoint.save "
+                f"(per-rank shards, reshardable) instead"
+            )
+        for name in names:
+            dtype = next(st[name].dtype for st in states if name in st)
+            full = _gather_group(group, [st.get(name) for st in states], dtype)
+            for i, tensor in enumerate(full):
+                if name in states[i] and (id(group), i) in keys:
+                    out.setdefault(keys[(id(group), i)], {})[name] = tensor
+    if len(steps) > 1:
+        raise ValueError(f"the optimizer's step differs between parameters ({sorted(steps)}); cannot save one step")
+    return out, (steps.pop() if steps else None)
+
+
+def load_full_optimizer_state(
+    module: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Mapping[str, torch.Tensor]],
+    step: Optional[float], strict: bool = True,
+) -> None:
+    """Load ``state`` (see :func:`full_optimizer_state`) into the optimizer of a sharded
+    module: each rank keeps the flat range it owns; no communication. With ``strict``, a
+    parameter the optimizer trains but ``state`` lacks raises ``KeyError``; a tensor of the
+    wrong shape always raises ``ValueError``."""
+    keys = _first_keys(module)
+    trained = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    missing = []
+    with torch.no_grad():
+        for group in groups_of(module):
+            for i, sp in enumerate(group.sharded_params):
+                key = keys.get((id(group), i))
+                if key is None or id(sp) not in trained:
+                    continue
+                if key not in state:
+                    missing.append(key)
+                    continue
+                shape = tuple(group.managed[i].shape)
+                start, end = group.master.local_range(i)
+                target = optimizer.state[sp]
+                for name, value in state[key].items():
+                    if tuple(value.shape) != shape:
+                        raise ValueError(
+                            f"optimizer state {name!r} of {key!r} has shape {tuple(value.shape)}, the parameter "
+                            f"{shape}; the checkpoint must come from the same model (same tensor/pipeline layout)"
+                        )
+                    piece = value.detach().reshape(-1)[start:end].to(dtype=sp.dtype, device=sp.device)
+                    target[name] = piece.reshape(sp.shape).clone()
+                if step is not None:
+                    target["step"] = torch.tensor(float(step), dtype=torch.float32)
+    if strict and missing:
+        raise KeyError(
+            f"the optimizer state holds no entry for {missing[:8]}{'...' if len(missing) > 8 else ''}; "
+            "it was saved for another model, or load with --no-load-optim"
+        )

@@ -8,6 +8,13 @@ makes Megatron-LM's builders use them.
 
 In Megatron-LM: ``use_vescale_fsdp_in_megatron_lm()`` before ``pretrain(...,
 extra_args_provider=add_vescale_fsdp_args)``, then pass ``--use-vescale-fsdp``.
+
+Megatron ``torch_dist`` checkpoints (see data_parallel.py [Note: dist-checkpoints])::
+
+    model_sd = model.sharded_state_dict()                      # full TP-local tensors
+    state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}
+    dist_checkpointing.save(state, path)                       # or .load(state, path), then
+    model.load_state_dict(loaded["model"]); optimizer.load_state_dict(loaded["optimizer"])
 """
 
 from .arguments import (
@@ -19,7 +26,7 @@ from .arguments import (
 )
 from .data_parallel import VeScaleFSDP, VeScaleFSDPOptions, check_supported
 from .megatron_lm import use_vescale_fsdp_in_megatron_lm
-from .optimizer import SUPPORTED_OPTIMIZERS, VeScaleOptimizer, get_vescale_optimizer
+from .optimizer import SUPPORTED_OPTIMIZERS, VeScaleOptimizer, check_dist_checkpoint_optimizer, get_vescale_optimizer
 
 __all__ = [
     "VeScaleFSDP",
@@ -34,4 +41,5 @@ __all__ = [
     "check_supported",
     "use_vescale_fsdp_in_megatron_lm",
     "SUPPORTED_OPTIMIZERS",
+    "check_dist_checkpoint_optimizer",
 ]

@@ -30,10 +30,21 @@ reduce-scatter (or AVG with ``average_in_collective``); expert parameters
 (``param.allreduce == False``) are reduced over the expert-data-parallel group, still
 scaled by 1/(dp x cp size); with ``calculate_per_token_loss`` every group sums (Megatron
 scales by 1/tokens later).
+
+[Note: dist-checkpoints] Megatron's ``torch_dist`` checkpoints describe every tensor by its
+*full* tensor-parallel-local shape (``ShardedTensor``), with data parallelism as replicas.
+Ragged shards are not a regular grid, so for ``sharded_state_dict`` the module shows
+Megatron full parameters: :meth:`VeScaleFSDP.full_parameters` gathers each group once and
+installs plain full tensors in place of the shards for its duration; Megatron's own
+``sharded_state_dict`` then describes them exactly as under its DDP (same keys, same
+replica ids: data-parallel rank 0 writes), and loading at any TP/PP/DP layout is
+Megatron's reshard followed by :meth:`VeScaleFSDP.load_state_dict`, which keeps each
+rank's range. The optimizer finds its state's full shapes through :meth:`sharded_param_of`.
 """
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional
@@ -150,6 +161,8 @@ class VeScaleFSDP(_BaseDataParallel):
         self.pp_group = groups["pp_group"]
         self._shard(module)
         self._groups: List[ParamGroup] = groups_of(module)
+        self._installed: Optional[List[tuple]] = None
+        self._sharded_of: Dict[int, tuple] = {}  # id(full) -> (weakref to full, sharded param)
         dense, expert = _checkpoint_domains(groups)
         for group in self._groups:
             for i in group.grad_indices:
@@ -281,14 +294,81 @@ class VeScaleFSDP(_BaseDataParallel):
         return self.state_dict(prefix=prefix, keep_vars=keep_vars)
 
     def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> None:
-        """Load a full state dict (from DDP, Megatron's torch checkpoints or :meth:`state_dict`)."""
+        """Load a full state dict (from DDP, Megatron's torch or torch_dist checkpoints or
+        :meth:`state_dict`); the shards go back in first if :meth:`full_parameters` is on."""
+        self._restore_shards()
         load_full_state_dict(self.module, state_dict, strict=strict)
 
-    def sharded_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            "VeScaleFSDP does not write Megatron dist-checkpoints (torch_dist) yet; save with "
-            "--ckpt-format torch (full state dict) or vescale_zero.checkpoint.save (per-rank shards)"
-        )
+    # ---- Megatron dist-checkpoints (see [Note: dist-checkpoints]) ----------------------
+    @contextmanager
+    def full_parameters(self) -> Iterator[None]:
+        """Collective. For the duration, the module holds plain full (TP-local) tensors,
+        gathered, instead of its shards: what Megatron's ``sharded_state_dict`` describes
+        and its ``torch_dist`` load fills. Training must not run inside."""
+        if self._installed is not None:  # nested: already full
+            yield
+            return
+        full = full_state_dict(self.module)
+        swapped: List[tuple] = []
+        made: Dict[int, nn.Parameter] = {}
+        self._sharded_of = {}
+        sharded_keys = {id(sp) for g in self._groups for sp in g.sharded_params}
+        for prefix, sub in self.module.named_modules():
+            for name, param in list(sub._parameters.items()):
+                if param is None or id(param) not in sharded_keys:
+                    continue
+                key = f"{prefix}.{name}" if prefix else name
+                tensor = full[key]
+                plain = made.get(id(tensor))
+                if plain is None:  # a tied parameter gets one full tensor under both names
+                    plain = nn.Parameter(tensor, requires_grad=param.requires_grad)
+                    for attr, value in vars(param).items():
+                        if attr not in ("sharded_range", "main_grad", "grad_added_to_main_grad"):
+                            setattr(plain, attr, value)
+                    made[id(tensor)] = plain
+                    self._sharded_of[id(plain)] = (weakref.ref(plain), param)
+                swapped.append((sub, name, param))
+                sub._parameters[name] = plain
+        self._installed = swapped
+        try:
+            yield
+        finally:
+            self._restore_shards()
+
+    def _restore_shards(self) -> None:
+        for sub, name, param in self._installed or ():
+            sub._parameters[name] = param
+        self._installed = None
+
+    @contextmanager
+    def shards_in_place(self) -> Iterator[None]:
+        """Inside :meth:`full_parameters`, put the shards back for a while (the optimizer
+        reads its state by the sharded parameters); outside it, a no-op."""
+        swapped = self._installed
+        if swapped is None:
+            yield
+            return
+        fulls = [(sub, name, sub._parameters[name]) for sub, name, _ in swapped]
+        self._restore_shards()
+        try:
+            yield
+        finally:
+            for sub, name, plain in fulls:
+                sub._parameters[name] = plain
+            self._installed = swapped
+
+    def sharded_param_of(self, tensor: torch.Tensor) -> Optional[nn.Parameter]:
+        """The sharded parameter whose full tensor :meth:`full_parameters` installed as
+        ``tensor`` (alive as long as a sharded state dict refers to it), else ``None``."""
+        ref, param = self._sharded_of.get(id(tensor), (None, None))
+        return param if ref is not None and ref() is tensor else None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None) -> Any:
+        """Megatron's ``sharded_state_dict`` of the wrapped module with full parameters, as
+        Megatron-LM writes it (``unwrap_model(model).sharded_state_dict()``); loads with
+        ``dist_checkpointing.load`` and :meth:`load_state_dict`, also into megatron-core DDP."""
+        with self.full_parameters():
+            return self.module.sharded_state_dict(prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
 
     # ---- ours ------------------------------------------------------------------------
     @property

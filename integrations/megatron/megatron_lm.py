@@ -3,10 +3,9 @@
 Megatron-LM (not on the package index) picks the data-parallel class in
 ``megatron.training.training.get_model`` through the module-level name ``DDP`` and the
 optimizer through ``get_megatron_optimizer``; ``megatron.core.utils.unwrap_model``
-peels known wrappers; ``save_checkpoint`` (torch format) asks data-parallel rank 0 alone
-for the model state, which we gather on every rank beforehand, and writes rank 0's
-optimizer state only, so every rank's optimizer shards are saved beside it (see
-``integrations/megatron/optimizer.py`` [Note: optimizer checkpoints]). In a Megatron-LM pretraining script::
+peels known wrappers; ``save_checkpoint`` / ``load_checkpoint`` are wrapped so both
+checkpoint formats see what they expect (see :func:`_wrap_checkpointing`). In a
+Megatron-LM pretraining script::
 
     from vescale_zero.integrations.megatron import add_vescale_fsdp_args, use_vescale_fsdp_in_megatron_lm
 
@@ -21,11 +20,12 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable, Optional
+from contextlib import ExitStack
+from typing import Any, Callable, List, Optional
 
 from .arguments import validate_vescale_args, vescale_optimizer_block, vescale_optimizer_name, vescale_options_from_args
 from .data_parallel import VeScaleFSDP
-from .optimizer import VeScaleOptimizer, get_vescale_optimizer
+from .optimizer import VeScaleOptimizer, check_dist_checkpoint_optimizer, get_vescale_optimizer
 
 __all__ = ["use_vescale_fsdp_in_megatron_lm", "unwrap_vescale"]
 
@@ -90,33 +90,7 @@ def use_vescale_fsdp_in_megatron_lm(get_args: Optional[Callable[[], Any]] = None
 
     training.DDP = data_parallel
     training.get_megatron_optimizer = optimizer
-    # Megatron-LM's torch checkpoints ask data-parallel rank 0 alone for the model's state
-    # dict; gather it on every rank first (VeScaleFSDP.prepare_state_dict) so nobody waits.
-    try:
-        import megatron.training.checkpointing as checkpointing
-    except ImportError:
-        checkpointing = None
-    megatron_save = getattr(training, "save_checkpoint", None) or getattr(checkpointing, "save_checkpoint", None)
-    if megatron_save is not None:
-        def save_checkpoint(iteration: Any, model: Any, *rest: Any, **kwargs: Any):
-            chunks = [m for m in (model if isinstance(model, list) else [model]) if isinstance(m, VeScaleFSDP)]
-            optimizer = rest[0] if rest else kwargs.get("optimizer")
-            args = get_args()
-            if isinstance(optimizer, VeScaleOptimizer) and getattr(args, "save", None) and not getattr(
-                    args, "no_save_optim", False):
-                # Rank 0's torch file cannot hold every rank's shards: they go beside it.
-                optimizer.save_sharded(os.path.join(args.save, f"iter_{int(iteration):07d}", "vescale_zero_optim"))
-            for chunk in chunks:
-                chunk.prepare_state_dict()
-            try:
-                return megatron_save(iteration, model, *rest, **kwargs)
-            finally:
-                for chunk in chunks:
-                    chunk.release_state_dict()
-
-        training.save_checkpoint = save_checkpoint
-        if checkpointing is not None:
-            checkpointing.save_checkpoint = save_checkpoint
+    _wrap_checkpointing(training, get_args)
     # ``unwrap_model`` is imported by name into many modules: replace it everywhere.
     import megatron.core.utils as core_utils
 
@@ -126,3 +100,87 @@ def use_vescale_fsdp_in_megatron_lm(get_args: Optional[Callable[[], Any]] = None
         if module is not None and getattr(module, "unwrap_model", None) is original:
             setattr(module, "unwrap_model", patched)
     setattr(training, _PATCHED, True)
+
+
+def _chunks_of(model: Any) -> List[VeScaleFSDP]:
+    return [m for m in (model if isinstance(model, list) else [model]) if isinstance(m, VeScaleFSDP)]
+
+
+def _wrap_checkpointing(training: Any, get_args: Callable[[], Any]) -> None:
+    """Megatron-LM's ``save_checkpoint`` / ``load_checkpoint`` with ``VeScaleFSDP`` chunks.
+
+    ``torch_dist``: they run with full parameters installed (``VeScaleFSDP.full_parameters``),
+    so Megatron's ``sharded_state_dict`` of the unwrapped model describes full tensors and
+    its loader reshards across TP/PP/DP; Adam's state is written in model space by
+    ``VeScaleOptimizer.sharded_state_dict``, per-block optimizer state beside it.
+    ``torch``: data-parallel rank 0 alone asks for the model's state dict, so it is gathered
+    on every rank beforehand; rank 0's file cannot hold every rank's optimizer shards, so
+    they go beside it (see optimizer.py [Note: optimizer checkpoints]).
+    """
+    try:
+        import megatron.training.checkpointing as checkpointing
+    except ImportError:
+        checkpointing = None
+    megatron_save = getattr(training, "save_checkpoint", None) or getattr(checkpointing, "save_checkpoint", None)
+    megatron_load = getattr(training, "load_checkpoint", None) or getattr(checkpointing, "load_checkpoint", None)
+
+    def save_checkpoint(iteration: Any, model: Any, *rest: Any, **kwargs: Any):
+        chunks = _chunks_of(model)
+        if not chunks:
+            return megatron_save(iteration, model, *rest, **kwargs)
+        optimizer = rest[0] if rest else kwargs.get("optimizer")
+        args = get_args()
+        fmt = getattr(args, "ckpt_format", "torch")
+        if fmt not in ("torch", "torch_dist"):
+            raise ValueError(f"--use-vescale-fsdp saves --ckpt-format torch_dist or torch, not {fmt!r}")
+        beside = fmt == "torch" or (isinstance(optimizer, VeScaleOptimizer) and optimizer.model_space_keys() is None)
+        if isinstance(optimizer, VeScaleOptimizer) and beside and getattr(args, "save", None) and not getattr(
+                args, "no_save_optim", False):
+            optimizer.save_sharded(os.path.join(args.save, f"iter_{int(iteration):07d}", "vescale_zero_optim"))
+        with ExitStack() as stack:
+            for chunk in chunks:
+                if fmt == "torch_dist":
+                    stack.enter_context(chunk.full_parameters())
+                else:
+                    chunk.prepare_state_dict()
+                    stack.callback(chunk.release_state_dict)
+            return megatron_save(iteration, model, *rest, **kwargs)
+
+    def load_checkpoint(model: Any, *rest: Any, **kwargs: Any):
+        chunks = _chunks_of(model)
+        args = get_args()
+        if chunks and not getattr(args, "no_load_optim", False) and not getattr(args, "finetune", False):
+            path = _checkpoint_dir(getattr(args, kwargs.get("load_arg", "load"), None), getattr(args, "ckpt_step", None))
+            if path is not None:
+                check_dist_checkpoint_optimizer(path)
+        with ExitStack() as stack:
+            for chunk in chunks:
+                stack.enter_context(chunk.full_parameters())
+            return megatron_load(model, *rest, **kwargs)
+
+    for module in (training, checkpointing):
+        if module is None:
+            continue
+        if megatron_save is not None and hasattr(module, "save_checkpoint"):
+            module.save_checkpoint = save_checkpoint
+        if megatron_load is not None and hasattr(module, "load_checkpoint"):
+            module.load_checkpoint = load_checkpoint
+
+
+def _checkpoint_dir(load: Optional[str], step: Optional[int]) -> Optional[str]:
+    """The iteration directory Megatron-LM's ``load_checkpoint`` will read, if it can be told
+    from ``--load`` (its tracker file) or ``--ckpt-step``; else ``None``."""
+    if not load or not os.path.isdir(load):
+        return None
+    if step is None:
+        tracker = os.path.join(load, "latest_checkpointed_iteration.txt")
+        if not os.path.isfile(tracker):
+            return None
+        with open(tracker) as f:
+            text = f.read().strip()
+        if text == "release":
+            return os.path.join(load, "release")
+        if not text.isdigit():
+            return None
+        step = int(text)
+    return os.path.join(load, f"iter_{int(step):07d}")

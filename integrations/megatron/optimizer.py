@@ -18,6 +18,16 @@ writes every rank's shards with :mod:`vescale_zero.checkpoint` (the Megatron-LM 
 it from ``save_checkpoint``, into ``iter_N/vescale_zero_optim``); :meth:`state_dict` then
 points there, and :meth:`load_state_dict` -- called by every rank on resume -- loads that
 checkpoint, at any data-parallel size.
+
+[Note: optimizer dist-checkpoints] In Megatron's ``torch_dist`` checkpoints the state of an
+element-wise optimizer is kept in "model space": ``optimizer.state.exp_avg.<model key>``
+shaped like the model's (TP-local, full) tensor, as Megatron's non-distributed optimizer
+and its distributed optimizer's ``fully_reshardable`` format write it.
+:meth:`VeScaleOptimizer.sharded_state_dict` gathers Adam's and SGD's state into that form
+(one all-gather per group and key) with the model tensor's metadata, so checkpoints move
+both ways between megatron-core DDP and ``VeScaleFSDP`` at any TP/PP/DP layout. Per-block
+state (8-bit, Shampoo, Muon) has no such form: it is saved with :meth:`save_sharded` and
+the dist-checkpoint holds a pointer to it.
 """
 
 from __future__ import annotations
@@ -39,10 +49,11 @@ from megatron.core.transformer.module import param_is_not_shared
 
 from vescale_zero import checkpoint
 from vescale_zero.optim import AdamW8bit, Muon, Shampoo
+from vescale_zero.state_dict import full_optimizer_state, load_full_optimizer_state
 
 from .data_parallel import VeScaleFSDP
 
-__all__ = ["VeScaleOptimizer", "get_vescale_optimizer", "SUPPORTED_OPTIMIZERS"]
+__all__ = ["VeScaleOptimizer", "get_vescale_optimizer", "SUPPORTED_OPTIMIZERS", "check_dist_checkpoint_optimizer"]
 
 SUPPORTED_OPTIMIZERS = ("adam", "sgd", "adamw8bit", "shampoo", "muon")
 
@@ -194,6 +205,9 @@ class VeScaleOptimizer(MegatronOptimizer):
         return out
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` gave, or what ``dist_checkpointing.load`` filled in
+        the template of :meth:`sharded_state_dict` (written by us or by Megatron's own
+        optimizers in model space, see [Note: optimizer dist-checkpoints])."""
         path = state_dict.get("vescale_zero_checkpoint")
         if path is not None:  # every rank's shards, at any data-parallel size
             if not os.path.isdir(path):
@@ -204,6 +218,9 @@ class VeScaleOptimizer(MegatronOptimizer):
             extra = checkpoint.load(path, self._chunk(), self.optimizer)
             if self.grad_scaler is not None and extra.get("grad_scaler") is not None:
                 self.grad_scaler.load_state_dict(extra["grad_scaler"])
+            return
+        if _MODEL_SPACE in state_dict:
+            self._load_model_space(state_dict)
             return
         if "optimizer" not in state_dict:
             raise KeyError(
@@ -222,11 +239,132 @@ class VeScaleOptimizer(MegatronOptimizer):
         if self.grad_scaler is not None and "grad_scaler" in state_dict:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
-    def sharded_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            "VeScaleOptimizer does not write Megatron dist-checkpoints (torch_dist) yet; save its per-rank "
-            "state with vescale_zero.checkpoint.save(path, model, optimizer)"
+    # ---- Megatron dist-checkpoints (see [Note: optimizer dist-checkpoints]) ------------
+    def model_space_keys(self) -> Optional[Tuple[str, ...]]:
+        """The element-wise state keys of the inner optimizer, or ``None`` if its state is
+        not element-wise (and so cannot be written in model space)."""
+        opt = self.optimizer
+        if type(opt) in (torch.optim.Adam, torch.optim.AdamW):
+            return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if any(g.get("amsgrad") for g in opt.param_groups) else ())
+        if type(opt) is torch.optim.SGD:
+            return ("momentum_buffer",) if any(g.get("momentum") for g in opt.param_groups) else ()
+        return None
+
+    def sharded_state_dict(self, model_sharded_state_dict: Dict[str, Any], is_loading: bool = False,
+                           metadata: Optional[dict] = None, **unused: Any) -> Dict[str, Any]:
+        """Megatron's optimizer ``sharded_state_dict``: model-space ``ShardedTensor``s built on
+        ``model_sharded_state_dict`` (from :meth:`VeScaleFSDP.sharded_state_dict`, or
+        Megatron-LM's ``sharded_state_dict`` under ``VeScaleFSDP.full_parameters``); for
+        per-block optimizers, a pointer to the shards :meth:`save_sharded` wrote. Collective."""
+        from dataclasses import replace
+
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+        chunk = self._chunk()
+        names = self.model_space_keys()
+        common: Dict[str, Any] = {"grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None}
+        if names is None:
+            if is_loading:
+                return {"vescale_zero_checkpoint": None, **common}
+            if self._sharded_checkpoint is None:
+                raise ValueError(
+                    f"{type(self.optimizer).__name__} keeps per-block state, which Megatron's torch_dist checkpoints "
+                    "cannot describe: call VeScaleOptimizer.save_sharded(path) first (Megatron-LM's save_checkpoint "
+                    "does it under use_vescale_fsdp_in_megatron_lm) so the checkpoint can point to it"
+                )
+            return {"vescale_zero_checkpoint": self._sharded_checkpoint, **common}
+        meta: Dict[int, Any] = {}
+        for sh in nested_values(model_sharded_state_dict):
+            if isinstance(sh, (ShardedTensor, ShardedTensorFactory)):
+                param = chunk.sharded_param_of(sh.data)
+                if param is not None:
+                    meta.setdefault(id(param), sh)
+        with chunk.shards_in_place():
+            keyed = _state_keys(chunk.module)
+            if is_loading:
+                full = {key: {n: torch.empty(p.sharded_range.shape, dtype=p.dtype, device=p.device) for n in names}
+                        for key, p in keyed.items() if _trained(self.optimizer, p)}
+                step = None
+            else:
+                full, step = full_optimizer_state(chunk.module, self.optimizer)
+        tensors: Dict[str, Dict[str, Any]] = {}
+        for key, states in full.items():
+            sh = meta.get(id(keyed[key]))
+            if sh is None:
+                raise ValueError(
+                    f"{key!r} is not in the model's sharded state dict: build it with VeScaleFSDP.sharded_state_dict() "
+                    "(or inside VeScaleFSDP.full_parameters()) in the same call as this one"
+                )
+            for name, tensor in states.items():
+                kwargs: Dict[str, Any] = dict(key=f"optimizer.state.{name}.{sh.key}", data=tensor)
+                if isinstance(sh, ShardedTensor):
+                    kwargs["dtype"] = tensor.dtype
+                tensors.setdefault(key, {})[name] = replace(sh, **kwargs)
+                if isinstance(sh, ShardedTensor):
+                    tensors[key][name].validate_metadata_integrity()
+        # Where Megatron's own (non-distributed) optimizer keeps the step and its groups
+        # (matched by wd_mult / lr_mult / ...: ours come from Megatron's _get_param_groups).
+        return {_MODEL_SPACE: tensors, "state": {"common_step": step},
+                "param_groups": [{k: v for k, v in g.items() if k != "params"}  # Megatron's are local
+                                 for g in self.optimizer.state_dict()["param_groups"]], **common}
+
+    def _load_model_space(self, state_dict: Dict[str, Any]) -> None:
+        if state_dict.get("param_state_sharding_type") not in _MODEL_SPACE_FORMATS:
+            raise ValueError(
+                f"the checkpoint's distributed-optimizer state is {state_dict['param_state_sharding_type']!r}, laid out "
+                "by Megatron's buckets; re-save it with --dist-ckpt-optim-fully-reshardable (model space), or resume "
+                "with --no-load-optim"
+            )
+        step = (state_dict.get("state") or {}).get("common_step")
+        if step is None:  # Megatron's distributed optimizer keeps it in its param groups
+            groups = (state_dict.get("optimizer") or {}).get("param_groups") or []
+            step = next((g["step"] for g in groups if "step" in g), None)
+        chunk = self._chunk()
+        with chunk.shards_in_place():
+            load_full_optimizer_state(chunk.module, self.optimizer, state_dict[_MODEL_SPACE],
+                                      float(step) if step is not None else None)
+        if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+
+
+_MODEL_SPACE = "vescale_zero_model_space"
+_MODEL_SPACE_FORMATS = (None, "fully_reshardable", "fully_sharded_model_space")
+
+
+def check_dist_checkpoint_optimizer(path: str) -> None:
+    """Refuse, before any rank starts loading, a Megatron ``torch_dist`` checkpoint at
+    ``path`` whose distributed-optimizer state is laid out by Megatron's gradient buckets
+    (``dp_reshardable``, Megatron-LM's default): it maps to parameters only through
+    Megatron's own bucket layout. No-op for other checkpoints."""
+    common = os.path.join(path, "common.pt")
+    if not os.path.isfile(common):
+        return
+    state = torch.load(common, map_location="cpu", weights_only=False)
+    optimizer = state.get("optimizer") if isinstance(state, dict) else None
+    fmt = optimizer.get("param_state_sharding_type") if isinstance(optimizer, dict) else None
+    if fmt not in _MODEL_SPACE_FORMATS:
+        raise ValueError(
+            f"{path}: the distributed-optimizer state is saved as {fmt!r}, laid out by Megatron's gradient buckets, "
+            "which only Megatron's own optimizer at the same TP/PP layout can read. Re-save it once with Megatron "
+            "(--load this --save new --dist-ckpt-optim-fully-reshardable, same layout) and load that, or resume "
+            "the weights only with --no-load-optim"
         )
+
+
+def _state_keys(module: nn.Module) -> Dict[str, nn.Parameter]:
+    """State-dict key -> sharded parameter (first name of a tied one)."""
+    out: Dict[str, nn.Parameter] = {}
+    seen = set()
+    for key, value in module.state_dict(keep_vars=True).items():
+        if isinstance(value, nn.Parameter) and hasattr(value, "sharded_range") and id(value) not in seen:
+            seen.add(id(value))
+            out[key] = value
+    return out
+
+
+def _trained(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> bool:
+    return any(p is param for g in optimizer.param_groups for p in g["params"])
 
 
 def _meta_twin(sharded: nn.Parameter) -> nn.Parameter:
