@@ -629,10 +629,11 @@ def _resume_from_megatron(rank: int, world_size: int, argv: List[str], ckpt: str
 
 
 @pytest.mark.parametrize("source,distributed", [(["--tensor-model-parallel-size", "2"], False),
-                                                ([], True)], ids=["tp2-adam", "dp2-distributed-optimizer"])
+                                                (["--pipeline-model-parallel-size", "2"], False),
+                                                ([], True)], ids=["tp2-adam", "pp2-adam", "dp2-distributed-optimizer"])
 def test_megatron_dist_checkpoint_resumes_in_vescale_fsdp_and_back(tmp_path, source, distributed):
-    """Megatron writes a torch_dist checkpoint (tp2 x dp1 with its Adam, or dp2 with its
-    distributed optimizer, ``fully_reshardable``); VeScaleFSDP loads it at tp1 x dp3 (the
+    """Megatron writes a torch_dist checkpoint (tp2 x dp1 or pp2 x dp1 with its Adam, or dp2
+    with its distributed optimizer, ``fully_reshardable``); VeScaleFSDP loads it at tp1 x dp3 (the
     Adam case: weights and moments exactly as Megatron loads them), and the next step
     equals Megatron's own continuation. Ours then saves torch_dist and megatron-core DDP +
     its Adam loads it exactly (weights, moments, step)."""
