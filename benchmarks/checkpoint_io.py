@@ -73,7 +73,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for benchmarks.peers
 
-from benchmarks.peers import build_variant  # noqa: E402
+from benchmarks.peers import build_variant, train_step  # noqa: E402
 
 PEERS = ("vescale", "zero3", "fsdp2")
 WRITER_RANK = {  # file name -> the rank that writes it; files matching none are rank 0's
@@ -214,13 +214,7 @@ def _build_and_train(peer: str, cfg: Any, device: torch.device, args: argparse.N
     rank, world = dist.get_rank(), dist.get_world_size()
     for i in range(args.train_steps):
         x, y = (t.to(device) for t in corpus.batch(i, args.global_batch, rank, world))
-        if engine is not None:
-            engine.backward(engine(x, y))
-            engine.step()
-        else:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+        train_step(model, opt, engine, x, y)
     if peer == "vescale":
         return _vescale(model, opt)
     if peer == "zero3":

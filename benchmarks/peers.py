@@ -149,6 +149,18 @@ def build_variant(variant: str, cfg, device, args):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3), None
 
 
+def train_step(model, opt, engine, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One step of a variant from :func:`build_variant`: through its DeepSpeed engine, or
+    backward + ``opt.step()`` on the model."""
+    if engine is not None:
+        engine.backward(engine(x, y))
+        engine.step()
+    else:
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def build_megatron_variant(variant: str, args: argparse.Namespace, world: int):
     """``(model, optimizer, step)``: megatron-core's ``GPTModel`` (local layer spec, the GPT
     dims of the other variants) through ``examples/megatron/pretrain_gpt.py`` under
@@ -251,13 +263,7 @@ def worker(rank: int, world: int, port: int, variant: str, args: argparse.Namesp
             megatron_step(i)
             return
         x, y = (t.to(device) for t in corpus.batch(i, args.global_batch, rank, world))
-        if engine is not None:
-            engine.backward(engine(x, y))
-            engine.step()
-        else:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+        train_step(model, opt, engine, x, y)
 
     for i in range(args.warmup):
         step(i)

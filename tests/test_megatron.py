@@ -338,19 +338,37 @@ def test_bf16_keeps_fp32_master_shards():
         assert len(bf16) == 3 and all(abs(a - b) <= 0.02 * b for a, b in zip(bf16, fp32)), res["losses"]
 
 
+def _megatron_lm_stand_in(training=None, **functions):
+    """Stand in for Megatron-LM's ``megatron.training.training`` (not installable here) in
+    this process: its builder names (``DDP``, ``get_megatron_optimizer``, ``unwrap_model``)
+    from megatron-core, plus ``functions`` (its checkpoint calls)."""
+    import sys
+    import types
+
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.utils import unwrap_model
+
+    training = training or types.ModuleType("megatron.training.training")
+    training.DDP, training.get_megatron_optimizer, training.unwrap_model = (
+        DistributedDataParallel, get_megatron_optimizer, unwrap_model)
+    for name, fn in functions.items():
+        setattr(training, name, fn)
+    package = types.ModuleType("megatron.training")
+    package.training = training
+    sys.modules.update({"megatron.training": package, "megatron.training.training": training})
+    return training
+
+
 def _megatron_lm_switch(rank: int, world_size: int, save_dir: str) -> Dict[str, object]:
     """Megatron-LM's ``megatron.training.training`` stood in for by its names."""
     import argparse
-    import sys
-    import types
 
     from tests.megatron_shim import install_cuda_shim
 
     install_cuda_shim()
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import get_megatron_optimizer
-    from megatron.core.utils import unwrap_model
 
     from vescale_zero.integrations.megatron import (
         VeScaleFSDP,
@@ -367,12 +385,7 @@ def _megatron_lm_switch(rank: int, world_size: int, save_dir: str) -> Dict[str, 
             return model[0].state_dict_for_save_checkpoint()
         return None
 
-    training = types.ModuleType("megatron.training.training")
-    training.DDP, training.get_megatron_optimizer = DistributedDataParallel, get_megatron_optimizer
-    training.unwrap_model, training.save_checkpoint = unwrap_model, save_checkpoint
-    package = types.ModuleType("megatron.training")
-    package.training = training
-    sys.modules.update({"megatron.training": package, "megatron.training.training": training})
+    training = _megatron_lm_stand_in(save_checkpoint=save_checkpoint)
     pg = _example()
     args = pg.build_parser().parse_args(SMALL + ["--global-batch-size", "4"])
     pg.setup(args)
@@ -663,16 +676,13 @@ def _megatron_lm_torch_dist(rank: int, world_size: int, save_dir: str, name: str
     flow: the unwrapped model's sharded_state_dict, the optimizer's on top, and
     ``ddp_model[0].load_state_dict`` / ``optimizer.load_state_dict`` after the load."""
     import argparse
-    import sys
     import types
 
     from tests.megatron_shim import install_cuda_shim
 
     install_cuda_shim()
     from megatron.core import dist_checkpointing, parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import get_megatron_optimizer
-    from megatron.core.utils import unwrap_model
+    from megatron.core.distributed import DistributedDataParallelConfig
 
     from vescale_zero.integrations.megatron import add_vescale_fsdp_args, use_vescale_fsdp_in_megatron_lm
     from vescale_zero.state_dict import full_optimizer_state
@@ -698,11 +708,7 @@ def _megatron_lm_torch_dist(rank: int, world_size: int, save_dir: str, name: str
         ddp_model[0].load_state_dict(loaded["model"])
         optimizer.load_state_dict(loaded["optimizer"])
 
-    training.DDP, training.get_megatron_optimizer = DistributedDataParallel, get_megatron_optimizer
-    training.unwrap_model, training.save_checkpoint, training.load_checkpoint = unwrap_model, save_checkpoint, load_checkpoint
-    package = types.ModuleType("megatron.training")
-    package.training = training
-    sys.modules.update({"megatron.training": package, "megatron.training.training": training})
+    _megatron_lm_stand_in(training, save_checkpoint=save_checkpoint, load_checkpoint=load_checkpoint)
     pg = _example()
     args = pg.build_parser().parse_args(SMALL + ["--global-batch-size", "4"])
     pg.setup(args)

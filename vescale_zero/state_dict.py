@@ -32,7 +32,7 @@ from .fully_shard import groups_of
 from .param_group import GroupState, ParamGroup
 
 __all__ = ["full_state_dict", "load_full_state_dict", "full_optimizer_state", "load_full_optimizer_state",
-           "ELEMENT_WISE_STATE"]
+           "sharded_params_by_key", "ELEMENT_WISE_STATE"]
 
 ELEMENT_WISE_STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
 """Optimizer state keys holding one value per parameter element (torch's Adam/AdamW/SGD)."""
@@ -48,29 +48,39 @@ def _managed_index(module: nn.Module) -> Dict[int, Tuple[ParamGroup, int]]:
     return index
 
 
-def _gather_group(group: ParamGroup, pieces: List[Optional[torch.Tensor]], dtype: torch.dtype) -> List[torch.Tensor]:
-    """Each managed tensor of ``group`` whole, from this rank's ``pieces`` (one per tensor,
-    shaped like its shard; ``None`` reads as zeros); one all-gather. Collective."""
-    local = torch.zeros(group.plan.shard_size, dtype=dtype, device=group.device)
-    for i, piece in enumerate(pieces):
-        start, end = group.master.local_range(i)
-        if piece is not None and end > start:
-            local.narrow(0, group.plan.local_slices(group.rank)[i][2], end - start).copy_(piece.reshape(-1))
-    flat = torch.empty(group.plan.global_size, dtype=dtype, device=group.device)
+def _full_views(group: ParamGroup, local: torch.Tensor) -> List[torch.Tensor]:
+    """One all-gather of ``local`` (laid out as the group's shard) into a new flat buffer;
+    each managed tensor whole, as a view into it. Collective."""
+    flat = torch.empty(group.plan.global_size, dtype=local.dtype, device=group.device)
     all_gather(flat, local, group.process_group)
     return [flat.narrow(0, off, spec.numel).view(group.managed[i].shape)
             for i, (spec, off) in enumerate(zip(group.plan.specs, group.plan.offsets))]
 
 
-def _first_keys(module: nn.Module) -> Dict[Tuple[int, int], str]:
-    """(group id, index) -> the first state-dict key naming that managed parameter."""
+def _gather_pieces(group: ParamGroup, pieces: List[Optional[torch.Tensor]], dtype: torch.dtype) -> List[torch.Tensor]:
+    """:func:`_full_views` of this rank's ``pieces`` (one per tensor, shaped like its shard;
+    ``None`` reads as zeros), laid out as the master shard first."""
+    local = torch.zeros(group.plan.shard_size, dtype=dtype, device=group.device)
+    for (start, end, shard_off), piece in zip(group.plan.local_slices(group.rank), pieces):
+        if piece is not None and end > start:
+            local.narrow(0, shard_off, end - start).copy_(piece.reshape(-1))
+    return _full_views(group, local)
+
+
+def sharded_params_by_key(module: nn.Module) -> Dict[str, nn.Parameter]:
+    """State-dict key -> sharded parameter, for every managed parameter under ``module``
+    (a tied parameter under its first name only)."""
     index = _managed_index(module)
-    keys: Dict[Tuple[int, int], str] = {}
+    out: Dict[str, nn.Parameter] = {}
+    seen = set()
     for key, value in module.state_dict(keep_vars=True).items():
         hit = index.get(id(value))
         if hit is not None:
-            keys.setdefault((id(hit[0]), hit[1]), key)
-    return keys
+            param = hit[0].sharded_params[hit[1]]
+            if id(param) not in seen:
+                seen.add(id(param))
+                out[key] = param
+    return out
 
 
 def full_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:
@@ -83,10 +93,8 @@ def full_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:
     index = _managed_index(module)
     gathered: Dict[int, torch.Tensor] = {}
     for group in groups_of(module):
-        flat = torch.empty(group.plan.global_size, dtype=group.orig_dtype, device=group.device)
-        all_gather(flat, group.master.local, group.process_group)
-        for i, (spec, off) in enumerate(zip(group.plan.specs, group.plan.offsets)):
-            gathered[id(group.sharded_params[i])] = flat.narrow(0, off, spec.numel).view(group.managed[i].shape)
+        for param, full in zip(group.sharded_params, _full_views(group, group.master.local)):
+            gathered[id(param)] = full
     out: Dict[str, torch.Tensor] = {}
     for key, value in state.items():
         hit = index.get(id(value))
@@ -154,7 +162,7 @@ def full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) ->
     Raises ``ValueError`` for state that is not one value per element (8-bit blocks,
     Shampoo preconditioners, ...): such state has no full-tensor form.
     """
-    keys = _first_keys(module)
+    keys = {id(p): key for key, p in sharded_params_by_key(module).items()}
     out: Dict[str, Dict[str, torch.Tensor]] = {}
     steps = set()
     for group in groups_of(module):
@@ -172,10 +180,10 @@ def full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) ->
             )
         for name in names:
             dtype = next(st[name].dtype for st in states if name in st)
-            full = _gather_group(group, [st.get(name) for st in states], dtype)
-            for i, tensor in enumerate(full):
-                if name in states[i] and (id(group), i) in keys:
-                    out.setdefault(keys[(id(group), i)], {})[name] = tensor
+            full = _gather_pieces(group, [st.get(name) for st in states], dtype)
+            for param, st, tensor in zip(group.sharded_params, states, full):
+                if name in st and id(param) in keys:
+                    out.setdefault(keys[id(param)], {})[name] = tensor
     if len(steps) > 1:
         raise ValueError(f"the optimizer's step differs between parameters ({sorted(steps)}); cannot save one step")
     return out, (steps.pop() if steps else None)
@@ -189,13 +197,13 @@ def load_full_optimizer_state(
     module: each rank keeps the flat range it owns; no communication. With ``strict``, a
     parameter the optimizer trains but ``state`` lacks raises ``KeyError``; a tensor of the
     wrong shape always raises ``ValueError``."""
-    keys = _first_keys(module)
+    keys = {id(p): key for key, p in sharded_params_by_key(module).items()}
     trained = {id(p) for g in optimizer.param_groups for p in g["params"]}
     missing = []
     with torch.no_grad():
         for group in groups_of(module):
             for i, sp in enumerate(group.sharded_params):
-                key = keys.get((id(group), i))
+                key = keys.get(id(sp))
                 if key is None or id(sp) not in trained:
                     continue
                 if key not in state:

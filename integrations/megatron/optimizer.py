@@ -49,7 +49,7 @@ from megatron.core.transformer.module import param_is_not_shared
 
 from vescale_zero import checkpoint
 from vescale_zero.optim import AdamW8bit, Muon, Shampoo
-from vescale_zero.state_dict import full_optimizer_state, load_full_optimizer_state
+from vescale_zero.state_dict import full_optimizer_state, load_full_optimizer_state, sharded_params_by_key
 
 from .data_parallel import VeScaleFSDP
 
@@ -281,10 +281,11 @@ class VeScaleOptimizer(MegatronOptimizer):
                 if param is not None:
                     meta.setdefault(id(param), sh)
         with chunk.shards_in_place():
-            keyed = _state_keys(chunk.module)
+            keyed = sharded_params_by_key(chunk.module)
             if is_loading:
+                trained = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
                 full = {key: {n: torch.empty(p.sharded_range.shape, dtype=p.dtype, device=p.device) for n in names}
-                        for key, p in keyed.items() if _trained(self.optimizer, p)}
+                        for key, p in keyed.items() if id(p) in trained}
                 step = None
             else:
                 full, step = full_optimizer_state(chunk.module, self.optimizer)
@@ -350,21 +351,6 @@ def check_dist_checkpoint_optimizer(path: str) -> None:
             "(--load this --save new --dist-ckpt-optim-fully-reshardable, same layout) and load that, or resume "
             "the weights only with --no-load-optim"
         )
-
-
-def _state_keys(module: nn.Module) -> Dict[str, nn.Parameter]:
-    """State-dict key -> sharded parameter (first name of a tied one)."""
-    out: Dict[str, nn.Parameter] = {}
-    seen = set()
-    for key, value in module.state_dict(keep_vars=True).items():
-        if isinstance(value, nn.Parameter) and hasattr(value, "sharded_range") and id(value) not in seen:
-            seen.add(id(value))
-            out[key] = value
-    return out
-
-
-def _trained(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> bool:
-    return any(p is param for g in optimizer.param_groups for p in g["params"])
 
 
 def _meta_twin(sharded: nn.Parameter) -> nn.Parameter:
