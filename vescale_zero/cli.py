@@ -3,7 +3,8 @@
     vescale-zero plan --model llama3-70b --granularity row [--sizes 8 64 1024] [--plot pad.png] [--gpus 4096]
     vescale-zero plan --shapes my_model.json ...
     vescale-zero consolidate CKPT model.safetensors [--optimizer]
-    vescale-zero convert --from fsdp2|deepspeed SRC DST [--tag T] [--weights-only]
+    vescale-zero convert --from fsdp2|deepspeed|megatron SRC DST [--tag T] [--iteration N] [--layer-spec local|te]
+                         [--weights-only]
 
 ``plan`` prints, per FSDP group and FSDP size, the shard size, padding, planning time and
 bytes per rank; ``--plot`` draws padding against FSDP size beside FSDP2's dim-0 padding,
@@ -156,11 +157,13 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from .checkpoint.sharded import CheckpointError
 
     try:
-        convert(args.source, args.src, args.dst, tag=args.tag, weights_only=args.weights_only)
+        convert(args.source, args.src, args.dst, tag=args.tag, weights_only=args.weights_only,
+                iteration=args.iteration, layer_spec=args.layer_spec)
     except CheckpointError as e:
         print(f"vescale-zero convert: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.dst}: load it at any world size with vescale_zero.checkpoint.load")
+    where = ("at TP = PP = EP = 1 and any data-parallel size" if args.source == "megatron" else "at any world size")
+    print(f"wrote {args.dst}: load it {where} with vescale_zero.checkpoint.load")
     return 0
 
 
@@ -181,11 +184,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     c.add_argument("checkpoint", help="a checkpoint directory written by vescale_zero.checkpoint.save")
     c.add_argument("output", help="the file to write: .safetensors for safetensors, anything else for torch.save")
     c.add_argument("--optimizer", action="store_true", help="also the optimizer state, as 'name::key'")
-    v = sub.add_parser("convert", help="convert an FSDP2 (DCP) or DeepSpeed checkpoint into a vescale-zero one")
-    v.add_argument("--from", dest="source", required=True, choices=["fsdp2", "deepspeed"], help="the source framework")
-    v.add_argument("src", help="fsdp2: the DCP directory; deepspeed: the save_dir given to save_checkpoint")
+    v = sub.add_parser("convert", help="convert an FSDP2 (DCP), DeepSpeed or Megatron checkpoint into a vescale-zero one")
+    v.add_argument("--from", dest="source", required=True, choices=["fsdp2", "deepspeed", "megatron"],
+                   help="the source framework")
+    v.add_argument("src", help="fsdp2: the DCP directory; deepspeed: the save_dir given to save_checkpoint; "
+                               "megatron: the --save directory (or one iter_NNNNNNN in it) of a torch_dist checkpoint")
     v.add_argument("dst", help="the new checkpoint directory (must not exist)")
     v.add_argument("--tag", help="deepspeed: the tag (default: the one in SRC/latest)")
+    v.add_argument("--iteration", type=int, help="megatron: the iteration (default: latest_checkpointed_iteration.txt)")
+    v.add_argument("--layer-spec", choices=["local", "te"], default="local",
+                   help="megatron: the layer spec of the model, which names its modules (default: local)")
     v.add_argument("--weights-only", action="store_true", help="leave the optimizer state behind")
     args = parser.parse_args(argv)
     if args.command == "consolidate":

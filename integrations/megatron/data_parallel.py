@@ -313,12 +313,15 @@ class VeScaleFSDP(_BaseDataParallel):
         made: Dict[int, nn.Parameter] = {}
         self._sharded_of = {}
         sharded_keys = {id(sp) for g in self._groups for sp in g.sharded_params}
-        for prefix, sub in self.module.named_modules():
+        # By identity, not by name: wrappers such as Float16Module drop their own prefix
+        # from state-dict keys.
+        full_of = {id(v): full[k] for k, v in self.module.state_dict(keep_vars=True).items()
+                   if id(v) in sharded_keys and k in full}
+        for sub in self.module.modules():
             for name, param in list(sub._parameters.items()):
                 if param is None or id(param) not in sharded_keys:
                     continue
-                key = f"{prefix}.{name}" if prefix else name
-                tensor = full[key]
+                tensor = full_of[id(param)]
                 plain = made.get(id(tensor))
                 if plain is None:  # a tied parameter gets one full tensor under both names
                     plain = nn.Parameter(tensor, requires_grad=param.requires_grad)

@@ -28,6 +28,13 @@ and its distributed optimizer's ``fully_reshardable`` format write it.
 both ways between megatron-core DDP and ``VeScaleFSDP`` at any TP/PP/DP layout. Per-block
 state (8-bit, Shampoo, Muon) has no such form: it is saved with :meth:`save_sharded` and
 the dist-checkpoint holds a pointer to it.
+
+[Note: fp32 masters] In a bf16/fp16 run Megatron's optimizer keeps fp32 master weights and
+writes them as ``optimizer.state.fp32_param.<model key>`` beside the bf16 model tensors;
+its loader asks for them. Ours are the sharded parameters themselves, full fp32 inside
+``full_parameters``: that same tensor is written under both keys, and on load the masters
+are read from ``fp32_param`` (after the model's load put bf16-rounded weights there), so a
+bf16 job moves both ways without rounding its masters.
 """
 
 from __future__ import annotations
@@ -49,7 +56,9 @@ from megatron.core.transformer.module import param_is_not_shared
 
 from vescale_zero import checkpoint
 from vescale_zero.optim import AdamW8bit, Muon, Shampoo
-from vescale_zero.state_dict import full_optimizer_state, load_full_optimizer_state, sharded_params_by_key
+from vescale_zero.state_dict import (
+    full_optimizer_state, load_full_optimizer_state, load_full_state_dict, sharded_params_by_key,
+)
 
 from .data_parallel import VeScaleFSDP
 
@@ -219,6 +228,12 @@ class VeScaleOptimizer(MegatronOptimizer):
             if self.grad_scaler is not None and extra.get("grad_scaler") is not None:
                 self.grad_scaler.load_state_dict(extra["grad_scaler"])
             return
+        if state_dict and all(isinstance(k, int) for k in state_dict):  # chained: {0: dense, 1: experts}
+            parts = [state_dict[k] for k in sorted(state_dict)]
+            if all(_MODEL_SPACE in part for part in parts):
+                self._load_model_space({**parts[0], _MODEL_SPACE: {
+                    key: value for part in parts for key, value in part[_MODEL_SPACE].items()}})
+                return
         if _MODEL_SPACE in state_dict:
             self._load_model_space(state_dict)
             return
@@ -289,7 +304,14 @@ class VeScaleOptimizer(MegatronOptimizer):
                 step = None
             else:
                 full, step = full_optimizer_state(chunk.module, self.optimizer)
-        tensors: Dict[str, Dict[str, Any]] = {}
+        # Megatron chains a dense and an expert optimizer when the model has experts, and its
+        # checkpoints follow: {0: dense, 1: experts}, keys prefixed "chained_<i>." unless
+        # the metadata says chained_optim_avoid_prefix. Ours mirror that layout.
+        groups = self.optimizer.state_dict()["param_groups"]
+        expert = {id(p) for g in self.optimizer.param_groups if g.get("is_expert_parallel") for p in g["params"]}
+        parts = [False, True] if expert else [None]
+        prefix = bool(expert) and not (metadata or {}).get("chained_optim_avoid_prefix", False)
+        tensors: Dict[Optional[bool], Dict[str, Dict[str, Any]]] = {part: {} for part in parts}
         for key, states in full.items():
             sh = meta.get(id(keyed[key]))
             if sh is None:
@@ -297,18 +319,34 @@ class VeScaleOptimizer(MegatronOptimizer):
                     f"{key!r} is not in the model's sharded state dict: build it with VeScaleFSDP.sharded_state_dict() "
                     "(or inside VeScaleFSDP.full_parameters()) in the same call as this one"
                 )
+            if self._keeps_masters():  # see [Note: fp32 masters]: the full fp32 tensor itself
+                states = {**states, _MASTER: torch.empty_like(sh.data) if is_loading else sh.data}
+            part = (id(keyed[key]) in expert) if expert else None
+            chained = f"chained_{int(part)}." if prefix else ""
             for name, tensor in states.items():
-                kwargs: Dict[str, Any] = dict(key=f"optimizer.state.{name}.{sh.key}", data=tensor)
+                kwargs: Dict[str, Any] = dict(key=f"{chained}optimizer.state.{name}.{sh.key}", data=tensor)
                 if isinstance(sh, ShardedTensor):
                     kwargs["dtype"] = tensor.dtype
-                tensors.setdefault(key, {})[name] = replace(sh, **kwargs)
+                tensors[part].setdefault(key, {})[name] = replace(sh, **kwargs)
                 if isinstance(sh, ShardedTensor):
-                    tensors[key][name].validate_metadata_integrity()
-        # Where Megatron's own (non-distributed) optimizer keeps the step and its groups
-        # (matched by wd_mult / lr_mult / ...: ours come from Megatron's _get_param_groups).
-        return {_MODEL_SPACE: tensors, "state": {"common_step": step},
+                    tensors[part][key][name].validate_metadata_integrity()
+        out = {}
+        for part in parts:
+            # Where Megatron's own (non-distributed) optimizer keeps the step and its groups
+            # (matched by wd_mult / lr_mult / ...: ours come from Megatron's _get_param_groups);
+            # its mixed-precision optimizer nests them under "optimizer".
+            counters: Dict[str, Any] = {
+                "state": {"common_step": step},
                 "param_groups": [{k: v for k, v in g.items() if k != "params"}  # Megatron's are local
-                                 for g in self.optimizer.state_dict()["param_groups"]], **common}
+                                 for g in groups if part is None or bool(g.get("is_expert_parallel")) == part]}
+            if self._keeps_masters():
+                counters = {"optimizer": counters}
+            out[part] = {_MODEL_SPACE: tensors[part], **counters, **common}
+        return out[None] if parts == [None] else {int(part): out[part] for part in parts}
+
+    def _keeps_masters(self) -> bool:
+        """Whether Megatron's optimizer for this model keeps fp32 masters (bf16/fp16 runs)."""
+        return bool(self.config.bf16 or self.config.fp16)
 
     def _load_model_space(self, state_dict: Dict[str, Any]) -> None:
         if state_dict.get("param_state_sharding_type") not in _MODEL_SPACE_FORMATS:
@@ -317,19 +355,24 @@ class VeScaleOptimizer(MegatronOptimizer):
                 "by Megatron's buckets; re-save it with --dist-ckpt-optim-fully-reshardable (model space), or resume "
                 "with --no-load-optim"
             )
-        step = (state_dict.get("state") or {}).get("common_step")
+        nested = state_dict.get("optimizer") if isinstance(state_dict.get("optimizer"), dict) else {}
+        step = (state_dict.get("state") or nested.get("state") or {}).get("common_step")
         if step is None:  # Megatron's distributed optimizer keeps it in its param groups
-            groups = (state_dict.get("optimizer") or {}).get("param_groups") or []
+            groups = nested.get("param_groups") or []
             step = next((g["step"] for g in groups if "step" in g), None)
         chunk = self._chunk()
+        states = {key: dict(st) for key, st in state_dict[_MODEL_SPACE].items()}
+        masters = {key: st.pop(_MASTER) for key, st in states.items() if _MASTER in st}
         with chunk.shards_in_place():
-            load_full_optimizer_state(chunk.module, self.optimizer, state_dict[_MODEL_SPACE],
-                                      float(step) if step is not None else None)
+            if masters:  # over the bf16-rounded weights the model's load put in the shards
+                load_full_state_dict(chunk.module, masters, strict=False)
+            load_full_optimizer_state(chunk.module, self.optimizer, states, float(step) if step is not None else None)
         if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
 
 _MODEL_SPACE = "vescale_zero_model_space"
+_MASTER = "fp32_param"
 _MODEL_SPACE_FORMATS = (None, "fully_reshardable", "fully_sharded_model_space")
 
 

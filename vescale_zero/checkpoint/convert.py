@@ -2,6 +2,7 @@
 
     vescale-zero convert --from fsdp2 SRC DST            # a DCP directory (PyTorch FSDP2)
     vescale-zero convert --from deepspeed SRC DST [--tag global_step100] [--weights-only]
+    vescale-zero convert --from megatron SAVE_DIR DST [--iteration N] [--layer-spec local|te]   (convert_megatron.py)
 
 The result is an ordinary :mod:`vescale_zero.checkpoint` written as if by one rank that
 holds every tensor whole::
@@ -77,7 +78,7 @@ def write_whole(dst: str, tensors: Dict[str, torch.Tensor], optim_state: Optiona
         torch.save({"aliases": {}, "optim_groups": optim_groups, "buffers": {}, "extra": extra},
                    os.path.join(tmp, COMMON_FILE))
         with open(os.path.join(tmp, "metadata.json"), "w") as f:
-            json.dump({"format": FORMAT, "world_size": 1, "sha256": [_sha256(_rank_file(tmp, 0))],
+            json.dump({"format": FORMAT, "world_size": 1, "whole": True, "sha256": [_sha256(_rank_file(tmp, 0))],
                        "common_sha256": _sha256(os.path.join(tmp, COMMON_FILE)),
                        "index": [{name: [0, p[2]] for name, p in params.items()}]}, f)
         os.replace(tmp, dst)
@@ -265,12 +266,17 @@ def from_deepspeed(load_dir: str, tag: Optional[str], dst: str, weights_only: bo
                                                      "client_state": client})
 
 
-def convert(source: str, src: str, dst: str, tag: Optional[str] = None, weights_only: bool = False) -> None:
-    """``vescale-zero convert --from SOURCE SRC DST``."""
+def convert(source: str, src: str, dst: str, tag: Optional[str] = None, weights_only: bool = False,
+            iteration: Optional[int] = None, layer_spec: str = "local") -> None:
+    """``vescale-zero convert --from SOURCE SRC DST``; ``tag`` is DeepSpeed's, ``iteration``
+    and ``layer_spec`` Megatron's (:mod:`vescale_zero.checkpoint.convert_megatron`)."""
     if source == "fsdp2":
         from_fsdp2(src, dst, weights_only=weights_only)
     elif source == "deepspeed":
         from_deepspeed(src, tag, dst, weights_only=weights_only)
+    elif source == "megatron":
+        from .convert_megatron import from_megatron
+
+        from_megatron(src, dst, iteration=iteration, layer_spec=layer_spec, weights_only=weights_only)
     else:
-        raise CheckpointError(f"--from {source!r}: choose fsdp2 or deepspeed (Megatron checkpoints: load the "
-                              "model state dict into VeScaleFSDP, see integrations/megatron)")
+        raise CheckpointError(f"--from {source!r}: choose fsdp2, deepspeed or megatron")

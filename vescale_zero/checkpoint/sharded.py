@@ -349,9 +349,34 @@ def _converted_dcp(path: str) -> str:
     return target
 
 
+def _whole_name(name: str, saved: Dict[str, Any], path: str) -> str:
+    """The name under which a whole-tensor checkpoint (written by
+    :mod:`vescale_zero.checkpoint.convert`, in the names of a model without model
+    parallelism) holds the piece ``name`` of this model: the name itself, else without its
+    domain (see [Note: domains]) and without wrapper prefixes (``module.``, as torch's
+    ``consume_prefix_in_state_dict_if_present``). A domain other than the first slice of
+    every model-parallel dimension is refused: its tensors are slices the checkpoint does
+    not name."""
+    if name in saved:
+        return name
+    domain, _, plain = name.rpartition("/")
+    if domain and any(c.isdigit() and c != "0" for c in domain):
+        raise CheckpointError(
+            f"{path} holds whole tensors of a model without tensor/pipeline/expert parallelism (it was converted), "
+            f"and this rank holds the model-parallel slice {domain!r} of {plain!r}; load it at TP = PP = EP = 1 "
+            "(any data-parallel size), or load the source checkpoint itself at this layout"
+        )
+    while plain not in saved and plain.startswith("module."):
+        plain = plain[len("module."):]
+    return plain
+
+
 def _load_local(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Any:
     meta = _read_metadata(path)
     managed = managed_pieces(model)
+    if meta.get("whole"):
+        index = meta["index"][0]
+        managed = [(_whole_name(name, index, path), p, shape, s, e) for name, p, shape, s, e in managed]
     common = _read_common(path, meta)
     # Buffers of a converted checkpoint (vescale_zero.checkpoint.convert) are among the pieces.
     loose = [n for n, _ in model.named_buffers() if n not in common["buffers"]]
@@ -368,13 +393,17 @@ def _load_local(path: str, model: nn.Module, optimizer: Optional[torch.optim.Opt
             saved = pieces.get(name)
             if saved is None or tuple(saved[0][0]) != shape:
                 got = None if saved is None else tuple(saved[0][0])
-                raise CheckpointError(f"{path}: parameter {name!r} of shape {shape} is {'missing' if got is None else f'saved as {got}'}")
+                hint = ("; it holds whole tensors of a model without model parallelism (it was converted): load it at "
+                        "TP = PP = EP = 1, into the model it was converted from") if meta.get("whole") else ""
+                raise CheckpointError(f"{path}: parameter {name!r} of shape {shape} is "
+                                      f"{'missing' if got is None else f'saved as {got}'}{hint}")
             _fill(p.data, s, e, saved, name)
         for name, buf in model.named_buffers():
             saved = common["buffers"].get(name)
-            if saved is None and name in pieces:
+            piece_name = _whole_name(name, pieces, path) if meta.get("whole") else name
+            if saved is None and piece_name in pieces:
                 saved = torch.empty(buf.numel(), dtype=buf.dtype)
-                _fill(saved, 0, buf.numel(), pieces[name], name)
+                _fill(saved, 0, buf.numel(), pieces[piece_name], name)
             if saved is not None:
                 buf.copy_(saved.view(buf.shape))
         if optimizer is not None:
