@@ -345,7 +345,7 @@ def _zero_then_ragged(rank, world_size, ckpt_dir, stage, phase):
             "steps": engine.global_steps, "moments": moments, "refused": refused}
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_checkpoint_migrates_to_ragged_and_training_continues(tmp_path, stage):
     """A ZeRO checkpoint written by 2 ranks loads into "ragged" on 3: the same fp32 weights
     (exactly), counters and client state, and Adam's moments and step (through DeepSpeed's

@@ -243,6 +243,10 @@ def from_deepspeed(load_dir: str, tag: Optional[str], dst: str, weights_only: bo
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         tensors = dict(get_fp32_state_dict_from_zero_checkpoint(load_dir, tag))
+        # Stage 1 records no frozen parameters for zero_to_fp32; its module state dict holds
+        # them whole (stage 3's holds empty placeholders, which are left out).
+        tensors.update({k: v for k, v in (states.get("module") or {}).items()
+                        if k not in tensors and torch.is_tensor(v) and v.numel() > 0})
     else:
         tensors = dict(states["module"])
     state, groups = None, None

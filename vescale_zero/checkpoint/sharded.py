@@ -374,8 +374,10 @@ def _whole_name(name: str, saved: Dict[str, Any], path: str) -> str:
 def _load_local(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Any:
     meta = _read_metadata(path)
     managed = managed_pieces(model)
+    sliced = set()  # names of model-parallel slices looked up in a whole checkpoint
     if meta.get("whole"):
         index = meta["index"][0]
+        sliced = {_whole_name(name, index, path) for name, *_ in managed if "/" in name}
         managed = [(_whole_name(name, index, path), p, shape, s, e) for name, p, shape, s, e in managed]
     common = _read_common(path, meta)
     # Buffers of a converted checkpoint (vescale_zero.checkpoint.convert) are among the pieces.
@@ -394,7 +396,7 @@ def _load_local(path: str, model: nn.Module, optimizer: Optional[torch.optim.Opt
             if saved is None or tuple(saved[0][0]) != shape:
                 got = None if saved is None else tuple(saved[0][0])
                 hint = ("; it holds whole tensors of a model without model parallelism (it was converted): load it at "
-                        "TP = PP = EP = 1, into the model it was converted from") if meta.get("whole") else ""
+                        "TP = PP = EP = 1, into the model it was converted from") if name in sliced else ""
                 raise CheckpointError(f"{path}: parameter {name!r} of shape {shape} is "
                                       f"{'missing' if got is None else f'saved as {got}'}{hint}")
             _fill(p.data, s, e, saved, name)
