@@ -16,7 +16,8 @@ import importlib.util
 import math
 import os
 import re
-from typing import Dict, List, Optional
+from contextlib import contextmanager
+from typing import Dict, Iterator, List, Optional
 
 import pytest
 import torch
@@ -42,6 +43,25 @@ def _example():
     return module
 
 
+@contextmanager
+def _megatron_job(argv: List[str]) -> Iterator[tuple]:
+    """One rank of ``examples/megatron/pretrain_gpt.py`` on CPU: the test-only CUDA shim,
+    the example's parsed ``argv`` and Megatron's process groups (torn down on exit);
+    yields ``(pretrain_gpt module, args)``."""
+    from tests.megatron_shim import install_cuda_shim
+
+    install_cuda_shim()
+    from megatron.core import parallel_state
+
+    pg = _example()
+    args = pg.build_parser().parse_args(argv)
+    pg.setup(args)
+    try:
+        yield pg, args
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
 def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
@@ -52,10 +72,7 @@ def _train_both(rank: int, world_size: int, argv: List[str]) -> Dict:
     install_cuda_shim()
     from megatron.core import parallel_state
 
-    pg = _example()
-    args = pg.build_parser().parse_args(argv)
-    pg.setup(args)
-    try:
+    with _megatron_job(argv) as (pg, args):
         # reference: megatron-core DDP + Megatron's FP32 step
         args.use_vescale_fsdp = False
         pg.seed(args)
@@ -80,8 +97,6 @@ def _train_both(rank: int, world_size: int, argv: List[str]) -> Dict:
             "rows_cut": rows_cut,
             "tp": parallel_state.get_tensor_model_parallel_world_size(),
         }
-    finally:
-        parallel_state.destroy_model_parallel()
 
 
 def _zero_copy_violations(model, optimizer) -> List[str]:
@@ -179,17 +194,11 @@ def test_clipping_matches_megatron():
 
 
 def _resume_and_interchange(rank: int, world_size: int, argv: List[str], ckpt_dir: str) -> Dict:
-    from tests.megatron_shim import MegatronFP32Step, install_cuda_shim
-
-    install_cuda_shim()
-    from megatron.core import parallel_state
+    from tests.megatron_shim import MegatronFP32Step
 
     from vescale_zero import checkpoint
 
-    pg = _example()
-    args = pg.build_parser().parse_args(argv)
-    pg.setup(args)
-    try:
+    with _megatron_job(argv) as (pg, args):
         args.use_vescale_fsdp = False
         pg.seed(args)
         config = pg.transformer_config(args)
@@ -223,8 +232,6 @@ def _resume_and_interchange(rank: int, world_size: int, argv: List[str], ckpt_di
                        if torch.is_tensor(ours.get(k)))
         return {"resumed_vs_ddp": resumed_vs_ddp, "last_loss": (tail["losses"], ref["losses"][-1:]),
                 "into_ours": into_ours, "into_ddp": into_ddp}
-    finally:
-        parallel_state.destroy_model_parallel()
 
 
 def test_checkpoint_resume_and_ddp_state_dict_interchange(tmp_path):
@@ -243,26 +250,22 @@ def _bad_inputs(rank: int, world_size: int) -> Dict[str, str]:
     from tests.megatron_shim import install_cuda_shim
 
     install_cuda_shim()
-    from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from vescale_zero.integrations.megatron import VeScaleFSDP, get_vescale_optimizer
 
-    pg = _example()
-    args = pg.build_parser().parse_args(SMALL + ["--global-batch-size", "4"])
-    pg.setup(args)
-    outcome: Dict[str, str] = {}
+    with _megatron_job(SMALL + ["--global-batch-size", "4"]) as (pg, args):
+        outcome: Dict[str, str] = {}
 
-    def expect(key, fn, *fragments):
-        try:
-            fn()
-        except (ValueError, KeyError, TypeError) as e:
-            missing = [f for f in fragments if f not in str(e)]
-            outcome[key] = f"message lacks {missing}: {e}" if missing else "ok"
-            return
-        outcome[key] = "no error raised"
+        def expect(key, fn, *fragments):
+            try:
+                fn()
+            except (ValueError, KeyError, TypeError) as e:
+                missing = [f for f in fragments if f not in str(e)]
+                outcome[key] = f"message lacks {missing}: {e}" if missing else "ok"
+                return
+            outcome[key] = "no error raised"
 
-    try:
         def wrap(**ddp_kwargs):
             config = pg.transformer_config(args)
             module = pg.build_model_unwrapped(args, config)
@@ -287,8 +290,6 @@ def _bad_inputs(rank: int, world_size: int) -> Dict[str, str]:
         expect("shape", lambda: model.load_state_dict({**state, key: torch.zeros(3, 3)}), key, "(3, 3)")
         expect("missing key", lambda: model.load_state_dict({k: v for k, v in state.items() if k != key}),
                "missing keys", key)
-    finally:
-        parallel_state.destroy_model_parallel()
     return outcome
 
 
@@ -300,15 +301,7 @@ def test_unsupported_settings_give_clear_errors():
 
 
 def _train_bf16(rank: int, world_size: int, argv: List[str]) -> Dict:
-    from tests.megatron_shim import install_cuda_shim
-
-    install_cuda_shim()
-    from megatron.core import parallel_state
-
-    pg = _example()
-    args = pg.build_parser().parse_args(argv)
-    pg.setup(args)
-    try:
+    with _megatron_job(argv) as (pg, args):
         args.use_vescale_fsdp, args.bf16 = True, False
         fp32 = pg.train_loop(args, *pg.build(args))
         args.bf16 = True
@@ -322,8 +315,6 @@ def _train_bf16(rank: int, world_size: int, argv: List[str]) -> Dict:
             "reduce": sorted({str(g.reduce_dtype) for g in groups}),
             "zero_copy": _zero_copy_violations(model, optimizer),
         }
-    finally:
-        parallel_state.destroy_model_parallel()
 
 
 def test_bf16_keeps_fp32_master_shards():
@@ -387,10 +378,7 @@ def _megatron_lm_switch(rank: int, world_size: int, save_dir: str) -> Dict[str, 
         return None
 
     training = _megatron_lm_stand_in(save_checkpoint=save_checkpoint)
-    pg = _example()
-    args = pg.build_parser().parse_args(SMALL + ["--global-batch-size", "4"])
-    pg.setup(args)
-    try:
+    with _megatron_job(SMALL + ["--global-batch-size", "4"]) as (pg, args):
         mlm_args = add_vescale_fsdp_args(argparse.ArgumentParser()).parse_args(["--use-vescale-fsdp", "--vescale-granularity", "row"])
         mlm_args.gradient_accumulation_fusion = False
         mlm_args.save, mlm_args.no_save_optim = save_dir, False
@@ -431,8 +419,6 @@ def _megatron_lm_switch(rank: int, world_size: int, save_dir: str) -> Dict[str, 
             "unwrapped": training.unwrap_model(chunk) is inner, "rows": granularity_rows,
             "off": type(plain) is DistributedDataParallel, "saved": saved_ok, "optimizer resumed": optim_ok,
         }
-    finally:
-        parallel_state.destroy_model_parallel()
 
 
 def test_megatron_lm_switch_routes_builders(tmp_path):
@@ -446,15 +432,7 @@ def test_megatron_lm_switch_routes_builders(tmp_path):
 
 
 def _train_fp8(rank: int, world_size: int, argv: List[str]) -> Dict:
-    from tests.megatron_shim import install_cuda_shim
-
-    install_cuda_shim()
-    from megatron.core import parallel_state
-
-    pg = _example()
-    args = pg.build_parser().parse_args(argv)
-    pg.setup(args)
-    try:
+    with _megatron_job(argv) as (pg, args):
         args.use_vescale_fsdp = True
         plain = pg.train_loop(args, *pg.build(args))
         args.vescale_fp8_all_gather_tile = 8
@@ -462,8 +440,6 @@ def _train_fp8(rank: int, world_size: int, argv: List[str]) -> Dict:
         fp8 = pg.train_loop(args, model, optimizer, config)
         return {"losses": (plain["losses"], fp8["losses"]),
                 "fp8_groups": sum(g.fp8 is not None for g in model.vescale_groups), "groups": len(model.vescale_groups)}
-    finally:
-        parallel_state.destroy_model_parallel()
 
 
 def test_fp8_all_gather_flag_trains_like_the_plain_gather():
@@ -478,18 +454,10 @@ def test_fp8_all_gather_flag_trains_like_the_plain_gather():
 
 
 def _structured(rank: int, world_size: int, argv: List[str], name: str) -> Dict:
-    from tests.megatron_shim import install_cuda_shim
-
-    install_cuda_shim()
-    from megatron.core import parallel_state
-
     from vescale_zero import optim
 
-    pg = _example()
     block = [] if name == "muon" else ["--vescale-optimizer-block", "16"]
-    args = pg.build_parser().parse_args(argv + ["--use-vescale-fsdp", "--vescale-optimizer", name] + block)
-    pg.setup(args)
-    try:
+    with _megatron_job(argv + ["--use-vescale-fsdp", "--vescale-optimizer", name] + block) as (pg, args):
         model, optimizer, config = pg.build(args)
         before = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
         run = pg.train_loop(args, model, optimizer, config)
@@ -499,8 +467,6 @@ def _structured(rank: int, world_size: int, argv: List[str], name: str) -> Dict:
                                      for sp in g.sharded_params)
         return {"inner": isinstance(optimizer.optimizer, cls), "aligned": rows,
                 "moved": sum(not torch.equal(before[k], after[k]) for k in before), "losses": run["losses"]}
-    finally:
-        parallel_state.destroy_model_parallel()
 
 
 @pytest.mark.parametrize("name", ["adamw8bit", "shampoo", "muon"])
@@ -532,12 +498,9 @@ def _megatron_writes_dist_checkpoint(rank: int, world_size: int, argv: List[str]
     from tests.megatron_shim import install_cuda_shim, megatron_optimizer_on_cpu
 
     install_cuda_shim()
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import dist_checkpointing
 
-    pg = _example()
-    args = pg.build_parser().parse_args(argv)
-    pg.setup(args)
-    try:
+    with _megatron_job(argv) as (pg, args):
         args.use_vescale_fsdp, args.train_iters = False, 2
         with megatron_optimizer_on_cpu():
             model, optimizer, config = pg.build(args)
@@ -554,8 +517,6 @@ def _megatron_writes_dist_checkpoint(rank: int, world_size: int, argv: List[str]
         losses += pg.train_loop(args, model, optimizer, config, first_step=2)["losses"]
         return {"losses": losses, "final": {k: v.detach().clone() for k, v in model.state_dict().items()
                                             if torch.is_tensor(v)}}
-    finally:
-        parallel_state.destroy_model_parallel()
 
 
 def _megatron_trained(model, optimizer) -> Dict[str, torch.Tensor]:
@@ -609,19 +570,14 @@ def _converted_moe_at_ep1(rank: int, world_size: int, argv: List[str], ckpt: str
     from tests.megatron_shim import install_cuda_shim
 
     install_cuda_shim()
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import dist_checkpointing
 
-    pg = _example()
-    args = pg.build_parser().parse_args(argv)
-    pg.setup(args)
-    try:
+    with _megatron_job(argv) as (pg, args):
         args.use_vescale_fsdp = True
         model, _, _ = pg.build(args)
         model_sd = model.sharded_state_dict()
         model.load_state_dict(dist_checkpointing.load({"model": model_sd}, ckpt)["model"])
         return _converted_compared(pg, args, converted, model.state_dict(), None, rank)
-    finally:
-        parallel_state.destroy_model_parallel()
 
 
 def _resume_from_megatron(rank: int, world_size: int, argv: List[str], ckpt: str, back: str, source: Dict,
@@ -634,28 +590,25 @@ def _resume_from_megatron(rank: int, world_size: int, argv: List[str], ckpt: str
     from tests.megatron_shim import install_cuda_shim, megatron_optimizer_on_cpu
 
     install_cuda_shim()
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import dist_checkpointing
 
     from vescale_zero.state_dict import full_optimizer_state
 
-    pg = _example()
-    args = pg.build_parser().parse_args(argv)
-    pg.setup(args)
-    distributed = args.use_distributed_optimizer
+    with _megatron_job(argv) as (pg, args):
+        distributed = args.use_distributed_optimizer
 
-    def megatron_loads(path):
-        args.use_vescale_fsdp = False
-        with megatron_optimizer_on_cpu():
-            model, optimizer, config = pg.build(args)
-        model_sd = model.module.sharded_state_dict()
-        loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optimizer.sharded_state_dict(
-            model_sd, is_loading=True, metadata=FULLY_RESHARDABLE)}, path)
-        model.load_state_dict(loaded["model"])  # Megatron-LM: ddp_model[0].load_state_dict
-        optimizer.load_state_dict(loaded["optimizer"])
-        _as_megatron_scheduler_sets(optimizer, pg.optimizer_config(args))
-        return model, optimizer, config
+        def megatron_loads(path):
+            args.use_vescale_fsdp = False
+            with megatron_optimizer_on_cpu():
+                model, optimizer, config = pg.build(args)
+            model_sd = model.module.sharded_state_dict()
+            loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optimizer.sharded_state_dict(
+                model_sd, is_loading=True, metadata=FULLY_RESHARDABLE)}, path)
+            model.load_state_dict(loaded["model"])  # Megatron-LM: ddp_model[0].load_state_dict
+            optimizer.load_state_dict(loaded["optimizer"])
+            _as_megatron_scheduler_sets(optimizer, pg.optimizer_config(args))
+            return model, optimizer, config
 
-    try:
         args.train_iters = 3
         if distributed:
             ref_loaded, ref_state, ref_tail, ref_final = None, None, source["losses"][2:], source["final"]
@@ -704,8 +657,6 @@ def _resume_from_megatron(rank: int, world_size: int, argv: List[str], ckpt: str
                                     for k, v in st.items())
             out["back step"] = float(next(iter(other_opt.chained_optimizers[0].optimizer.state.values()))["step"])
         return out
-    finally:
-        parallel_state.destroy_model_parallel()
 
 
 @pytest.mark.parametrize("source,flags", [(["--tensor-model-parallel-size", "2"], []),
@@ -769,17 +720,9 @@ def test_megatron_dist_checkpoint_resumes_in_vescale_fsdp_and_back(tmp_path, sou
 
 def _converted_loads_at_tp2(rank: int, world_size: int, argv: List[str], converted: str) -> str:
     """The error of loading a converted (tp1) checkpoint into VeScaleFSDP at tp2."""
-    from tests.megatron_shim import install_cuda_shim
-
-    install_cuda_shim()
-    from megatron.core import parallel_state
-
     from vescale_zero import checkpoint
 
-    pg = _example()
-    args = pg.build_parser().parse_args(argv)
-    pg.setup(args)
-    try:
+    with _megatron_job(argv) as (pg, args):
         args.use_vescale_fsdp = True
         model, optimizer, _ = pg.build(args)
         try:
@@ -787,8 +730,6 @@ def _converted_loads_at_tp2(rank: int, world_size: int, argv: List[str], convert
         except checkpoint.CheckpointError as e:
             return str(e)
         return "loaded"
-    finally:
-        parallel_state.destroy_model_parallel()
 
 
 def test_megatron_convert_refuses_what_it_cannot_read(tmp_path, capsys):
@@ -820,7 +761,7 @@ def _megatron_lm_torch_dist(rank: int, world_size: int, save_dir: str, name: str
     from tests.megatron_shim import install_cuda_shim
 
     install_cuda_shim()
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import dist_checkpointing
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from vescale_zero.integrations.megatron import add_vescale_fsdp_args, use_vescale_fsdp_in_megatron_lm
@@ -848,10 +789,7 @@ def _megatron_lm_torch_dist(rank: int, world_size: int, save_dir: str, name: str
         optimizer.load_state_dict(loaded["optimizer"])
 
     _megatron_lm_stand_in(training, save_checkpoint=save_checkpoint, load_checkpoint=load_checkpoint)
-    pg = _example()
-    args = pg.build_parser().parse_args(SMALL + ["--global-batch-size", "4"])
-    pg.setup(args)
-    try:
+    with _megatron_job(SMALL + ["--global-batch-size", "4"]) as (pg, args):
         mlm_args = add_vescale_fsdp_args(argparse.ArgumentParser()).parse_args(
             ["--use-vescale-fsdp"] + (["--vescale-optimizer", name] if name != "adam" else []))
         mlm_args.gradient_accumulation_fusion = False
@@ -885,8 +823,6 @@ def _megatron_lm_torch_dist(rank: int, world_size: int, save_dir: str, name: str
             "shards beside": os.path.isdir(os.path.join(path, "vescale_zero_optim")),
             "model space": model_space,
         }
-    finally:
-        parallel_state.destroy_model_parallel()
 
 
 @pytest.mark.parametrize("name", ["adam", "muon"])

@@ -29,6 +29,7 @@ undoes that map, read from megatron-core's own spec; ``--layer-spec te`` keeps t
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from typing import Any, Dict, List, Optional, Tuple
@@ -79,8 +80,6 @@ def _check_torch_dist(path: str) -> None:
     meta = os.path.join(path, "metadata.json")
     backend = None
     if os.path.isfile(meta):
-        import json
-
         with open(meta) as f:
             backend = json.load(f).get("sharded_backend")
     if backend != "torch_dist" or not os.path.isfile(os.path.join(path, ".metadata")):
@@ -112,10 +111,16 @@ def _rename(rest: str, inverse: Dict[str, str]) -> str:
     return rest
 
 
+def _is_stacked(key: str) -> bool:
+    """Whether ``key`` holds every layer along a leading axis (not when saved with
+    singleton_local_shards, whose keys carry the layer number)."""
+    return key.startswith(_LAYERS) and not key[len(_LAYERS):].split(".", 1)[0].isdigit()
+
+
 def _unstack(key: str, tensor: torch.Tensor, inverse: Dict[str, str], layer_spec: str) -> List[Tuple[str, torch.Tensor]]:
     """The tp1 x pp1 names and tensors of one checkpoint key (see the module doc)."""
-    if not key.startswith(_LAYERS) or key[len(_LAYERS):].split(".", 1)[0].isdigit():
-        return [(key, tensor)]  # not stacked (or saved with singleton_local_shards)
+    if not _is_stacked(key):
+        return [(key, tensor)]
     rest = key[len(_LAYERS):]
     out = []
     for i, layer in enumerate(tensor.unbind(0)):
@@ -189,7 +194,7 @@ def from_megatron(src: str, dst: str, iteration: Optional[int] = None, layer_spe
     names: Dict[str, torch.Tensor] = {}
     state_of: Dict[str, Dict[str, Any]] = {}
     steps = _common_steps(common.get("optimizer")) if isinstance(common, dict) else []
-    layers = {t.shape[0] for k, t in model.items() if k.startswith(_LAYERS) and not k[len(_LAYERS):][0].isdigit()}
+    layers = {t.shape[0] for k, t in model.items() if _is_stacked(k)}
     if len(layers) > 1:
         raise CheckpointError(f"{path}: the stacked layer tensors disagree on the number of layers ({sorted(layers)})")
     for key, weight in model.items():

@@ -376,9 +376,9 @@ def _load_local(path: str, model: nn.Module, optimizer: Optional[torch.optim.Opt
     managed = managed_pieces(model)
     sliced = set()  # names of model-parallel slices looked up in a whole checkpoint
     if meta.get("whole"):
-        index = meta["index"][0]
-        sliced = {_whole_name(name, index, path) for name, *_ in managed if "/" in name}
-        managed = [(_whole_name(name, index, path), p, shape, s, e) for name, p, shape, s, e in managed]
+        renamed = [(_whole_name(name, meta["index"][0], path), name) for name, *_ in managed]
+        sliced = {whole for whole, name in renamed if "/" in name}
+        managed = [(whole, *rest) for (whole, _), (_, *rest) in zip(renamed, managed)]
     common = _read_common(path, meta)
     # Buffers of a converted checkpoint (vescale_zero.checkpoint.convert) are among the pieces.
     loose = [n for n, _ in model.named_buffers() if n not in common["buffers"]]
