@@ -7,8 +7,6 @@ once) and compares them with a single-process run on the same global batch.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -154,32 +152,42 @@ def _ptr_range(t: torch.Tensor):
     return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
 
 
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata  # the StorageImpl: the same object across free/allocate
+
+
 def _zero_copy(rank, world_size, mp):
     import vescale_zero.dbuffer as dbuffer_module
 
     calls = []
     real_ag, real_rs = dbuffer_module.all_gather, dbuffer_module.reduce_scatter
-
-    def spy_ag(output, shard, group, stats=None, async_op=False):
-        calls.append(("ag", output.data_ptr(), shard.data_ptr(), output.numel(), shard.numel(), async_op))
-        return real_ag(output, shard, group, stats, async_op)
-
-    def spy_rs(shard, full, *a, **k):
-        calls.append(("rs", full.data_ptr(), shard.data_ptr(), full.numel(), shard.numel()))
-        return real_rs(shard, full, *a, **k)
-
-    dbuffer_module.all_gather, dbuffer_module.reduce_scatter = spy_ag, spy_rs
     mp_policy = vz.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mp else None
     model = _shard(AwkwardLM(seed=0), "row", mp_policy)
     groups = [m.vescale_group for m in (model.blocks[0], model.blocks[1], model)]
+
+    def spy_ag(output, shard, group, stats=None, async_op=False):
+        # Pointers are recorded while the collective runs: a freed buffer's data_ptr() is 0.
+        g = next(g for g in groups if _storage(g.compute.full) == _storage(output))
+        itemsize = output.element_size()
+        views = [(up.data_ptr(), output.data_ptr() + off * itemsize)
+                 for up, off in zip(g.unsharded_params, g.plan.offsets)]
+        calls.append(("ag", g, output.data_ptr(), shard.data_ptr(), async_op, views))
+        return real_ag(output, shard, group, stats, async_op)
+
+    def spy_rs(shard, full, *a, **k):
+        g = next(g for g in groups if _storage(full) in (_storage(g.grads.full.full),
+                 _storage(g.grads.reduce.full) if g.grads.reduce is not None else None))
+        calls.append(("rs", g, full.data_ptr(), shard.data_ptr()))
+        return real_rs(shard, full, *a, **k)
+
+    dbuffer_module.all_gather, dbuffer_module.reduce_scatter = spy_ag, spy_rs
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    checks = []
     for step, batch in enumerate(make_batches(2, GLOBAL_BATCH)):
         calls.clear()
         x, y = rank_slice(batch, rank, world_size)
         model(x, y).backward()
         for g in groups:
-            itemsize = g.compute.full.element_size()
+            S = g.plan.shard_size
             # sharded params are views into the master shard, grads into the grad shard
             for i, m in enumerate(g.managed):
                 start, end, off = g.plan.local_slices(rank)[i]
@@ -188,30 +196,34 @@ def _zero_copy(rank, world_size, mp):
                     assert sp.data_ptr() == g.master.local.data_ptr() + off * g.master.local.element_size(), m.fqn
                     if m.requires_grad:
                         assert sp.grad.data_ptr() == g.sharded_grad.local.data_ptr() + off * sp.grad.element_size(), m.fqn
-            # one all-gather per gather, straight from the shard into the full buffer
-            ags = [c for c in calls if c[0] == "ag" and c[3] == g.plan.global_size and c[1] == g.compute._wire.data_ptr() or False]
-            ag_inputs = {c[2] for c in calls if c[0] == "ag" and c[3] == g.plan.global_size}
-            assert g.compute.local.data_ptr() in ag_inputs
+            ags = [c for c in calls if c[0] == "ag" and c[1] is g]
+            assert ags, "the group was never gathered"
+            for _, _, out_ptr, in_ptr, _, views in ags:
+                # the all-gather writes straight into the buffer the unsharded params view
+                assert all(param_ptr == want for param_ptr, want in views), views
+                if mp:  # the cast goes into this rank's own slot: the gather runs in place
+                    assert in_ptr == out_ptr + rank * S * 2
+                else:  # the gather input is the optimizer's shard itself
+                    assert g.compute.local is g.master.local and in_ptr == g.master.local.data_ptr()
+            rss = [c for c in calls if c[0] == "rs" and c[1] is g]
+            assert len(rss) == 1
             if not mp:
-                assert g.compute.local is g.master.local  # gather input is the optimizer's shard
-            rss = [c for c in calls if c[0] == "rs" and c[4] == g.plan.shard_size]
-            assert len(rss) >= 1
-            if not mp:
-                assert any(c[2] == g.sharded_grad.local.data_ptr() for c in rss), "reduce-scatter must land in the grad shard"
-            assert not g.compute.is_allocated and not g.grad.is_allocated, "buffers must be freed after backward"
-            checks.append((step, len(ags)))
+                assert rss[0][3] == g.sharded_grad.local.data_ptr(), "reduce-scatter must land in the grad shard"
+            assert not g.compute.is_allocated and not g.grads.full.is_allocated, "buffers must be freed after backward"
         n_ag = sum(1 for c in calls if c[0] == "ag")
         n_rs = sum(1 for c in calls if c[0] == "rs")
         # blocks gather twice (forward, backward), the root once; one reduce-scatter each.
         # From the second step the last block stays gathered from its forward into its
-        # backward (fully_shard [Note: last group]): one gather fewer.
+        # backward (runtime [Note: last group]): one gather fewer.
         assert (n_ag, n_rs) == ((5 if step == 0 else 4), 3), (step, n_ag, n_rs)
         # once the forward order is known (after the first forward) the next group is
         # prefetched asynchronously: block 0 in the first backward; from the second step
         # on also blocks 0 and 1 in forward
-        n_async = sum(1 for c in calls if c[0] == "ag" and c[5])
+        n_async = sum(1 for c in calls if c[0] == "ag" and c[4])
         assert n_async == (3 if step else 1), (step, n_async)
-        # while gathered, every full parameter is a view into the full buffer
+        # reduce-scatters run in backward order: block 1, block 0, root
+        assert [c[1] for c in calls if c[0] == "rs"] == [groups[1], groups[0], groups[2]]
+        # while gathered by hand, every full parameter is a view into the full buffer
         for g, module in zip(groups, (model.blocks[0], model.blocks[1], model)):
             module.unshard()
             lo, _ = _ptr_range(g.compute.full)

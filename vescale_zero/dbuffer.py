@@ -12,9 +12,11 @@
     full_view(B)  -> B's whole tensor, a view into ``full``   (no copy-out after all-gather)
     local_view(B) -> rank 1's piece of B, a view into ``local`` (no copy-in before it)
 
-All-gather is one collective from ``local`` into ``full``; reduce-scatter is one
-collective from ``full`` into ``local``. Element-wise group operations (zero, scale,
-cast) act once on a whole buffer.
+All-gather is one collective from ``local`` into ``full`` -- or, when the gather input is
+made fresh each time (a cast, a quantization), in place from this rank's own slot of
+``full`` (:meth:`DBuffer.own_slot`), so no separate input buffer lives between gathers.
+Reduce-scatter is one collective from ``full`` into ``local``. Element-wise group
+operations (zero, scale, cast) act once on a whole buffer.
 
 [Note: storage of the full buffer]
 ``full`` keeps its shape for life; only its storage is resized to zero bytes when the
@@ -110,6 +112,13 @@ class DBuffer:
         self.full.untyped_storage().resize_(0)
 
     # ---- views ----------------------------------------------------------------------
+    def own_slot(self) -> torch.Tensor:
+        """This rank's ``[rank*S, (rank+1)*S)`` of ``full`` (allocated here), written through
+        the wire (see [Note: version counter]): the input of an in-place all-gather."""
+        self.allocate()
+        size = self.plan.shard_size
+        return self._wire.narrow(0, self.rank * size, size)
+
     def full_view(self, index: int) -> torch.Tensor:
         """Tensor ``index`` inside the full buffer, in its shape (the same view for life)."""
         return self._full_views[index]
@@ -135,7 +144,8 @@ class DBuffer:
         stats: Optional[CommStats] = None,
         async_op: bool = False,
     ):
-        """One all-gather of ``source`` (default: ``local``) into ``full`` (allocated here)."""
+        """One all-gather of ``source`` (default: ``local``; may be :meth:`own_slot`) into
+        ``full`` (allocated here)."""
         self.allocate()
         shard = self.local if source is None else source
         return all_gather(self._wire, shard, group, stats, async_op)

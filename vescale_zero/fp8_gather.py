@@ -77,19 +77,31 @@ def dequantize_tiles(q: torch.Tensor, scales: torch.Tensor, tile: int, dtype: to
 @dataclass(frozen=True)
 class _Piece:
     index: int  # tensor index in the group
-    rows: Tuple[int, int]  # [row_start, row_end) of the tensor's matrix view
-    cols: int
+    rows: Tuple[int, int]  # [row_start, row_end) of the tensor's matrix view (1-D: [elem_start, elem_end))
+    cols: int  # -1 for a 1-D tensor
     shard_offset: int  # element offset inside the owner's shard
-    full_offset: int  # element offset of the piece inside the group's full buffer
     scale_offset: int  # offset of its scales inside the owner's scale buffer
     n_scales: int
 
+    @property
+    def numel(self) -> int:
+        span = self.rows[1] - self.rows[0]
+        return span if self.cols < 0 else span * self.cols
+
 
 class FP8GatherLayout:
-    """Where each rank's tile bands and scales sit, for one group's plan (static)."""
+    """Where each rank's tile bands and scales sit, for one group's plan (static).
 
-    def __init__(self, plan, shapes: Sequence[Sequence[int]], tile: int) -> None:
+    [Note: FP8 dequantize per tensor] The gathered float8 bytes have the layout of the full
+    buffer (rank k's shard at ``k*S``), so tensor ``i`` is whole at ``offsets[i]``; only its
+    scales are spread over the ranks' scale slots, in row order. ``scale_index[i]`` (static,
+    on the group's device) picks them out in one ``index_select``, and the tensor is
+    dequantized in one pass: a loop over the group's tensors, independent of world size.
+    """
+
+    def __init__(self, plan, shapes: Sequence[Sequence[int]], tile: int, device: torch.device = None) -> None:
         self.plan, self.tile = plan, tile
+        self.shapes = [tuple(s) for s in shapes]
         self.pieces: List[List[_Piece]] = []
         for rank in range(plan.world_size):
             pieces, scale_off = [], 0
@@ -98,19 +110,22 @@ class FP8GatherLayout:
                     continue
                 rows, cols = _as_matrix(shapes[i])
                 if rows == 1:  # 1-D: tiles are runs of `tile` elements
-                    band, r0, r1 = tile, start, end
-                    n = -(-(end - start) // tile)
-                    piece = _Piece(i, (r0, r1), -1, shard_off, plan.offsets[i] + start, scale_off, n)
+                    piece = _Piece(i, (start, end), -1, shard_off, scale_off, -(-(end - start) // tile))
                 else:
                     if start % cols or end % cols:
                         raise ValueError(f"tensor {i}: piece [{start}, {end}) is not whole rows of {cols}")
                     r0, r1 = start // cols, end // cols
-                    n = -(-(r1 - r0) // tile) * -(-cols // tile)
-                    piece = _Piece(i, (r0, r1), cols, shard_off, plan.offsets[i] + start, scale_off, n)
+                    piece = _Piece(i, (r0, r1), cols, shard_off, scale_off, -(-(r1 - r0) // tile) * -(-cols // tile))
                 pieces.append(piece)
                 scale_off += piece.n_scales
             self.pieces.append(pieces)
         self.max_scales = max(1, max((sum(p.n_scales for p in ps) for ps in self.pieces), default=1))
+        positions: List[List[int]] = [[] for _ in self.shapes]
+        for rank, pieces in enumerate(self.pieces):  # rank order = row order of every tensor
+            for p in pieces:
+                first = rank * self.max_scales + p.scale_offset
+                positions[p.index].extend(range(first, first + p.n_scales))
+        self.scale_index = [torch.tensor(pos, dtype=torch.long, device=device) for pos in positions]
 
     def _matrix(self, flat: torch.Tensor, piece: _Piece) -> torch.Tensor:
         if piece.cols < 0:  # 1-D: one row per tile run
@@ -121,18 +136,18 @@ class FP8GatherLayout:
         """Quantize ``rank``'s shard ``local`` into ``q_out`` (uint8 view of fp8) and ``s_out``."""
         q8 = q_out.view(FP8_DTYPE)
         for p in self.pieces[rank]:
-            n = (p.rows[1] - p.rows[0]) if p.cols < 0 else (p.rows[1] - p.rows[0]) * p.cols
-            q, s = quantize_tiles(self._matrix(local.narrow(0, p.shard_offset, n), p), self.tile)
-            q8.narrow(0, p.shard_offset, n).copy_(q.view(-1))
+            q, s = quantize_tiles(self._matrix(local.narrow(0, p.shard_offset, p.numel), p), self.tile)
+            q8.narrow(0, p.shard_offset, p.numel).copy_(q.view(-1))
             s_out.narrow(0, p.scale_offset, p.n_scales).copy_(s.view(-1))
 
     def dequantize_full(self, q_full: torch.Tensor, s_full: torch.Tensor, out: torch.Tensor) -> None:
-        """Gathered fp8 bytes and scales of every rank -> the full buffer ``out``."""
+        """Gathered fp8 bytes and scales of every rank -> the full buffer ``out``, one pass per
+        tensor (see [Note: FP8 dequantize per tensor])."""
         q8 = q_full.view(FP8_DTYPE)
-        S, T = self.plan.shard_size, self.max_scales
-        for rank, pieces in enumerate(self.pieces):
-            for p in pieces:
-                n = (p.rows[1] - p.rows[0]) if p.cols < 0 else (p.rows[1] - p.rows[0]) * p.cols
-                q = self._matrix(q8.narrow(0, rank * S + p.shard_offset, n), p)
-                s = s_full.narrow(0, rank * T + p.scale_offset, p.n_scales).view(-1, -(-q.shape[1] // self.tile))
-                out.narrow(0, p.full_offset, n).copy_(dequantize_tiles(q, s, self.tile, out.dtype).view(-1))
+        for i, (shape, offset, spec) in enumerate(zip(self.shapes, self.plan.offsets, self.plan.specs)):
+            if spec.numel == 0:
+                continue
+            rows, cols = _as_matrix(shape)
+            q = q8.narrow(0, offset, spec.numel).view(rows, cols)
+            scales = s_full.index_select(0, self.scale_index[i]).view(-(-rows // self.tile), -(-cols // self.tile))
+            out.narrow(0, offset, spec.numel).copy_(dequantize_tiles(q, scales, self.tile, out.dtype).view(-1))

@@ -8,21 +8,9 @@ root; each call makes one group of the parameters not already in a sub-module's 
     fully_shard(model)                      # embeddings, final norm, head
     opt = torch.optim.AdamW(model.parameters())   # sharded (1-D, local) parameters
 
-[Note: the iteration]
-forward:  pre-hook   unshard (one all-gather into compute.full), swap in full params,
-                     prefetch the next group in forward order (async)
-          post-hook  reshard (free compute.full, swap in sharded params) unless it is the
-                     root or ``reshard_after_forward=False``; hook the outputs for backward
-backward: pre-hook   (first grad of an output) re-gather, attach gradient views,
-                     prefetch the previous group; the first one queues the final callback
-          post       when the group's last gradient is accumulated: async reduce-scatter
-          final      every group that ran forward: reduce-scatter if not yet done, wait,
-                     attach sharded ``.grad``, reshard
-The forward order is recorded in the first iteration and used for prefetching after it.
-
-[Note: meshes] A sub-module may shard over another group than its root (MoE experts over
-the expert-data-parallel group, the rest over data-parallel): each group's collectives
-only involve its own ranks, which run the same modules in the same order.
+The hooks and the per-iteration machinery live in :mod:`vescale_zero.runtime` ([Note: the
+iteration], [Note: recompute], [Note: one order of reduce-scatters]); a group's buffers in
+:mod:`vescale_zero.param_group`.
 """
 
 from __future__ import annotations
@@ -34,157 +22,21 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
-from torch.utils._pytree import tree_flatten, tree_map
 
 from .fp8_gather import tile_band_granularity
 from .granularity import GranularityPolicy, resolve_granularities
-from .param_group import ManagedParam, ParamGroup
+from .param_group import GroupState, ManagedParam, ParamGroup
+from .runtime import STATE_ATTR, FSDPState, in_backward_pass
 
-__all__ = ["fully_shard", "fully_shard_layers", "RaggedFSDPModule", "MixedPrecisionPolicy", "DEFAULT_ALIGN_BYTES", "groups_of", "sharded_counterpart"]
+__all__ = ["fully_shard", "fully_shard_layers", "RaggedFSDPModule", "MixedPrecisionPolicy", "DEFAULT_ALIGN_BYTES",
+           "groups_of", "sharded_counterpart"]
 
 DEFAULT_ALIGN_BYTES = 16
 """Each rank's shard starts on this many bytes in every role's buffer (NCCL likes 16)."""
 
-_STATE = "_vescale_fsdp_state"
+_STATE = STATE_ATTR
 _SHARDED_AS = "_vescale_sharded_as"  # on an original parameter: the sharded parameter replacing it
 _CLAIMED = "_vescale_fsdp_group_of"  # set on every parameter object a group manages
-
-
-class _RootContext:
-    """Shared by every fully_shard module under one root, for one root forward/backward."""
-
-    def __init__(self, root: "_FSDPState") -> None:
-        self.root = root
-        self.states: List[_FSDPState] = []
-        self.forward_order: List[_FSDPState] = []
-        self.order_frozen = False
-        self.in_backward = False
-        self.reducing: List[ParamGroup] = []  # reduce-scatters issued, not yet waited on
-
-    def reduce_issued(self, group: ParamGroup) -> None:
-        """[Note: bounded gradient memory] Keep one reduce-scatter in flight: when a group
-        issues its own, wait for the older ones and free their full gradient buffers, so
-        backward holds at most two groups' full gradients instead of all of them."""
-        self.reducing.append(group)
-        while len(self.reducing) > 1:
-            self.reducing.pop(0).finish_grad_sync()
-
-    def last_before_root(self) -> Optional["_FSDPState"]:
-        """[Note: last group] The group that runs forward last before the root finishes is
-        the first one backward needs: resharding it after forward would only gather it
-        again at once. It stays gathered (from the second iteration, once the order is
-        known); peak memory is unchanged, since backward holds it at that point anyway."""
-        if not self.order_frozen:
-            return None
-        for state in reversed(self.forward_order):
-            if state is not self.root:
-                return state
-        return None
-
-    def next_in_order(self, state: "_FSDPState", step: int) -> Optional["_FSDPState"]:
-        if not self.order_frozen or state not in self.forward_order:
-            return None
-        i = self.forward_order.index(state) + step
-        return self.forward_order[i] if 0 <= i < len(self.forward_order) else None
-
-    def final_callback(self) -> None:
-        """End of backward: every group's gradients reduced and its parameters resharded."""
-        for state in reversed(self.forward_order + [s for s in self.states if s not in self.forward_order]):
-            group = state.group
-            if group is not None and group.ran_forward:
-                group.post_backward()
-        self.reducing.clear()
-        for state in self.states:
-            if state.group is not None:
-                state.group.finish_grad_sync()
-                state.group.reshard()
-                state.group.ran_forward = False
-        self.in_backward = False
-
-
-class _FSDPState:
-    def __init__(
-        self,
-        module: nn.Module,
-        group: Optional[ParamGroup],
-        process_group: dist.ProcessGroup,
-        reshard_after_forward: bool,
-        mp_policy: Optional[MixedPrecisionPolicy],
-    ) -> None:
-        self.module = module
-        self.group = group
-        self.process_group = process_group
-        self.reshard_after_forward = reshard_after_forward
-        self.mp_policy = mp_policy
-        self.prefetch = True
-        self.context: Optional[_RootContext] = None
-
-    # ---- lazy root discovery ---------------------------------------------------------
-    def lazy_init(self) -> _RootContext:
-        if self.context is not None:
-            return self.context
-        ctx = _RootContext(self)
-        for sub in self.module.modules():
-            st = getattr(sub, _STATE, None)
-            if st is None or st.context is not None:
-                continue
-            st.context = ctx
-            ctx.states.append(st)
-            if st.group is not None:
-                st.group.on_reduce_issued = ctx.reduce_issued
-        return ctx
-
-    # ---- hooks -----------------------------------------------------------------------
-    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
-        ctx = self.lazy_init()
-        if self.group is not None:
-            if not ctx.order_frozen and self not in ctx.forward_order:
-                ctx.forward_order.append(self)
-            self.group.unshard()
-            self.group.wait_for_unshard()
-            self.group.to_unsharded_params()
-            if not ctx.in_backward and self.prefetch:
-                nxt = ctx.next_in_order(self, +1)
-                if nxt is not None and nxt.group is not None:
-                    nxt.group.unshard(async_op=True)
-        mp = self.mp_policy
-        if mp is not None and mp.cast_forward_inputs and mp.param_dtype is not None:
-            cast = lambda t: t.to(mp.param_dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
-            args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
-        return args, kwargs
-
-    def post_forward(self, module: nn.Module, args: tuple, output: Any):
-        ctx = self.context
-        if ctx.in_backward:  # recomputation inside backward: keep everything gathered
-            return output
-        grad_on = torch.is_grad_enabled()
-        if self.group is not None:
-            self.group.ran_forward = self.group.ran_forward or grad_on
-            if self.reshard_after_forward and self is not ctx.root and not (grad_on and self is ctx.last_before_root()):
-                self.group.reshard()
-        if self is ctx.root:
-            ctx.order_frozen = True
-        if grad_on:
-            tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
-            if tensors:
-                torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
-        mp = self.mp_policy
-        if mp is not None and mp.output_dtype is not None:
-            output = tree_map(
-                lambda t: t.to(mp.output_dtype) if torch.is_tensor(t) and t.is_floating_point() else t, output
-            )
-        return output
-
-    def _pre_backward(self, _grad: torch.Tensor) -> None:
-        ctx = self.context
-        if not ctx.in_backward:
-            ctx.in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(ctx.final_callback)
-        if self.group is not None:
-            self.group.pre_backward()
-            prev = ctx.next_in_order(self, -1) if self.prefetch else None
-            if prev is not None and prev.group is not None:
-                prev.group.unshard(async_op=True)
 
 
 class RaggedFSDPModule:
@@ -232,6 +84,19 @@ class RaggedFSDPModule:
             st = getattr(m, _STATE, None)
             if st is not None and st.group is not None:
                 st.group.gradient_divide_factor = factor
+
+    def set_unused_grads(self, policy: str, *, recurse: bool = True) -> None:
+        """What a parameter gets that no rank used since the last synced backward (param_group
+        [Note: unused everywhere]): ``"none"`` (default) leaves its sharded ``.grad`` None,
+        as DDP and FSDP2 do, so optimizers skip it; ``"zero"`` gives it a zero gradient, as
+        ZeRO-3 and Megatron's DDP do, so optimizers step it (weight decay included)."""
+        if policy not in ("none", "zero"):
+            raise ValueError(f"unused-gradient policy must be 'none' (DDP, FSDP2) or 'zero' (ZeRO-3, Megatron), "
+                             f"got {policy!r}")
+        for m in self.modules() if recurse else [self]:
+            st = getattr(m, _STATE, None)
+            if st is not None and st.group is not None:
+                st.group.unused_grads = policy
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         for m in self.modules() if recurse else [self]:
@@ -322,7 +187,8 @@ def fully_shard(
             compute and gathers, ``reduce_dtype`` for the gradient reduce-scatter; the
             sharded (master) parameters keep the module's dtype.
         granularity: each parameter's atomic block, see :mod:`vescale_zero.granularity`.
-        align_bytes: every rank's shard is a multiple of this many bytes in each buffer.
+        align_bytes: every rank's shard, and every tensor's start, is a multiple of this many
+            bytes in each buffer (vectorised and tensor-core kernels want 16 at least).
         fp8_all_gather_tile: gather parameters as float8 (e4m3) with one scale per
             ``tile x tile`` tile (128 is usual) instead of ``param_dtype``: about half the
             bytes of bf16. The granularity defaults to whole tile bands; a given one must
@@ -360,9 +226,12 @@ def fully_shard(
                     )
         else:
             grans = resolve_granularities([(n, p) for n, p, _ in named], granularity)
-        itemsizes = [named[0][1].element_size()]
+        # Every role's buffer (and the float8 bytes of an FP8 gather) keeps its shards and
+        # tensor starts on align_bytes: the planner aligns both to this many elements.
+        itemsizes = [named[0][1].element_size()] + ([1] if fp8_all_gather_tile is not None else [])
         if mp_policy is not None:
-            itemsizes += [torch.empty((), dtype=d).element_size() for d in (mp_policy.param_dtype, mp_policy.reduce_dtype) if d]
+            dtypes = (mp_policy.param_dtype, mp_policy.reduce_dtype)
+            itemsizes += [torch.empty((), dtype=d).element_size() for d in dtypes if d]
         align = max(1, align_bytes // min(itemsizes))
         managed = [ManagedParam(n, owners, p.shape, p.requires_grad) for n, p, owners in named]
         group = ParamGroup(
@@ -378,15 +247,33 @@ def fully_shard(
         for (_, original, _), sharded in zip(named, group.sharded_params):
             setattr(original, _SHARDED_AS, sharded)  # lets hosts remap optimizers built earlier
 
-    state = _FSDPState(module, group, pg, reshard_after_forward, mp_policy)
+    state = FSDPState(module, group, pg, reshard_after_forward, mp_policy)
     setattr(module, _STATE, state)
     module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(state.post_forward, prepend=False)
+    if group is not None:
+        hook = _ShardedForStateDict(group)
+        module.register_state_dict_pre_hook(hook)
+        module.register_load_state_dict_pre_hook(hook)
     cls = module.__class__
     if cls not in _CLASS_CACHE:
         _CLASS_CACHE[cls] = type(f"RaggedFSDP{cls.__name__}", (RaggedFSDPModule, cls), {})
     module.__class__ = _CLASS_CACHE[cls]
     return module
+
+
+class _ShardedForStateDict:
+    """[Note: state dicts see the shards] A group left gathered (the root after a forward
+    with no backward, ``reshard_after_forward=False``) holds full parameters in the modules.
+    Saving must see the sharded parameters, and loading must write them and drop the stale
+    full ones, so both reshard the group first (outside forward and backward)."""
+
+    def __init__(self, group: ParamGroup) -> None:
+        self.group = group
+
+    def __call__(self, *_: Any, **__: Any) -> None:
+        if self.group.state is not GroupState.SHARDED and not in_backward_pass():
+            self.group.reshard()
 
 
 def sharded_counterpart(param: nn.Parameter) -> nn.Parameter:

@@ -2,54 +2,65 @@
 
 One group owns, per rank::
 
-    role            buffer (DBuffer)   dtype          lives
-    sharded params  master.local       param's own    always (the optimizer's tensors)
-    gather input    compute.local      param_dtype    always; *is* master.local without MP
-    full params     compute.full       param_dtype    while unsharded (forward/backward)
-    full grads      grad.full          param_dtype    from pre-backward to reduce-scatter
-    reduce input    reduce.full        reduce_dtype   only when reduce_dtype != param_dtype
-    sharded grads   sharded_grad.local param's own    always (``param.grad`` views)
+    role            buffer                      dtype          lives
+    sharded params  master.local                param's own    always (the optimizer's tensors)
+    full params     compute.full                param_dtype    while gathered (forward/backward)
+    gather input    master.local, or this rank's slot of compute.full (a cast), or of a
+                    float8 buffer (FP8 tiles): see vescale_zero.param_gather
+    full grads      grads.full                  param_dtype    pre-backward .. reduce-scatter
+    reduce input    grads.reduce                reduce_dtype   only when reduce_dtype != param_dtype
+    sharded grads   grads.sharded.local         param's own    always (``param.grad`` views)
 
 Every parameter object the module sees is a view: a sharded parameter into
 ``master.local``, an unsharded parameter into ``compute.full``, a gradient into
-``grad.full`` (autograd accumulates into it in place) or ``sharded_grad.local``.
+``grads.full`` (autograd accumulates into it in place) or ``grads.sharded.local``.
 
-[Note: gradient path]
-pre-backward attaches ``grad.full`` views as the unsharded parameters' ``.grad``;
-AccumulateGrad adds into them in place. When the last of the group's gradients has
-been accumulated (or, at the latest, when the whole backward ends) the group runs one
-reduce-scatter (AVG) from the full gradient buffer into its sharded gradient buffer,
-asynchronously; ``finish_grad_sync`` waits for it and attaches the sharded ``.grad``.
+[Note: when a group's gradients are complete]
+The reduce-scatter needs every gradient of the group for this backward. The group is
+*ready* at the first of:
+
+  * every parameter that requires grad has had its gradient accumulated;
+  * the gradients of its module's inputs are computed, for every call of the module in
+    the forward being differentiated (an autograd node on the inputs, as PyTorch FSDP2's
+    post-backward): the module's own backward is over, so a parameter without a gradient
+    by then has none in this backward (an MoE expert that got no token on this rank);
+  * the end of the backward (the root's final callback).
+
+[Note: unused everywhere]
+A parameter without a gradient on *every* rank (over all micro-batches since the last
+synced backward) gets ``.grad = None`` on its sharded parameter, as with DDP and FSDP2, so
+optimizers skip it (no weight decay, no moment decay); ``unused_grads = "zero"`` keeps a zero
+gradient instead, as ZeRO-3 and Megatron's DDP do (the DeepSpeed and Megatron adapters set
+it). Which parameters got gradients anywhere is one small all-reduce of flags per process
+group at the end of a synced backward (``vescale_zero.runtime``).
+
+*When* it becomes ready may differ between ranks (which parameters got gradients differs);
+the order in which ready groups issue their reduce-scatters must not: see
+``vescale_zero.runtime`` [Note: one order of reduce-scatters]. A gradient that arrives for a
+group after its reduce-scatter was issued cannot be reduced any more: it is an error, never
+a silent loss.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+import functools
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence, Set
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import CommStats, all_gather
+from .collectives import CommStats
 from .dbuffer import DBuffer
-from .fp8_gather import FP8GatherLayout
+from .grad_reduce import GradReducer
+from .param_gather import make_param_gather
 from .planner import ShardPlan, TensorSpec, plan
+from .ragged_param import ManagedParam, RaggedParam, ShardedRange
 
-__all__ = ["ManagedParam", "ParamGroup", "GroupState", "ShardedRange"]
-
-
-@dataclass(frozen=True)
-class ShardedRange:
-    """Which flat elements ``[start, end)`` of a full parameter of ``shape`` a sharded
-    parameter holds, and the block size its layout keeps whole (structure-aware optimizers
-    read it as ``param.sharded_range``)."""
-
-    start: int
-    end: int
-    shape: Tuple[int, ...]
-    granularity: int
+__all__ = ["ManagedParam", "ParamGroup", "GroupState", "ShardedRange", "BackwardProgress", "InputGradTrigger"]
 
 
 class GroupState(enum.Enum):
@@ -58,21 +69,37 @@ class GroupState(enum.Enum):
     UNSHARDED = "unsharded"
 
 
-@dataclass(frozen=True)
-class ManagedParam:
-    """A parameter of the group: its name and every (module, attribute) that holds it."""
+@dataclass
+class BackwardProgress:
+    """Where one group stands in the current backward; a new one when the backward ends."""
 
-    fqn: str
-    owners: Tuple[Tuple[nn.Module, str], ...]
-    shape: torch.Size
-    requires_grad: bool
+    forward_with_grad: bool = False  # ran forward with grad enabled since the last backward ended
+    forward_without_grad: bool = False  # ran forward under no_grad (a reentrant checkpoint may recompute it)
+    in_backward: bool = False  # pre-backward, a gradient or an input trigger was seen in this backward
+    started: bool = False  # pre-backward ran: full params installed, gradient views attached
+    arrived: Set[int] = field(default_factory=set)  # indices whose gradient was accumulated
+    ready: bool = False  # its gradients are complete ([Note: when a group's gradients are complete])
+    issued: bool = False  # its reduce-scatter is issued (or skipped: no gradient sync)
+
+    @property
+    def participating(self) -> bool:
+        """Its gradients are reduced in this backward."""
+        return self.forward_with_grad or self.in_backward
 
 
-def _new_param(data: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
-    param = nn.Parameter(data, requires_grad=like.requires_grad)
-    for key, value in vars(like).items():  # keep framework tags (e.g. tensor-parallel attrs)
-        setattr(param, key, value)
-    return param
+class InputGradTrigger:
+    """Counts the calls of a module (in one forward, or among one backward's recomputes)
+    whose input gradients are still to come; when all have come, the group is ready. A call
+    whose inputs need no gradient can never tell when its backward is over: it makes the
+    trigger ``blind`` (the group then waits for its gradients or the end of backward)."""
+
+    def __init__(self, group: "ParamGroup") -> None:
+        self.group, self.armed, self.fired, self.blind = group, 0, 0, False
+
+    def fire(self) -> None:
+        self.fired += 1
+        if self.fired == self.armed and not self.blind:
+            self.group.inputs_done()
 
 
 class ParamGroup:
@@ -112,249 +139,248 @@ class ParamGroup:
         self.stats = CommStats()
 
         shapes = [m.shape for m in managed]
-        new = lambda dtype, **kw: DBuffer(self.plan, self.rank, dtype, self.device, shapes=shapes, **kw)  # noqa: E731
-        self.master = new(self.orig_dtype, with_full=False)
-        self.compute = (
-            new(self.orig_dtype, local=self.master.local)
-            if self.param_dtype == self.orig_dtype
-            else new(self.param_dtype)
-        )
-        self.grad = new(self.param_dtype, with_local=False)
-        self.reduce = None if self.reduce_dtype == self.param_dtype else new(self.reduce_dtype, with_local=False)
-        self.sharded_grad = new(self.orig_dtype, with_full=False)
+        self.master = DBuffer(self.plan, self.rank, self.orig_dtype, self.device, shapes=shapes, with_full=False)
+        direct = self.param_dtype == self.orig_dtype and not fp8_tile
+        self.compute = DBuffer(self.plan, self.rank, self.param_dtype, self.device, shapes=shapes,
+                               local=self.master.local if direct else None, with_local=direct)
+        self.gather = make_param_gather(self.master, self.compute, process_group, self.stats, shapes, fp8_tile)
+        self.grads = GradReducer(self.plan, self.rank, process_group, self.stats, grad_dtype=self.param_dtype,
+                                 reduce_dtype=self.reduce_dtype, shard_dtype=self.orig_dtype, device=self.device,
+                                 shapes=shapes)
 
         with torch.no_grad():
             for i, p in enumerate(originals):
                 start, end = self.master.local_range(i)
                 self.master.local_view(i).copy_(p.detach().reshape(-1)[start:end])
-        self.sharded_params: List[nn.Parameter] = [
-            _new_param(self.master.local_view(i), p) for i, p in enumerate(originals)
-        ]
-        for i, (sp, m) in enumerate(zip(self.sharded_params, managed)):
+        self.params: List[RaggedParam] = []
+        for i, (m, p) in enumerate(zip(managed, originals)):
             start, end = self.master.local_range(i)
-            sp.sharded_range = ShardedRange(start, end, tuple(m.shape), granularities[i])
-        self.unsharded_params: List[nn.Parameter] = [
-            _new_param(self.compute.full_view(i), p) for i, (m, p) in enumerate(zip(managed, originals))
-        ]
+            rng = ShardedRange(start, end, tuple(m.shape), granularities[i])
+            self.params.append(RaggedParam(m, p, self.master.local_view(i), self.compute.full_view(i), rng))
         self._grad_indices = [i for i, m in enumerate(managed) if m.requires_grad]
         for i in self._grad_indices:
-            self.unsharded_params[i].register_post_accumulate_grad_hook(self._on_grad_accumulated)
-
-        # [Note: FP8 all-gather] With ``fp8_tile`` the gather moves float8 bytes plus one
-        # scale per tile instead of ``param_dtype``: each rank quantizes its own tile bands
-        # of the master shard (see vescale_zero.fp8_gather), and the full buffer is filled by
-        # dequantizing. The granularity must keep tile bands whole (fully_shard sees to it).
-        self.fp8: Optional[FP8GatherLayout] = FP8GatherLayout(self.plan, shapes, fp8_tile) if fp8_tile else None
-        if self.fp8 is not None:
-            w, S, T = self.world_size, self.plan.shard_size, self.fp8.max_scales
-            self._fp8_local = torch.zeros(S, dtype=torch.uint8, device=self.device)
-            self._fp8_full = torch.empty(w * S, dtype=torch.uint8, device=self.device)
-            self._scales_local = torch.ones(T, dtype=torch.float32, device=self.device)
-            self._scales_full = torch.empty(w * T, dtype=torch.float32, device=self.device)
-            self._fp8_version = -1
+            self.params[i].unsharded.register_post_accumulate_grad_hook(functools.partial(self._on_grad_accumulated, i))
 
         self.state = GroupState.SHARDED
-        self._cast_version = -1
-        self.requires_grad_sync = True
-        self.gradient_divide_factor: Optional[float] = None  # None: AVG over the group
-        self.ran_forward = False  # with grad enabled, since the last backward
-        self._unshard_work = None
-        self._in_backward = False
-        self._grads_ready = 0
-        self._post_backward_done = False
-        self._pending_reduce: Optional[tuple] = None
-        self.on_reduce_issued: Optional[Callable[["ParamGroup"], None]] = None  # set by the runtime
+        self.progress = BackwardProgress()
+        self.on_ready: Optional[Callable[["ParamGroup"], None]] = None  # set by the runtime
+        self._forward_trigger: Optional[tuple] = None  # (forward id, weakref to its InputGradTrigger)
+        self._recompute_trigger: Optional[InputGradTrigger] = None
+        self._calls: tuple = (None, 0)  # (forward id, module calls in that forward)
+        self.unused_grads = "none"  # see [Note: unused everywhere]
+        self._used: Set[int] = set()  # indices with a gradient since the last synced backward
+        self._usage: Optional[tuple] = None  # (used here, had a sharded .grad before) of the synced backward
         self.to_sharded_params()
 
-    # ---- which parameter objects the modules hold ------------------------------------
-    def _install(self, params: Sequence[nn.Parameter]) -> None:
-        for m, p in zip(self.managed, params):
-            for module, attr in m.owners:
-                module._parameters[attr] = p
+    # ---- parameter objects and buffers -----------------------------------------------
+    @property
+    def sharded_params(self) -> List[nn.Parameter]:
+        return [p.sharded for p in self.params]
+
+    @property
+    def unsharded_params(self) -> List[nn.Parameter]:
+        return [p.unsharded for p in self.params]
+
+    @property
+    def sharded_grad(self) -> DBuffer:
+        """The sharded gradients' buffer (``.local`` holds them; ``param.grad`` are views)."""
+        return self.grads.sharded
+
+    @property
+    def grad_indices(self) -> List[int]:
+        return list(self._grad_indices)
+
+    @property
+    def requires_grad_sync(self) -> bool:
+        return self.grads.requires_grad_sync
+
+    @requires_grad_sync.setter
+    def requires_grad_sync(self, value: bool) -> None:
+        self.grads.requires_grad_sync = value
+
+    @property
+    def gradient_divide_factor(self) -> Optional[float]:
+        return self.grads.divide_factor
+
+    @gradient_divide_factor.setter
+    def gradient_divide_factor(self, value: Optional[float]) -> None:
+        self.grads.divide_factor = value
 
     def to_sharded_params(self) -> None:
-        self._install(self.sharded_params)
+        for p in self.params:
+            p.to_sharded()
 
     def to_unsharded_params(self) -> None:
-        self._install(self.unsharded_params)
+        for p in self.params:
+            p.to_unsharded()
 
     # ---- all-gather / free -----------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
         """Gather the full parameters into ``compute.full`` (no-op unless sharded)."""
         if self.state is not GroupState.SHARDED:
             return
-        if self.fp8 is not None:
-            self._unshard_fp8(async_op)
-            return
-        if self.compute.local is not self.master.local:
-            # One cast per group, and only when the optimizer has changed the master shard
-            # since the last one (views share the version counter of ``master.local``).
-            if self._cast_version != self.master.local._version:
-                with torch.no_grad():
-                    self.compute.local.copy_(self.master.local)
-                self._cast_version = self.master.local._version
-        self._unshard_work = self.compute.all_gather(self.process_group, stats=self.stats, async_op=async_op)
-        self.state = GroupState.UNSHARDING
-
-    def _unshard_fp8(self, async_op: bool) -> None:
-        if self._fp8_version != self.master.local._version:  # quantize once per optimizer step
-            with torch.no_grad():
-                self.fp8.quantize_local(self.rank, self.master.local, self._fp8_local, self._scales_local)
-            self._fp8_version = self.master.local._version
-        works = [
-            all_gather(self._fp8_full, self._fp8_local, self.process_group, self.stats, async_op),
-            all_gather(self._scales_full, self._scales_local, self.process_group, self.stats, async_op),
-        ]
-        self._unshard_work = works if async_op else None
-        self.compute.allocate()
+        self.gather.start(async_op)
         self.state = GroupState.UNSHARDING
 
     def wait_for_unshard(self) -> None:
         if self.state is GroupState.UNSHARDING:
-            if self._unshard_work is not None:
-                for work in self._unshard_work if isinstance(self._unshard_work, list) else [self._unshard_work]:
-                    work.wait()
-                self._unshard_work = None
-            if self.fp8 is not None:
-                with torch.no_grad():  # through the wire: see DBuffer [Note: version counter]
-                    self.fp8.dequantize_full(self._fp8_full, self._scales_full, self.compute._wire)
+            self.gather.finish()
             self.state = GroupState.UNSHARDED
 
     def reshard(self) -> None:
         """Free the full parameters and hand the modules their sharded parameters."""
-        self.wait_for_unshard()
-        self.compute.free()
+        self.gather.release()
         self.to_sharded_params()
         self.state = GroupState.SHARDED
 
+    # ---- forward bookkeeping ---------------------------------------------------------
+    def note_forward(self, grad_enabled: bool, forward_id: int) -> None:
+        """The module runs forward (not a recompute inside backward)."""
+        fid, calls = self._calls
+        self._calls = (forward_id, calls + 1 if fid == forward_id else 1)
+        if not self._grad_indices:
+            return
+        if grad_enabled:
+            self.progress.forward_with_grad = True
+        else:
+            self.progress.forward_without_grad = True
+
+    def note_recompute(self, grad_enabled: bool) -> None:
+        """The module runs forward inside backward (activation recompute)."""
+        if grad_enabled and self._grad_indices:
+            self.progress.in_backward = True
+
+    def input_trigger(self, forward_id: Optional[int]) -> Optional[InputGradTrigger]:
+        """The trigger to arm for one more call whose input gradients will come: per forward
+        (``forward_id``), or, for a recompute inside backward (``None``), per backward --
+        only when the module ran once in its forward, so one recompute is all of it."""
+        if not self._grad_indices:
+            return None
+        if forward_id is None:
+            if self._calls[1] != 1:
+                return None
+            if self._recompute_trigger is None:
+                self._recompute_trigger = InputGradTrigger(self)
+            trigger = self._recompute_trigger
+        else:
+            fid, ref = self._forward_trigger or (None, None)
+            trigger = ref() if fid == forward_id and ref is not None else None
+            if trigger is None:
+                trigger = InputGradTrigger(self)
+                self._forward_trigger = (forward_id, weakref.ref(trigger))
+        trigger.armed += 1
+        return trigger
+
     # ---- backward --------------------------------------------------------------------
-    def pre_backward(self) -> None:
-        """Re-gather parameters and attach full-gradient views before the module's backward."""
+    def begin_backward(self) -> bool:
+        """Pre-backward: the full parameters are installed (a recompute reads them) and the
+        gradient views attached. True the first time in this backward."""
         self.unshard()
         self.wait_for_unshard()
-        if not self._grad_indices or self._in_backward:
-            return
-        self.grad.allocate(zero=not self.grad.is_allocated)  # kept (not zeroed) while accumulating
-        for i in self._grad_indices:
-            up = self.unsharded_params[i]
-            if up.grad is None:
-                up.grad = self.grad.full_view(i)
-        self._in_backward = True
-        self._grads_ready = 0
-        self._post_backward_done = False
+        self.to_unsharded_params()
+        progress = self.progress
+        progress.in_backward = True
+        if progress.started:
+            return False
+        progress.started = True
+        if self._grad_indices:
+            self.grads.prepare()
+            for i in self._grad_indices:
+                self.params[i].attach_full_grad(self.grads.full.full_view(i))
+        return True
 
-    def _on_grad_accumulated(self, _param: torch.Tensor) -> None:
-        if self._in_backward:
-            self._grads_ready += 1
-            if self._grads_ready == len(self._grad_indices):
-                self.post_backward()
+    def _on_grad_accumulated(self, index: int, _param: torch.Tensor) -> None:
+        progress = self.progress
+        if progress.issued and self.grads.requires_grad_sync:
+            raise RuntimeError(
+                f"parameter {self.managed[index].fqn!r} received a gradient after its fully_shard group had "
+                "reduce-scattered this backward's gradients, so it cannot be reduced. Its gradient came after "
+                "the gradients of its module's inputs: the parameter is used outside its module's forward (read "
+                "by another module, or stored and used later). Apply fully_shard to a module whose forward contains "
+                "every use of the parameter (e.g. a common parent), or to the root only."
+            )
+        progress.in_backward = True
+        progress.arrived.add(index)
+        if len(progress.arrived) == len(self._grad_indices):
+            self._become_ready(done_with_params=len(self._grad_indices) == len(self.managed))
 
-    def _gather_stray_grads(self) -> None:
-        """Fold gradients autograd left outside ``grad.full`` (e.g. no pre-backward ran)."""
-        for i in self._grad_indices:
-            up = self.unsharded_params[i]
-            view = self.grad.full_view(i)
-            if up.grad is not None and up.grad.data_ptr() != view.data_ptr():
-                if not self.grad.is_allocated:
-                    self.grad.allocate(zero=True)
-                with torch.no_grad():
-                    view.add_(up.grad)
-                up.grad = view
+    def inputs_done(self) -> None:
+        """Every call's input gradients are computed: the module's backward is over."""
+        self.progress.in_backward = True
+        self._become_ready(done_with_params=True)
 
-    def post_backward(self) -> None:
-        """Issue this group's reduce-scatter (async) and reshard its parameters."""
-        if self._post_backward_done or not self._grad_indices:
+    def force_ready(self) -> None:
+        """End of backward: whatever arrived is all there is."""
+        self._become_ready(done_with_params=True)
+
+    def _become_ready(self, done_with_params: bool) -> None:
+        progress = self.progress
+        if progress.ready:
             return
-        self._post_backward_done = True
-        self._in_backward = False
-        self._gather_stray_grads()
-        self.grad.allocate(zero=not self.grad.is_allocated)  # every rank joins the collective
-        if not self.requires_grad_sync:
-            return
-        for i in self._grad_indices:
-            self.unsharded_params[i].grad = None
-        source = self.grad
-        if self.reduce is not None:
-            with torch.no_grad():
-                self.reduce.allocate().copy_(self.grad.full)  # one cast per group
-            self.grad.free()
-            source = self.reduce
-        op = dist.ReduceOp.AVG
-        if self.gradient_divide_factor is not None:
-            # [Note: divide factor] SUM of gradients pre-divided by the factor: the mean
-            # over a larger population than this group (Megatron's expert parameters are
-            # reduced over the expert-data-parallel group but averaged over data-parallel),
-            # or a plain sum (factor 1) when the loss is normalised afterwards.
-            # Multiplies by the reciprocal, as Megatron's DDP does, so the two round alike.
-            if self.gradient_divide_factor != 1:
-                with torch.no_grad():
-                    source.full.mul_(1.0 / self.gradient_divide_factor)
-            op = dist.ReduceOp.SUM
-        accumulate = any(self.sharded_params[i].grad is not None for i in self._grad_indices)
-        direct = not accumulate and self.reduce_dtype == self.orig_dtype
-        out = self.sharded_grad.local if direct else torch.empty(self.plan.shard_size, dtype=self.reduce_dtype, device=self.device)
-        work = source.reduce_scatter(self.process_group, into=out, op=op, stats=self.stats, async_op=True)
-        self._pending_reduce = (work, source, out, accumulate)
-        if self.on_reduce_issued is not None:
-            self.on_reduce_issued(self)
-        if len(self._grad_indices) == len(self.managed):
-            # A frozen parameter has no AccumulateGrad to tell us that backward is done
-            # with it, so groups holding one reshard only when the whole backward ends.
+        progress.ready = True
+        if done_with_params and progress.started:
+            # Backward no longer reads the full parameters. Without an input trigger a frozen
+            # parameter (no gradient to tell us) may still be read: such groups reshard at the
+            # end of backward.
             self.reshard()
+        if self.on_ready is not None:
+            self.on_ready(self)
+
+    def issue_reduce_scatter(self) -> bool:
+        """Fold stray gradients into the full buffer and start the reduce-scatter; False (and
+        the full gradients kept) while gradient sync is off."""
+        self.progress.issued = True
+        if not self._grad_indices:
+            return False
+        full = self.grads.full
+        if any(self.params[i].unsharded.grad is not None for i in self._grad_indices):
+            self.grads.prepare()
+            for i in self._grad_indices:
+                self.params[i].fold_stray_grad(full.full_view(i))
+        used = self._used | self.progress.arrived
+        if not self.grads.requires_grad_sync:
+            self._used = used
+            self.grads.prepare()  # the next synced backward reduces what accumulated here
+            return False
+        self._used = set()
+        for i in self._grad_indices:
+            self.params[i].unsharded.grad = None
+        had_grad = {i for i in self._grad_indices if self.params[i].sharded.grad is not None}
+        if self.unused_grads == "none":
+            self._usage = (used, had_grad)
+        self.grads.issue(accumulate=bool(had_grad))
+        return True
+
+    def local_usage(self) -> Optional[List[int]]:
+        """1/0 per parameter with gradients: got one on this rank since the last synced
+        backward; ``None`` unless this backward reduced and [Note: unused everywhere] applies."""
+        if self._usage is None:
+            return None
+        used = self._usage[0]
+        return [1 if i in used else 0 for i in self._grad_indices]
+
+    def drop_unused_grads(self, used_anywhere: Sequence[int]) -> None:
+        """After :meth:`finish_grad_sync`: ``.grad = None`` for the parameters no rank used
+        (flags in :meth:`local_usage` order), unless they held a gradient before."""
+        _, had_grad = self._usage
+        self._usage = None
+        for i, flag in zip(self._grad_indices, used_anywhere):
+            if not flag and i not in had_grad:
+                self.params[i].sharded.grad = None
 
     def finish_grad_sync(self) -> None:
         """Wait for the reduce-scatter and give the sharded parameters their ``.grad``."""
-        self._in_backward = False
-        if self._pending_reduce is None:
-            return
-        work, source, out, accumulate = self._pending_reduce
-        self._pending_reduce = None
-        work.wait()
-        source.free()
-        local = self.sharded_grad.local
-        with torch.no_grad():
-            if out is not local:
-                if accumulate:
-                    for i in self._grad_indices:
-                        if self.sharded_params[i].grad is None:
-                            self.sharded_grad.local_view(i).zero_()
-                    self._accumulate_into_grads(out)
-                else:
-                    local.copy_(out)  # one cast per group
-            for i in self._grad_indices:
-                sp = self.sharded_params[i]
-                if sp.grad is None:
-                    sp.grad = self.sharded_grad.local_view(i)
+        self.grads.finish([(i, self.params[i].sharded) for i in self._grad_indices])
+
+    def end_backward(self) -> None:
+        """The backward is over: the next one starts afresh."""
+        self.progress = BackwardProgress()
+        self._recompute_trigger = None
 
     def zero_grad(self) -> None:
         """Drop every gradient of the group: locally accumulated full gradients (from
         backwards without gradient sync) and the sharded ones (zeroed, ``.grad = None``)."""
-        if self._pending_reduce is not None:
-            self.finish_grad_sync()
         for i in self._grad_indices:
-            self.unsharded_params[i].grad = None
-            self.sharded_params[i].grad = None
-        self.grad.free()
-        if self.reduce is not None:
-            self.reduce.free()
-        self.sharded_grad.local.zero_()
-
-    def _accumulate_into_grads(self, reduced: torch.Tensor) -> None:
-        ours = all(
-            sp.grad is None or sp.grad.data_ptr() == self.sharded_grad.local_view(i).data_ptr()
-            for i, sp in ((i, self.sharded_params[i]) for i in self._grad_indices)
-        )
-        if ours:
-            self.sharded_grad.local.add_(reduced)  # one add per group
-            return
-        slices = self.plan.local_slices(self.rank)
-        for i in self._grad_indices:  # a user replaced some .grad: add piece by piece
-            start, end, off = slices[i]
-            piece = reduced.narrow(0, off, end - start)
-            target = self.sharded_params[i].grad
-            (target if target is not None else self.sharded_grad.local_view(i)).add_(piece)
-
-    # ---- introspection ---------------------------------------------------------------
-    @property
-    def grad_indices(self) -> List[int]:
-        return list(self._grad_indices)
+            self.params[i].unsharded.grad = None
+            self.params[i].sharded.grad = None
+        self.grads.zero()

@@ -79,6 +79,7 @@ class RaggedEngineMixin:
             fp8_all_gather_tile=opts.fp8_all_gather_tile,
         )
         self.module.set_prefetch(opts.prefetch)
+        self.module.set_unused_grads("zero")  # as ZeRO-3: a parameter no rank used still gets stepped
         self._ragged_scaler = self._make_loss_scaler() if precision.dtype == torch.float16 else None
         if self._is_pipeline():
             # [Note: pipelines] PipelineEngine runs backward per micro-batch outside

@@ -235,6 +235,7 @@ class VeScaleFSDP(_BaseDataParallel):
             # before the output layer runs: gather it when the root's forward starts.
             module.register_forward_pre_hook(lambda *_: output_layer.unshard())
         module.set_prefetch(opts.prefetch)
+        module.set_unused_grads("zero")  # as Megatron's DDP: main_grad of a parameter no rank used is zero
 
     # ---- the _BaseDataParallel contract ---------------------------------------------
     @contextmanager
@@ -247,8 +248,9 @@ class VeScaleFSDP(_BaseDataParallel):
             self.module.set_requires_gradient_sync(True)
 
     def start_grad_sync(self, *unused: Any) -> None:
-        """Nothing to start: each group's reduce-scatter is issued by backward itself as
-        soon as its last gradient is accumulated."""
+        """Nothing to start: backward issues each group's reduce-scatter itself once the
+        group's gradients are complete, in one order on every rank (vescale_zero.runtime
+        [Note: one order of reduce-scatters])."""
 
     def finish_grad_sync(self, force_all_reduce: Optional[bool] = False) -> None:
         """Wait for every outstanding reduce-scatter; sharded ``.grad``/``.main_grad`` are set."""

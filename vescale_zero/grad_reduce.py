@@ -1,0 +1,139 @@
+"""The gradient side of one group: full gradients -> one reduce-scatter -> sharded gradients.
+
+::
+
+    buffer         dtype          lives                                  is
+    full           param_dtype    pre-backward .. reduce-scatter issued  the unsharded params' .grad
+                                  (kept while accumulating without sync) (autograd adds in place)
+    reduce         reduce_dtype   issue .. finish, only when              one cast of ``full``
+                                  reduce_dtype != param_dtype
+    sharded.local  master dtype   always                                 the sharded params' .grad
+
+``issue`` casts and scales once per group and starts the reduce-scatter (asynchronous);
+``finish`` waits, frees the full buffers and leaves the result in ``sharded.local``, added to
+what is there when gradients accumulate across synced backwards.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .collectives import CommStats
+from .dbuffer import DBuffer
+from .planner import ShardPlan
+
+__all__ = ["GradReducer"]
+
+
+class GradReducer:
+    """Buffers and the reduce-scatter of one group's gradients (see module docstring).
+
+    Args:
+        plan, rank, process_group: the group's layout and ranks.
+        stats: where the reduce-scatter's bytes are counted.
+        grad_dtype: of the full gradients (the compute dtype).
+        reduce_dtype: of the collective.
+        shard_dtype: of the sharded gradients (the master parameters' dtype).
+        device, shapes: of the buffers and each tensor's full view.
+    """
+
+    def __init__(self, plan: ShardPlan, rank: int, process_group: dist.ProcessGroup, stats: CommStats, *,
+                 grad_dtype: torch.dtype, reduce_dtype: torch.dtype, shard_dtype: torch.dtype,
+                 device: torch.device, shapes: Sequence[Sequence[int]]) -> None:
+        def new(dtype: torch.dtype, **kw) -> DBuffer:
+            return DBuffer(plan, rank, dtype, device, shapes=shapes, **kw)
+
+        self.plan, self.rank, self.process_group, self.stats = plan, rank, process_group, stats
+        self.reduce_dtype, self.shard_dtype = reduce_dtype, shard_dtype
+        self.full = new(grad_dtype, with_local=False)
+        self.reduce = None if reduce_dtype == grad_dtype else new(reduce_dtype, with_local=False)
+        self.sharded = new(shard_dtype, with_full=False)
+        self.requires_grad_sync = True
+        self.divide_factor: Optional[float] = None  # None: AVG over the group
+        self._pending: Optional[Tuple] = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._pending is not None
+
+    def prepare(self) -> None:
+        """Give the full gradients their storage, zeroed; kept (not zeroed) while accumulating."""
+        self.full.allocate(zero=not self.full.is_allocated)
+
+    def issue(self, accumulate: bool) -> None:
+        """Start the reduce-scatter of ``full`` (asynchronous). ``accumulate``: add the result
+        to the sharded gradients already there instead of replacing them."""
+        self.prepare()  # every rank joins the collective, with zeros if it has no gradient
+        source = self.full
+        if self.reduce is not None:
+            with torch.no_grad():
+                self.reduce.allocate().copy_(self.full.full)  # one cast per group
+            self.full.free()
+            source = self.reduce
+        op = dist.ReduceOp.AVG
+        if self.divide_factor is not None:
+            # [Note: divide factor] SUM of gradients pre-divided by the factor: the mean
+            # over a larger population than this group (Megatron's expert parameters are
+            # reduced over the expert-data-parallel group but averaged over data-parallel),
+            # or a plain sum (factor 1) when the loss is normalised afterwards.
+            # Multiplies by the reciprocal, as Megatron's DDP does, so the two round alike.
+            if self.divide_factor != 1:
+                with torch.no_grad():
+                    source.full.mul_(1.0 / self.divide_factor)
+            op = dist.ReduceOp.SUM
+        direct = not accumulate and self.reduce_dtype == self.shard_dtype
+        out = self.sharded.local if direct else torch.empty(
+            self.plan.shard_size, dtype=self.reduce_dtype, device=self.sharded.device)
+        work = source.reduce_scatter(self.process_group, into=out, op=op, stats=self.stats, async_op=True)
+        self._pending = (work, source, out, accumulate)
+
+    def finish(self, params: Sequence[Tuple[int, nn.Parameter]]) -> None:
+        """Wait for the reduce-scatter; give each ``(index, sharded param)`` its ``.grad``."""
+        if self._pending is None:
+            return
+        work, source, out, accumulate = self._pending
+        self._pending = None
+        work.wait()
+        source.free()
+        local = self.sharded.local
+        with torch.no_grad():
+            if out is not local:
+                if accumulate:
+                    for i, sp in params:
+                        if sp.grad is None:
+                            self.sharded.local_view(i).zero_()
+                    self._accumulate(out, params)
+                else:
+                    local.copy_(out)  # one cast per group
+            for i, sp in params:
+                if sp.grad is None:
+                    sp.grad = self.sharded.local_view(i)
+
+    def _accumulate(self, reduced: torch.Tensor, params: Sequence[Tuple[int, nn.Parameter]]) -> None:
+        ours = all(sp.grad is None or sp.grad.data_ptr() == self.sharded.local_view(i).data_ptr() for i, sp in params)
+        if ours:
+            self.sharded.local.add_(reduced)  # one add per group
+            return
+        slices = self.plan.local_slices(self.rank)
+        for i, sp in params:  # a user replaced some .grad: add piece by piece
+            start, end, off = slices[i]
+            target = sp.grad if sp.grad is not None else self.sharded.local_view(i)
+            target.add_(reduced.narrow(0, off, end - start))
+
+    def zero(self) -> None:
+        """Drop every gradient: the full buffers (accumulated without sync) and the shards."""
+        if self._pending is not None:
+            work = self._pending[0]
+            work.wait()
+            self._pending = None
+        self.full.free()
+        if self.reduce is not None:
+            self.reduce.free()
+        self.sharded.local.zero_()
+
+    def full_views(self, indices: Sequence[int]) -> List[torch.Tensor]:
+        return [self.full.full_view(i) for i in indices]

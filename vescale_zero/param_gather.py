@@ -1,0 +1,129 @@
+"""How a group's sharded master parameters become its full compute parameters.
+
+Every all-gather of a group runs through one :class:`ParamGather`: something made from the
+master shard before the collective, one collective (or two), something done after it::
+
+    strategy        before (this rank)                   collective              after
+    DirectGather    --   (master.local *is* the input)   all-gather              --
+    CastGather      master.local -> param_dtype, into    in-place all-gather     --
+                    this rank's slot of compute.full
+    FP8TileGather   master.local -> float8 tile bands    2 in-place all-gathers  dequantize into
+                    + scales, into this rank's slots of  (bytes, scales)         compute.full, free
+                    two buffers made for this gather                              those two buffers
+
+[Note: every gather re-reads the master]
+The gather input is made from the master shard on every all-gather, never cached. An
+optimizer may write the master without bumping its version counter (``fused=True`` AdamW,
+DeepSpeed's FusedAdam and CPU Adam, apex), and a checkpoint load or a ``.data`` write
+bypasses it too, so no cache key can be trusted; a stale cast trains silently wrong. The
+cost is one element-wise pass over the shard (``S`` elements) beside a collective of ``m*S``;
+PyTorch FSDP2 pays the same.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .collectives import CommStats, all_gather
+from .dbuffer import DBuffer
+from .fp8_gather import FP8GatherLayout
+
+__all__ = ["ParamGather", "DirectGather", "CastGather", "FP8TileGather", "make_param_gather"]
+
+
+class ParamGather:
+    """One group's all-gather of its parameters into ``compute.full`` (see module docstring).
+
+    ``start`` issues the collective(s) (``async_op``: return at once), ``finish`` waits and
+    completes ``compute.full``, ``release`` frees it.
+    """
+
+    def __init__(self, master: DBuffer, compute: DBuffer, process_group: dist.ProcessGroup, stats: CommStats) -> None:
+        self.master, self.compute = master, compute
+        self.process_group, self.stats = process_group, stats
+        self._works: List = []
+
+    def start(self, async_op: bool) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._works = []
+
+    def release(self) -> None:
+        self.finish()
+        self.compute.free()
+
+    def _gather(self, source: Optional[torch.Tensor], async_op: bool) -> None:
+        work = self.compute.all_gather(self.process_group, source=source, stats=self.stats, async_op=async_op)
+        if work is not None:
+            self._works.append(work)
+
+
+class DirectGather(ParamGather):
+    """Compute dtype = master dtype: the master shard is the gather input (zero copies)."""
+
+    def start(self, async_op: bool) -> None:
+        self._gather(None, async_op)
+
+
+class CastGather(ParamGather):
+    """Mixed precision: cast the master shard into this rank's slot of the full buffer and
+    gather in place (see [Note: every gather re-reads the master])."""
+
+    def start(self, async_op: bool) -> None:
+        slot = self.compute.own_slot()
+        with torch.no_grad():
+            slot.copy_(self.master.local)
+        self._gather(slot, async_op)
+
+
+class FP8TileGather(ParamGather):
+    """Gather float8 (e4m3) tile bands and one fp32 scale per tile; see
+    :mod:`vescale_zero.fp8_gather`. The two gathered buffers (1 byte per element, and the
+    scales) exist only from ``start`` to ``finish``."""
+
+    def __init__(self, master: DBuffer, compute: DBuffer, process_group: dist.ProcessGroup, stats: CommStats,
+                 layout: FP8GatherLayout) -> None:
+        super().__init__(master, compute, process_group, stats)
+        self.layout = layout
+        self._bytes: Optional[torch.Tensor] = None
+        self._scales: Optional[torch.Tensor] = None
+
+    def start(self, async_op: bool) -> None:
+        plan, rank, device = self.master.plan, self.master.rank, self.master.device
+        size, tiles = plan.shard_size, self.layout.max_scales
+        self._bytes = torch.empty(plan.world_size * size, dtype=torch.uint8, device=device)
+        self._scales = torch.ones(plan.world_size * tiles, dtype=torch.float32, device=device)
+        own_bytes = self._bytes.narrow(0, rank * size, size)
+        own_scales = self._scales.narrow(0, rank * tiles, tiles)
+        with torch.no_grad():
+            self.layout.quantize_local(rank, self.master.local, own_bytes, own_scales)
+        for full, own in ((self._bytes, own_bytes), (self._scales, own_scales)):
+            work = all_gather(full, own, self.process_group, self.stats, async_op)
+            if work is not None:
+                self._works.append(work)
+        self.compute.allocate()
+
+    def finish(self) -> None:
+        super().finish()
+        if self._bytes is not None:
+            with torch.no_grad():  # through the wire: see DBuffer [Note: version counter]
+                self.layout.dequantize_full(self._bytes, self._scales, self.compute._wire)
+            self._bytes = self._scales = None
+
+
+def make_param_gather(master: DBuffer, compute: DBuffer, process_group: dist.ProcessGroup, stats: CommStats,
+                      shapes, fp8_tile: Optional[int]) -> ParamGather:
+    """The strategy for a group: FP8 tiles if ``fp8_tile``, else a cast if the compute dtype
+    differs from the master's, else the direct gather."""
+    if fp8_tile:
+        layout = FP8GatherLayout(master.plan, shapes, fp8_tile, device=master.device)
+        return FP8TileGather(master, compute, process_group, stats, layout)
+    if compute.dtype != master.dtype:
+        return CastGather(master, compute, process_group, stats)
+    return DirectGather(master, compute, process_group, stats)

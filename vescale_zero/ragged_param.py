@@ -1,0 +1,104 @@
+"""One parameter of a ``fully_shard`` group, and the two parameter objects that stand for it.
+
+::
+
+    original nn.Parameter  (the module's; replaced by fully_shard)
+        |
+        |  split by the group's plan
+        v
+    sharded    nn.Parameter, 1-D, a view into master.local    held between forward/backward;
+               [start, end) of the flattened tensor            the optimizer's parameter
+    unsharded  nn.Parameter, full shape, a view into           held while the group is gathered
+               compute.full (param_dtype)                       (forward, backward, recompute)
+
+Both objects live as long as the group. :meth:`RaggedParam.to_sharded` /
+:meth:`RaggedParam.to_unsharded` put one of them into every module attribute that held the
+original (a tied weight has several owners), so a module always reads the right one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Tuple
+
+import torch
+from torch import nn
+
+__all__ = ["ManagedParam", "ShardedRange", "RaggedParam"]
+
+
+@dataclass(frozen=True)
+class ShardedRange:
+    """Which flat elements ``[start, end)`` of a full parameter of ``shape`` a sharded
+    parameter holds, and the block size its layout keeps whole (structure-aware optimizers
+    read it as ``param.sharded_range``)."""
+
+    start: int
+    end: int
+    shape: Tuple[int, ...]
+    granularity: int
+
+
+@dataclass(frozen=True)
+class ManagedParam:
+    """A parameter of the group: its name and every (module, attribute) that holds it."""
+
+    fqn: str
+    owners: Tuple[Tuple[nn.Module, str], ...]
+    shape: torch.Size
+    requires_grad: bool
+
+
+def _new_param(data: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
+    param = nn.Parameter(data, requires_grad=like.requires_grad)
+    for key, value in vars(like).items():  # keep framework tags (e.g. tensor-parallel attrs)
+        setattr(param, key, value)
+    return param
+
+
+class RaggedParam:
+    """The sharded and unsharded parameter objects of one managed parameter.
+
+    Args:
+        managed: name, owners and shape.
+        original: the module's parameter (its attributes are copied onto both objects).
+        sharded_data: this rank's piece, a view into the group's master shard.
+        unsharded_data: the whole tensor, a view into the group's full compute buffer.
+        sharded_range: what the piece is, set as ``sharded.sharded_range``.
+    """
+
+    def __init__(self, managed: ManagedParam, original: nn.Parameter, sharded_data: torch.Tensor,
+                 unsharded_data: torch.Tensor, sharded_range: ShardedRange) -> None:
+        self.managed = managed
+        self.sharded = _new_param(sharded_data, original)
+        self.sharded.sharded_range = sharded_range
+        self.unsharded = _new_param(unsharded_data, original)
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.managed.requires_grad
+
+    def _install(self, param: nn.Parameter) -> None:
+        for module, attr in self.managed.owners:
+            module._parameters[attr] = param
+
+    def to_sharded(self) -> None:
+        self._install(self.sharded)
+
+    def to_unsharded(self) -> None:
+        self._install(self.unsharded)
+
+    def attach_full_grad(self, view: torch.Tensor) -> None:
+        """Make ``view`` (into the full gradient buffer) the unsharded parameter's ``.grad``,
+        so autograd accumulates into it in place; a ``.grad`` already there stays."""
+        if self.unsharded.grad is None:
+            self.unsharded.grad = view
+
+    def fold_stray_grad(self, view: torch.Tensor) -> None:
+        """A ``.grad`` autograd made outside ``view`` (no pre-backward ran for it): add it
+        into ``view`` and point ``.grad`` there."""
+        grad = self.unsharded.grad
+        if grad is not None and grad.data_ptr() != view.data_ptr():
+            with torch.no_grad():
+                view.add_(grad)
+            self.unsharded.grad = view

@@ -1,0 +1,300 @@
+"""The forward/backward hooks of ``fully_shard`` modules, and what one root's iteration shares.
+
+[Note: the iteration]
+forward:  pre-hook   gather the group (one all-gather into compute.full), install its full
+                     parameters, prefetch the next group in forward order (async); with grad
+                     enabled, an autograd node on the inputs (the input trigger)
+          post-hook  reshard (free compute.full, install the sharded parameters) unless it is
+                     the root, ``reshard_after_forward=False``, or the last group before the
+                     root; with grad enabled, a hook on the outputs for backward
+backward: pre-hook   (first gradient of an output) gather again, install the full parameters,
+                     attach gradient views, prefetch the previous group; the first one queues
+                     the final callback
+          ready      the group's gradients are complete (param_group [Note: when a group's
+                     gradients are complete]): reduce-scatter, in the one order below
+          final      every participating group reduce-scattered, waited for, resharded
+The forward order is recorded in the first iteration and used for prefetching after it.
+
+[Note: recompute]
+Activation checkpointing runs a module's forward again inside backward, reading the
+parameters the module holds. Every form works because the full parameters are installed
+whenever backward may read them:
+  * outside the module call (Hugging Face's ``gradient_checkpointing_enable``, which
+    checkpoints ``forward`` inside ``__call__``): pre-backward installs them;
+  * around the module call (``torch.utils.checkpoint``, Megatron's and DeepSpeed's
+    checkpoint functions): the recompute runs our forward hooks inside backward (the
+    autograd engine has a graph task then); they gather and install, keep the group
+    gathered (backward needs it at once), hook the recomputed outputs, and mark the group
+    as taking part in this backward even if its first forward ran under ``no_grad``
+    (reentrant checkpoints), so its gradients reach the reduce-scatter.
+
+[Note: one order of reduce-scatters]
+Collectives pair up across ranks by the order they are issued in, so every rank must issue
+the same reduce-scatters in the same order, whatever gradients it got. Groups issue in one
+fixed order: the reverse of the first forward's order (backward's natural order), then the
+groups that were not in it. A group issues once it is ready and every earlier group that
+takes part in this backward has issued; a group that ran forward under ``no_grad`` may still
+take part (a reentrant checkpoint recomputes it), so it holds later groups until it does, or
+until the backward ends. At the end every participating group is ready, so the rest issue,
+in order; a group that only ran under ``no_grad`` and was never recomputed issues nothing.
+Readiness may differ between ranks (an MoE expert without tokens on one rank), the sequence
+of collectives cannot.
+
+[Note: meshes] A sub-module may shard over another group than its root (MoE experts over
+the expert-data-parallel group, the rest over data-parallel): each group's collectives
+only involve its own ranks, which run the same modules in the same order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from .param_group import InputGradTrigger, ParamGroup
+
+__all__ = ["FSDPState", "RootContext", "STATE_ATTR", "in_backward_pass"]
+
+STATE_ATTR = "_vescale_fsdp_state"
+
+
+def in_backward_pass() -> bool:
+    """Whether the autograd engine is running a backward on this thread (a recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class _InputGradNode(torch.autograd.Function):
+    """Identity on a module's inputs whose backward tells the trigger that the module's input
+    gradients are computed (see param_group [Note: when a group's gradients are complete])."""
+
+    @staticmethod
+    def forward(ctx: Any, trigger: InputGradTrigger, *inputs: torch.Tensor):
+        ctx.trigger = trigger
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor):
+        ctx.trigger.fire()
+        return (None,) + grads
+
+
+def _arm_input_trigger(trigger: Optional[InputGradTrigger], args: tuple, kwargs: dict):
+    if trigger is None:
+        return args, kwargs
+    leaves, spec = tree_flatten((args, kwargs))
+    slots = [i for i, t in enumerate(leaves) if torch.is_tensor(t) and t.requires_grad]
+    if not slots:
+        trigger.blind = True  # no input gradient will come: this call cannot tell us when it is done
+        return args, kwargs
+    outs = _InputGradNode.apply(trigger, *(leaves[i] for i in slots))
+    for i, out in zip(slots, outs):
+        leaves[i] = out
+    return tree_unflatten(leaves, spec)
+
+
+class RootContext:
+    """Shared by every fully_shard module under one root, for its forwards and backwards."""
+
+    def __init__(self, root: "FSDPState") -> None:
+        self.root = root
+        self.states: List[FSDPState] = []
+        self.forward_order: List[FSDPState] = []
+        self.order_frozen = False
+        self.forward_id = 0
+        self.in_backward = False
+        self.reducing: List[ParamGroup] = []  # reduce-scatters issued, not yet waited on
+        self._reduce_order: Optional[List[ParamGroup]] = None
+
+    # ---- orders ------------------------------------------------------------------------
+    def last_before_root(self) -> Optional["FSDPState"]:
+        """[Note: last group] The group that runs forward last before the root finishes is
+        the first one backward needs: resharding it after forward would only gather it
+        again at once. It stays gathered (from the second iteration, once the order is
+        known); peak memory is unchanged, since backward holds it at that point anyway."""
+        if not self.order_frozen:
+            return None
+        for state in reversed(self.forward_order):
+            if state is not self.root:
+                return state
+        return None
+
+    def next_in_order(self, state: "FSDPState", step: int) -> Optional["FSDPState"]:
+        if not self.order_frozen or state not in self.forward_order:
+            return None
+        i = self.forward_order.index(state) + step
+        return self.forward_order[i] if 0 <= i < len(self.forward_order) else None
+
+    def reduce_order(self) -> List[ParamGroup]:
+        """The groups with gradients, in [Note: one order of reduce-scatters]."""
+        if self._reduce_order is not None:
+            return self._reduce_order
+        seen = set(map(id, self.forward_order))
+        states = list(reversed(self.forward_order)) + [s for s in reversed(self.states) if id(s) not in seen]
+        order = [s.group for s in states if s.group is not None and s.group.grad_indices]
+        if self.order_frozen:
+            self._reduce_order = order
+        return order
+
+    # ---- reduce-scatters -----------------------------------------------------------------
+    def group_ready(self, _group: ParamGroup) -> None:
+        self.issue_ready()
+
+    def issue_ready(self, final: bool = False) -> None:
+        """Issue every reduce-scatter that [Note: one order of reduce-scatters] allows now."""
+        for group in self.reduce_order():
+            progress = group.progress
+            if progress.issued:
+                continue
+            if not progress.participating:
+                if final or not progress.forward_without_grad:
+                    continue  # takes no part (and, at the end, never will)
+                return  # may still be recomputed: later groups wait for it
+            if not progress.ready:
+                return
+            if group.issue_reduce_scatter():
+                self._bound_in_flight(group)
+
+    def _bound_in_flight(self, group: ParamGroup) -> None:
+        """[Note: bounded gradient memory] Keep one reduce-scatter in flight: when a group
+        issues its own, wait for the older ones and free their full gradient buffers, so
+        backward holds at most two groups' full gradients instead of all of them."""
+        self.reducing.append(group)
+        while len(self.reducing) > 1:
+            self.reducing.pop(0).finish_grad_sync()
+
+    def final_callback(self) -> None:
+        """End of backward: every participating group reduce-scattered, waited for, resharded."""
+        for group in self.reduce_order():
+            if group.progress.participating:
+                group.force_ready()  # no-op for groups already ready; issues nothing by itself
+        self.issue_ready(final=True)
+        usage = self._usage_anywhere()
+        self.reducing.clear()
+        for state in self.states:
+            if state.group is not None:
+                state.group.finish_grad_sync()
+                state.group.reshard()
+                state.group.end_backward()
+        for group, used_anywhere in usage:
+            group.drop_unused_grads(used_anywhere)
+        self.in_backward = False
+
+    def _usage_anywhere(self) -> List[tuple]:
+        """param_group [Note: unused everywhere]: one all-reduce (MAX) of the usage flags of
+        every group on a process group, in the one order; ``[(group, flags)]``."""
+        buckets: Dict[int, List[tuple]] = {}
+        for group in self.reduce_order():
+            flags = group.local_usage()
+            if flags is not None:
+                buckets.setdefault(id(group.process_group), []).append((group, flags))
+        out = []
+        for entries in buckets.values():
+            first = entries[0][0]
+            flat = torch.tensor([f for _, flags in entries for f in flags], dtype=torch.int32, device=first.device)
+            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=first.process_group)
+            for (group, flags), part in zip(entries, flat.split([len(f) for _, f in entries])):
+                out.append((group, part.tolist()))
+        return out
+
+
+class FSDPState:
+    """The hooks of one ``fully_shard`` module (see [Note: the iteration])."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        group: Optional[ParamGroup],
+        process_group: dist.ProcessGroup,
+        reshard_after_forward: bool,
+        mp_policy: Optional[MixedPrecisionPolicy],
+    ) -> None:
+        self.module = module
+        self.group = group
+        self.process_group = process_group
+        self.reshard_after_forward = reshard_after_forward
+        self.mp_policy = mp_policy
+        self.prefetch = True
+        self.context: Optional[RootContext] = None
+
+    # ---- lazy root discovery ---------------------------------------------------------
+    def lazy_init(self) -> RootContext:
+        if self.context is not None:
+            return self.context
+        ctx = RootContext(self)
+        for sub in self.module.modules():
+            st = getattr(sub, STATE_ATTR, None)
+            if st is None or st.context is not None:
+                continue
+            st.context = ctx
+            ctx.states.append(st)
+            if st.group is not None:
+                st.group.on_ready = ctx.group_ready
+        return ctx
+
+    # ---- hooks -----------------------------------------------------------------------
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        ctx = self.lazy_init()
+        recompute = in_backward_pass()
+        grad_on = torch.is_grad_enabled()
+        if self is ctx.root and not recompute:
+            ctx.forward_id += 1
+        args, kwargs = self._cast_inputs(args, kwargs)
+        group = self.group
+        if group is not None:
+            if not recompute and not ctx.order_frozen and self not in ctx.forward_order:
+                ctx.forward_order.append(self)
+            group.unshard()
+            group.wait_for_unshard()
+            group.to_unsharded_params()
+            if recompute:
+                group.note_recompute(grad_on)
+            else:
+                group.note_forward(grad_on, ctx.forward_id)
+            if grad_on:
+                args, kwargs = _arm_input_trigger(group.input_trigger(None if recompute else ctx.forward_id), args, kwargs)
+            if not recompute and self.prefetch:
+                nxt = ctx.next_in_order(self, +1)
+                if nxt is not None and nxt.group is not None:
+                    nxt.group.unshard(async_op=True)
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, args: tuple, output: Any):
+        ctx = self.context
+        recompute = in_backward_pass()
+        grad_on = torch.is_grad_enabled()
+        if self.group is not None and not recompute:  # a recompute's backward needs the params at once
+            if self.reshard_after_forward and self is not ctx.root and not (grad_on and self is ctx.last_before_root()):
+                self.group.reshard()
+        if self is ctx.root and not recompute:
+            ctx.order_frozen = True
+        if grad_on:
+            tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+        mp = self.mp_policy
+        if mp is not None and mp.output_dtype is not None:
+            output = tree_map(
+                lambda t: t.to(mp.output_dtype) if torch.is_tensor(t) and t.is_floating_point() else t, output
+            )
+        return output
+
+    def _cast_inputs(self, args: tuple, kwargs: dict):
+        mp = self.mp_policy
+        if mp is None or not mp.cast_forward_inputs or mp.param_dtype is None:
+            return args, kwargs
+        cast = lambda t: t.to(mp.param_dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    def _pre_backward(self, _grad: torch.Tensor) -> None:
+        ctx = self.context
+        if not ctx.in_backward:
+            ctx.in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(ctx.final_callback)
+        if self.group is not None and self.group.begin_backward() and self.prefetch:
+            prev = ctx.next_in_order(self, -1)
+            if prev is not None and prev.group is not None and not prev.group.progress.issued:
+                prev.group.unshard(async_op=True)  # a no-op unless it is sharded
