@@ -33,3 +33,15 @@ def test_own_model_description(tmp_path, capsys):
     bad.write_text(json.dumps({"layer": [["w", "not a shape"]]}))
     with pytest.raises(ValueError, match="must be a list of"):
         main(["plan", "--shapes", str(bad)])
+
+
+def test_the_table_names_the_order_of_each_plan(capsys):
+    assert main(["plan", "--model", "qwen3-30b-a3b", "--granularity", "16rows", "--sizes", "256", "512"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    layer = [ln for ln in lines if ln.startswith("decoder_layer")]
+    summary = [ln for ln in lines if ln.startswith("(all)")]
+    # at 512 ranks the model's order pads 7.15%, 4.9% above the bound: another order reaches it
+    p = plan(group_specs(layer_groups("qwen3-30b-a3b")["decoder_layer"], "16rows"), 512)
+    assert p.order == "granularity descending"
+    assert layer[0].endswith(" model") and layer[1].endswith(f" {p.order}")
+    assert summary[0].endswith("0 of 3 reordered") and summary[1].endswith("1 of 3 reordered")

@@ -6,8 +6,9 @@
     vescale-zero convert --from fsdp2|deepspeed|megatron SRC DST [--tag T] [--iteration N] [--layer-spec local|te]
                          [--weights-only]
 
-``plan`` prints, per FSDP group and FSDP size, the shard size, padding, planning time and
-bytes per rank; ``--plot`` draws padding against FSDP size beside FSDP2's dim-0 padding,
+``plan`` prints, per FSDP group and FSDP size, the shard size, padding, planning time, bytes
+per rank and the order the planner laid the group out in (``model``, or another order where
+that pads less, see ``planner.plan``); ``--plot`` draws padding against FSDP size beside FSDP2's dim-0 padding,
 ZeRO-3's flat padding and Megatron-FSDP's alignment; ``--gpus N`` suggests the FSDP x
 replica (HSDP) shape of N GPUs with the least padding.
 """
@@ -20,9 +21,16 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 from .model_shapes import (
-    MODEL_NAMES, Group, fsdp2_padding, group_specs, layer_groups, load_shapes, megatron_fsdp_padding, zero3_padding,
+    MODEL_NAMES,
+    Group,
+    fsdp2_padding,
+    group_specs,
+    layer_groups,
+    load_shapes,
+    megatron_fsdp_padding,
+    zero3_padding,
 )
-from .planner import plan
+from .planner import MODEL_ORDER, plan
 
 __all__ = ["main"]
 
@@ -32,7 +40,7 @@ DEFAULT_SIZES = [2**k for k in range(3, 15)]
 def _padding_table(groups: Dict[str, Group], policy: str, sizes: Sequence[int], dtype_bytes: int) -> List[dict]:
     rows = []
     for m in sizes:
-        total = pad = shard = 0
+        total = pad = shard = reordered = 0
         ms = 0.0
         for name, group in groups.items():
             specs = group_specs(group, policy)
@@ -42,14 +50,18 @@ def _padding_table(groups: Dict[str, Group], policy: str, sizes: Sequence[int], 
             total += sum(s.numel for s in specs)
             pad += p.padding
             shard += p.shard_size
+            reordered += p.order != MODEL_ORDER
             rows.append({"group": name, "ranks": m, "shard": p.shard_size, "padding_pct": 100 * p.padding_ratio,
-                         "ms": 1e3 * (time.perf_counter() - t0), "mib_per_rank": p.shard_size * dtype_bytes / 2**20})
+                         "ms": 1e3 * (time.perf_counter() - t0), "mib_per_rank": p.shard_size * dtype_bytes / 2**20,
+                         "order": p.order})
         keep_rows = policy != "element"
         rows.append({"group": "(all)", "ranks": m, "shard": shard, "padding_pct": 100 * pad / (total + pad), "ms": ms,
                      "mib_per_rank": shard * dtype_bytes / 2**20,
+                     "order": f"{reordered} of {len(groups)} reordered",
                      "fsdp2_pct": _pct(sum(fsdp2_padding(g, m) for g in groups.values()), total),
                      "zero3_pct": _pct(sum(zero3_padding(g, m) for g in groups.values()), total),
-                     "megatron_fsdp_pct": _pct(sum(megatron_fsdp_padding(g, m, keep_rows) for g in groups.values()), total)})
+                     "megatron_fsdp_pct": _pct(sum(megatron_fsdp_padding(g, m, keep_rows) for g in groups.values()),
+                                               total)})
     return rows
 
 
@@ -69,7 +81,8 @@ def _plot(rows: List[dict], title: str, path: str) -> None:
     xs = [r["ranks"] for r in summary]
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for key, label, style in (("padding_pct", "vescale-zero (planner)", "o-"), ("fsdp2_pct", "FSDP2 (dim-0)", "s--"),
-                              ("zero3_pct", "ZeRO-3 (flat: cuts rows)", "^:"), ("megatron_fsdp_pct", "Megatron-FSDP (bound)", "d-.")):
+                              ("zero3_pct", "ZeRO-3 (flat: cuts rows)", "^:"),
+                              ("megatron_fsdp_pct", "Megatron-FSDP (bound)", "d-.")):
         ax.plot(xs, [max(r[key], 1e-4) for r in summary], style, label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -108,11 +121,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     rows = _padding_table(groups, args.granularity, args.sizes, args.dtype_bytes)
     print(f"{name}, {args.granularity} blocks, {args.dtype_bytes}-byte elements")
     print(f"{'group':24s} {'ranks':>6s} {'shard':>14s} {'padding %':>10s} {'plan ms':>8s} {'MiB/rank':>10s}"
-          f" {'fsdp2 %':>8s} {'zero3 %':>8s} {'mfsdp %':>8s}")
+          f" {'fsdp2 %':>8s} {'zero3 %':>8s} {'mfsdp %':>8s}  order")
     for r in rows:
-        extra = "" if r["group"] != "(all)" else f" {r['fsdp2_pct']:8.3f} {r['zero3_pct']:8.4f} {r['megatron_fsdp_pct']:8.3f}"
+        extra = (" " * 27 if r["group"] != "(all)"
+                 else f" {r['fsdp2_pct']:8.3f} {r['zero3_pct']:8.4f} {r['megatron_fsdp_pct']:8.3f}")
         print(f"{r['group'][:24]:24s} {r['ranks']:6d} {r['shard']:14,d} {r['padding_pct']:10.3f} {r['ms']:8.2f} "
-              f"{r['mib_per_rank']:10.1f}{extra}")
+              f"{r['mib_per_rank']:10.1f}{extra}  {r['order']}")
     if args.plot:
         _plot(rows, f"{name}: padding vs FSDP size ({args.granularity} blocks)", args.plot)
         print(f"wrote {args.plot}")
@@ -168,7 +182,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="vescale-zero", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="vescale-zero", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="padding, shard size and planning time per FSDP size")
     src = p.add_mutually_exclusive_group(required=True)
@@ -184,7 +199,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     c.add_argument("checkpoint", help="a checkpoint directory written by vescale_zero.checkpoint.save")
     c.add_argument("output", help="the file to write: .safetensors for safetensors, anything else for torch.save")
     c.add_argument("--optimizer", action="store_true", help="also the optimizer state, as 'name::key'")
-    v = sub.add_parser("convert", help="convert an FSDP2 (DCP), DeepSpeed or Megatron checkpoint into a vescale-zero one")
+    v = sub.add_parser("convert",
+                       help="convert an FSDP2 (DCP), DeepSpeed or Megatron checkpoint into a vescale-zero one")
     v.add_argument("--from", dest="source", required=True, choices=["fsdp2", "deepspeed", "megatron"],
                    help="the source framework")
     v.add_argument("src", help="fsdp2: the DCP directory; deepspeed: the save_dir given to save_checkpoint; "

@@ -1,7 +1,7 @@
 """The structure-aware planner: pack one FSDP group into one flat, evenly sharded buffer.
 
-Given tensors ``t`` (in the order given) with ``numel_t`` elements and atomic block size
-``granularity_t``, choose a start offset ``offset_t`` for each and a shard size ``S``::
+Given tensors ``t`` with ``numel_t`` elements and atomic block size ``granularity_t``,
+choose a start offset ``offset_t`` for each and a shard size ``S``::
 
     global buffer, world size m = 3, shard size S
     |<------ rank 0 ------>|<------ rank 1 ------>|<------ rank 2 ------>|
@@ -9,28 +9,39 @@ Given tensors ``t`` (in the order given) with ``numel_t`` elements and atomic bl
                                              ^ k*S falls on a block boundary of B
 
     minimise   S                        (padding = m*S - sum(numel_t))
-    subject to tensors are contiguous, in order, non-overlapping, inside [0, m*S)
+    subject to tensors are contiguous, non-overlapping, inside [0, m*S), laid out in one
+               order: the model's, or another one `plan` tries (see its `search_orders`)
                every rank boundary k*S strictly inside a tensor is one of its block
                boundaries: (k*S - offset_t) % granularity_t == 0
                S % align == 0
+               offset_t % start_align == 0      (start_align divides align)
+
+The shard size is the smallest feasible one for the order used (exact, see [Note: exact
+search] and [Note: aligned starts]); `shard_lower_bound` is a bound no order can beat.
 
 [Note: plan is a pure function]
-The plan depends only on (numels, granularities, world size, align): it is
-deterministic and identical on every rank, so no rank ever communicates to agree on it.
+The plan depends only on (numels, granularities, world size, align, start_align,
+search_orders): it is deterministic and identical on every rank, so no rank ever
+communicates to agree on it.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 from bisect import bisect_right
 from dataclasses import dataclass
-import heapq
 from itertools import accumulate
-import math
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from .placement import RaggedShard
 
-__all__ = ["TensorSpec", "ShardPlan", "plan", "shard_lower_bound"]
+__all__ = ["TensorSpec", "ShardPlan", "plan", "shard_lower_bound", "MODEL_ORDER", "SEARCH_ABOVE_BOUND"]
+
+MODEL_ORDER = "model"
+# `plan(search_orders=None)` tries other orders when the model's pads more than this
+# fraction of the global buffer above `shard_lower_bound`.
+SEARCH_ABOVE_BOUND = 0.01
 
 
 @dataclass(frozen=True)
@@ -58,8 +69,11 @@ class TensorSpec:
 class ShardPlan:
     """The layout of one FSDP group's global buffer; rank ``k`` owns ``[k*S, (k+1)*S)``.
 
-    ``offsets[i]`` is where ``specs[i]`` starts. They increase with ``i`` unless the plan
-    was made with ``search_orders=True`` and another order won.
+    ``offsets[i]`` is where ``specs[i]`` starts, a multiple of ``start_align``; ``S`` is a
+    multiple of ``align``. ``order`` names the order the tensors are laid out in:
+    ``"model"`` (the order of ``specs``: offsets never decrease with ``i``) or one of the orders
+    ``plan`` tries besides, e.g. ``"granularity descending"`` (offsets then need not
+    increase with ``i``; they are still listed per tensor, in the order of ``specs``).
     """
 
     specs: Tuple[TensorSpec, ...]
@@ -67,6 +81,8 @@ class ShardPlan:
     shard_size: int
     offsets: Tuple[int, ...]
     align: int = 1
+    start_align: int = 1
+    order: str = MODEL_ORDER
 
     @property
     def global_size(self) -> int:
@@ -139,6 +155,24 @@ class ShardPlan:
 #   * a tensor too long to cross only one boundary, e > S + g*floor(S/g), forces g | S (it
 #     spans two); that set only grows as S shrinks, so every S below the best so far is a
 #     multiple of the block sizes forced at best - 1, and each unit is lifted to them.
+#
+# [Note: aligned starts]
+# Offsets must be multiples of a = start_align, and a | align | S, so every rank boundary is
+# a multiple of a too. Round each tensor up to e' = round_up(e, a) and its block up to
+# g' = lcm(g, a). For an aligned offset l the two problems agree:
+#   * the boundaries strictly inside [l, l+e) and [l, l+e') are the same (no multiple of a
+#     lies in [l+e, l+e') but l+e' itself), and [l, l+e) ends inside [0, m*S) iff [l, l+e') does;
+#   * a boundary b inside is on a block boundary iff (b - l) % g' == 0 (b - l is a multiple
+#     of a anyway), and g' | S iff g | S;
+#   * the next tensor starts at round_up(l + e, a) = l + e' or later.
+# So we plan the rounded tensors with the search above, unchanged: all their lengths and
+# blocks, S and hence every rank boundary are multiples of a, so `_place` puts every tensor
+# at a multiple of a (it starts at the cursor, a boundary, or a whole number of blocks
+# g' before one), and since that greedy layout is optimal among *all* layouts of the
+# rounded tensors, it is optimal among the aligned ones: the search stays exact. (A rounded
+# tensor need not be whole blocks of g': its last block is short; nothing above assumes
+# otherwise.) The bound of `shard_lower_bound` is taken over the rounded tensors as well:
+# every aligned layout is one of them, in any order.
 
 
 def _round_up(x: int, unit: int) -> int:
@@ -146,7 +180,8 @@ def _round_up(x: int, unit: int) -> int:
 
 
 class _Stream:
-    """The tensors laid end to end, without padding."""
+    """The tensors laid end to end, without padding (rounded up to the start alignment by
+    the caller, see [Note: aligned starts])."""
 
     def __init__(self, numels: Sequence[int], grans: Sequence[int]) -> None:
         self.bounds = list(accumulate(numels, initial=0))
@@ -218,10 +253,13 @@ def _release(e: int, g: int) -> int:
     return e - q * g if e - 2 * q * g < g else (q + 1) * g
 
 
-def _smallest_shard(stream: _Stream, world_size: int, align: int) -> int:
-    """The smallest feasible shard size for the stream's order (see [Note: exact search])."""
+def _smallest_shard(stream: _Stream, world_size: int, align: int, below: Optional[int] = None) -> int:
+    """The smallest feasible shard size for the stream's order (see [Note: exact search]);
+    with ``below``: only shard sizes under it are searched, and ``below`` comes back if none is feasible."""
     low = _round_up(max(1, -(-stream.total // world_size)), align)
     best = max(align, _round_up(stream.total, align))  # everything in shard 0: always feasible
+    if below is not None:
+        best = min(best, below)
     releases = [(_release(e, g), g) for e, g in zip(stream.numels, stream.grans) if e > low and align % g]
     spanning = sorted({g for _, g in releases})
     units, seen, tried = [align], {align}, set()
@@ -232,7 +270,10 @@ def _smallest_shard(stream: _Stream, world_size: int, align: int) -> int:
             continue  # nothing below best on its multiples, or already tried (and its multiples queued)
         tried.add(unit)
         whole = [unit % g == 0 for g in stream.grans]
-        feasible = lambda s: stream.reaches_end(s, world_size, whole)  # noqa: E731
+
+        def feasible(s: int, whole: List[bool] = whole) -> bool:
+            return stream.reaches_end(s, world_size, whole)
+
         last = (best - 1) // unit * unit
         if feasible(last):
             best = _first_true(feasible, first, last, unit)
@@ -244,53 +285,126 @@ def _smallest_shard(stream: _Stream, world_size: int, align: int) -> int:
     return best
 
 
-def shard_lower_bound(specs: Sequence[TensorSpec], world_size: int, align: int = 1) -> int:
-    """A shard size that no layout in *any* order can beat: the smallest S >= total/m (a
-    multiple of ``align``) with S % g == 0 for every tensor too long to cross only one
-    boundary (e > S + g*floor(S/g): it must span two, so S % g == 0). That set only
-    shrinks as S grows, so the search steps to the next LCM multiple or release point."""
-    total = sum(s.numel for s in specs)
-    shard = _round_up(max(1, -(-total // world_size)), align)
+def _lower_bound(numels: Sequence[int], grans: Sequence[int], world_size: int, align: int) -> int:
+    """`shard_lower_bound` of (already rounded) tensors."""
+    releases = [(g, _release(e, g)) for e, g in zip(numels, grans)]
+    shard = _round_up(max(1, -(-sum(numels) // world_size)), align)
     while True:
-        forced = [(s.granularity, _release(s.numel, s.granularity)) for s in specs if shard < _release(s.numel, s.granularity)]
+        forced = [(g, r) for g, r in releases if shard < r]
         unit = math.lcm(align, *(g for g, _ in forced))
         if shard % unit == 0:
             return shard
         shard = _round_up(min(_round_up(shard, unit), min(r for _, r in forced)), align)
 
 
-def _alternative_orders(specs: Sequence[TensorSpec]) -> List[List[int]]:
-    """A few deterministic orders besides the model's: by block size, by size, both directions."""
-    idx = range(len(specs))
-    keys = [lambda i: specs[i].granularity, lambda i: specs[i].numel]
-    return [sorted(idx, key=k, reverse=r) for k in keys for r in (True, False)]
-
-
-def plan(specs: Sequence[TensorSpec], world_size: int, align: int = 1, *, search_orders: bool = False) -> ShardPlan:
-    """Plan one group: the smallest shard size for the given order (see module docstring).
-
-    Args:
-        specs: the tensors, in the order they are laid out (the model's order).
-        world_size: ranks in the group (>= 1).
-        align: the shard size is a multiple of this many elements (>= 1).
-        search_orders: also try the orders of :func:`_alternative_orders` and keep the one
-            with the smallest shard (ties: the given order). Offsets are still listed in the
-            given order, but may then not increase.
-    """
+def _check(world_size: int, align: int, start_align: Optional[int]) -> int:
+    """Validate the sizes; the start alignment in effect (``None``: ``align``)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if align < 1:
-        raise ValueError(f"align must be >= 1, got {align}")
+        raise ValueError(f"align must be >= 1 (elements; 1: any shard size), got {align}")
+    if start_align is None:
+        return align
+    if start_align < 1:
+        raise ValueError(f"start_align must be >= 1 (elements; 1: tensors may start anywhere), got {start_align}")
+    if align % start_align:
+        raise ValueError(
+            f"start_align={start_align} does not divide align={align}: rank shards start at multiples of align, "
+            f"so a tensor starting aligned in the global buffer would not start aligned in its rank's shard. "
+            f"Pass align={math.lcm(align, start_align)} (a multiple of both) or a start_align that divides {align}."
+        )
+    return start_align
+
+
+def _rounded(specs: Sequence[TensorSpec], start_align: int) -> Tuple[List[int], List[int]]:
+    """Numels and block sizes rounded up to the start alignment, see [Note: aligned starts]."""
+    return ([_round_up(s.numel, start_align) for s in specs],
+            [math.lcm(s.granularity, start_align) for s in specs])
+
+
+def shard_lower_bound(
+    specs: Sequence[TensorSpec], world_size: int, align: int = 1, *, start_align: Optional[int] = None
+) -> int:
+    """A shard size that no layout in *any* order can beat (``align``, ``start_align`` as in :func:`plan`).
+
+    With each tensor rounded up to the start alignment (numel to a multiple of it, block to the
+    LCM of both, see [Note: aligned starts]): the smallest S >= total/m (a multiple of
+    ``align``) with S % g == 0 for every tensor too long to cross only one boundary
+    (e > S + g*floor(S/g): it must span two, so S % g == 0). That set only shrinks as S
+    grows, so the search steps to the next LCM multiple or release point.
+    """
+    start_align = _check(world_size, align, start_align)
+    return _lower_bound(*_rounded(specs, start_align), world_size, align)
+
+
+def _alternative_orders(specs: Sequence[TensorSpec]) -> List[Tuple[str, List[int]]]:
+    """A few deterministic orders besides the model's, named: by block size, by size, both
+    directions (a stable sort: ties keep the model's order)."""
+    idx = range(len(specs))
+    keys = (("granularity", lambda i: specs[i].granularity), ("numel", lambda i: specs[i].numel))
+    return [(f"{name} {'descending' if rev else 'ascending'}", sorted(idx, key=key, reverse=rev))
+            for name, key in keys for rev in (True, False)]
+
+
+def plan(
+    specs: Sequence[TensorSpec],
+    world_size: int,
+    align: int = 1,
+    *,
+    start_align: Optional[int] = None,
+    search_orders: Optional[bool] = None,
+) -> ShardPlan:
+    """Plan one group: the smallest shard size for the order used (see module docstring).
+
+    Alignment, in elements. ``S`` is a multiple of ``align``, every tensor starts at a multiple
+    of ``start_align``, and ``start_align`` divides ``align``, so rank boundaries are aligned
+    too: each rank's piece of a tensor starts aligned both in the global buffer and in the
+    rank's own shard (at a rank boundary, or where the tensor starts)::
+
+        align = 8, start_align = 4, m = 2: A (5 elements), B (12, blocks of 4), C (6)
+        0       8       16      24      32
+        AAAAA...BBBBBBBBBBBBCCCCCC......      S = 16: the first multiple of 8 that fits
+        ^       ^       |   ^           |     ^ offsets 0, 8, 20: multiples of 4
+        A ends at 5, so B starts at 8 (the next multiple of 4); B crosses the boundary
+        at 16 after 8 elements, two whole blocks; rank 1 holds B's last block at local
+        offset 0 and C at local offset 4.
+
+    Args:
+        specs: the tensors, in the model's order.
+        world_size: ranks in the group (>= 1).
+        align: the shard size is a multiple of this many elements (>= 1); ``fully_shard``
+            passes 16 bytes over the smallest itemsize of the group's buffers.
+        start_align: every tensor's offset is a multiple of this many elements; it must divide
+            ``align``. ``None`` (default): ``align``, so with ``fully_shard``'s ``align`` every
+            tensor and every rank's piece of it starts on 16 bytes. ``1``: tensors start anywhere.
+        search_orders: also plan the orders of :func:`_alternative_orders` and keep the one
+            with the smallest shard (ties: the earlier order, the model's first); ``None``
+            (default): only when the model's order pads more than ``SEARCH_ABOVE_BOUND`` (1%)
+            of the global buffer above :func:`shard_lower_bound`. ``ShardPlan.order`` says
+            which order won. The search stops early once an order meets the bound.
+
+    Raises:
+        ValueError: ``world_size`` or ``align`` below 1, or a ``start_align`` that is below 1 or
+            does not divide ``align``.
+    """
+    start_align = _check(world_size, align, start_align)
     specs = tuple(specs)
-    orders = [list(range(len(specs)))] + (_alternative_orders(specs) if search_orders else [])
-    best_shard, best_order = None, orders[0]
-    for order in orders:
-        stream = _Stream([specs[i].numel for i in order], [specs[i].granularity for i in order])
-        shard = _smallest_shard(stream, world_size, align)
-        if best_shard is None or shard < best_shard:
-            best_shard, best_order = shard, order
-    placed = _place([specs[i].numel for i in best_order], [specs[i].granularity for i in best_order], best_shard)
+    numels, grans = _rounded(specs, start_align)
+    shard = _smallest_shard(_Stream(numels, grans), world_size, align)
+    name, order = MODEL_ORDER, list(range(len(specs)))
+    if search_orders is not False:
+        bound = _lower_bound(numels, grans, world_size, align)
+        if search_orders is None:
+            search_orders = shard - bound > SEARCH_ABOVE_BOUND * shard  # of the global buffer: m*(S - bound) / (m*S)
+        for alt_name, alt in _alternative_orders(specs) if search_orders else ():
+            if shard == bound:
+                break  # no order does better
+            alt_shard = _smallest_shard(_Stream([numels[i] for i in alt], [grans[i] for i in alt]), world_size, align,
+                                        below=shard)
+            if alt_shard < shard:
+                shard, name, order = alt_shard, alt_name, alt
+    placed = _place([numels[i] for i in order], [grans[i] for i in order], shard)
     offsets = [0] * len(specs)
-    for i, off in zip(best_order, placed):
+    for i, off in zip(order, placed):
         offsets[i] = off
-    return ShardPlan(specs, world_size, best_shard, tuple(offsets), align)
+    return ShardPlan(specs, world_size, shard, tuple(offsets), align, start_align, name)

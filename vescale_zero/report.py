@@ -1,13 +1,15 @@
-"""What sharding costs and moves: padding per group and bytes through collectives."""
+"""What sharding costs and moves: padding per group, the layout orders and bytes through collectives."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Dict
+from typing import Dict, Tuple
 
 from torch import nn
 
 from .fully_shard import groups_of
+from .planner import MODEL_ORDER
 
 __all__ = ["ShardingReport", "sharding_report", "reset_comm_stats"]
 
@@ -15,6 +17,11 @@ __all__ = ["ShardingReport", "sharding_report", "reset_comm_stats"]
 @dataclass(frozen=True)
 class ShardingReport:
     """Totals over every group under a module, on this rank.
+
+    ``orders`` counts the groups laid out in each order (``ShardPlan.order``), the model's
+    first, e.g. ``(("model", 60), ("granularity descending", 1))``; ``reordered_groups`` is how
+    many groups the planner laid out in another order than the model's, because that order
+    padded less (see ``planner.plan``'s ``search_orders``).
 
     ``bytes_all_gathered`` / ``bytes_reduce_scattered`` count the full buffer of each
     collective (``world_size * shard_size`` elements), cumulative since the last
@@ -27,12 +34,14 @@ class ShardingReport:
     padding: int
     padding_ratio: float
     shard_numel: int
+    reordered_groups: int
+    orders: Tuple[Tuple[str, int], ...]
     bytes_all_gathered: int
     bytes_reduce_scattered: int
     all_gathers: int
     reduce_scatters: int
 
-    def as_dict(self) -> Dict[str, float]:
+    def as_dict(self) -> Dict[str, object]:
         return asdict(self)
 
 
@@ -41,6 +50,7 @@ def sharding_report(module: nn.Module) -> ShardingReport:
     numel = sum(s.numel for g in groups for s in g.plan.specs)
     padding = sum(g.plan.padding for g in groups)
     total = numel + padding
+    orders = Counter(g.plan.order for g in groups)
     return ShardingReport(
         num_groups=len(groups),
         num_params=sum(len(g.plan.specs) for g in groups),
@@ -48,6 +58,8 @@ def sharding_report(module: nn.Module) -> ShardingReport:
         padding=padding,
         padding_ratio=padding / total if total else 0.0,
         shard_numel=sum(g.plan.shard_size for g in groups),
+        reordered_groups=len(groups) - orders[MODEL_ORDER],
+        orders=tuple(sorted(orders.items(), key=lambda kv: (kv[0] != MODEL_ORDER, -kv[1], kv[0]))),
         bytes_all_gathered=sum(g.stats.all_gather_bytes for g in groups),
         bytes_reduce_scattered=sum(g.stats.reduce_scatter_bytes for g in groups),
         all_gathers=sum(g.stats.all_gathers for g in groups),
