@@ -446,7 +446,6 @@ def test_expert_idle_on_one_rank_equals_megatron_ddp():
 
 def _resume_and_interchange(rank: int, world_size: int, argv: List[str], ckpt_dir: str) -> Dict:
     from tests.megatron_shim import MegatronFP32Step
-
     from vescale_zero import checkpoint
 
     with _megatron_job(argv) as (pg, args):
@@ -610,6 +609,7 @@ def _megatron_lm_switch(rank: int, world_size: int, save_dir: str) -> Dict[str, 
     from tests.megatron_shim import install_cuda_shim
 
     install_cuda_shim()
+    import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -620,8 +620,6 @@ def _megatron_lm_switch(rank: int, world_size: int, save_dir: str) -> Dict[str, 
         use_vescale_fsdp_in_megatron_lm,
     )
 
-    import torch.distributed as dist
-
     def save_checkpoint(iteration, model, optimizer, *rest, **kwargs):
         """Megatron-LM's torch format: only data-parallel rank 0 asks for the model state."""
         if parallel_state.get_data_parallel_rank() == 0:
@@ -630,7 +628,8 @@ def _megatron_lm_switch(rank: int, world_size: int, save_dir: str) -> Dict[str, 
 
     training = _megatron_lm_stand_in(save_checkpoint=save_checkpoint)
     with _megatron_job(SMALL + ["--global-batch-size", "4"]) as (pg, args):
-        mlm_args = add_vescale_fsdp_args(argparse.ArgumentParser()).parse_args(["--use-vescale-fsdp", "--vescale-granularity", "row"])
+        mlm_args = add_vescale_fsdp_args(argparse.ArgumentParser()).parse_args(
+            ["--use-vescale-fsdp", "--vescale-granularity", "row"])
         mlm_args.gradient_accumulation_fusion = False
         mlm_args.save, mlm_args.no_save_optim = save_dir, False
         use_vescale_fsdp_in_megatron_lm(get_args=lambda: mlm_args)
@@ -642,7 +641,8 @@ def _megatron_lm_switch(rank: int, world_size: int, save_dir: str) -> Dict[str, 
         optimizer = training.get_megatron_optimizer(pg.optimizer_config(args), [chunk], config_overrides=None,
                                                     use_gloo_process_groups=True)
         granularity_rows = all(sp.sharded_range.granularity % max(1, sp.sharded_range.shape[-1]) == 0
-                               for g in chunk.vescale_groups for sp in g.sharded_params if len(sp.sharded_range.shape) == 2)
+                               for g in chunk.vescale_groups for sp in g.sharded_params
+                               if len(sp.sharded_range.shape) == 2)
         args.train_iters = 2
         pg.train_loop(args, chunk, optimizer, config)  # so the optimizer has state
         saved = training.save_checkpoint(1, [chunk], optimizer)  # hangs if it gathered on rank 0 alone
@@ -654,7 +654,8 @@ def _megatron_lm_switch(rank: int, world_size: int, save_dir: str) -> Dict[str, 
         written = [optimizer.state_dict() if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(written, src=0)
         resumed = training.DDP(config=config, ddp_config=DistributedDataParallelConfig(),
-                               module=pg.build_model_unwrapped(args, pg.transformer_config(args)), disable_bucketing=False)
+                               module=pg.build_model_unwrapped(args, pg.transformer_config(args)),
+                               disable_bucketing=False)
         resumed_opt = training.get_megatron_optimizer(pg.optimizer_config(args), [resumed], config_overrides=None)
         resumed_opt.load_state_dict(written[0])
         before = [optimizer.optimizer.state[p] for p in optimizer.get_parameters()]
@@ -664,7 +665,8 @@ def _megatron_lm_switch(rank: int, world_size: int, save_dir: str) -> Dict[str, 
             for b, a in zip(before, after))
         mlm_args.use_vescale_fsdp = False
         plain = training.DDP(config=config, ddp_config=DistributedDataParallelConfig(),
-                             module=pg.build_model_unwrapped(args, pg.transformer_config(args)), disable_bucketing=False)
+                             module=pg.build_model_unwrapped(args, pg.transformer_config(args)),
+                             disable_bucketing=False)
         return {
             "wrapper": isinstance(chunk, VeScaleFSDP), "optimizer": isinstance(optimizer, VeScaleOptimizer),
             "unwrapped": training.unwrap_model(chunk) is inner, "rows": granularity_rows,
@@ -761,7 +763,8 @@ def _megatron_writes_dist_checkpoint(rank: int, world_size: int, argv: List[str]
         dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(
             model_sd, metadata=FULLY_RESHARDABLE)}, ckpt)
         if args.use_distributed_optimizer:  # also in Megatron-LM's default layout (by buckets)
-            dist_checkpointing.save({"model": model.module.sharded_state_dict(), "optimizer": optimizer.sharded_state_dict(
+            model_sd = model.module.sharded_state_dict()
+            dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(
                 model.module.sharded_state_dict(), metadata={"distrib_optim_sharding_type": "dp_reshardable"})},
                 ckpt + "-buckets")
         args.train_iters = 3  # and Megatron's own continuation
@@ -774,7 +777,8 @@ def _megatron_trained(model, optimizer) -> Dict[str, torch.Tensor]:
     """Name -> the tensor Megatron's optimizer trains: the parameter, or in a bf16 run its
     fp32 master (Megatron's mixed-precision optimizer keeps them in parallel groups)."""
     masters = {id(p): m for inner in optimizer.chained_optimizers
-               for low, high in zip(getattr(inner, "float16_groups", []), getattr(inner, "fp32_from_float16_groups", []))
+               for low, high in zip(getattr(inner, "float16_groups", []),
+                                    getattr(inner, "fp32_from_float16_groups", []))
                for p, m in zip(low, high)}
     return {k: masters.get(id(v), v) for k, v in model.module.state_dict(keep_vars=True).items()
             if isinstance(v, torch.nn.Parameter)}  # state-dict keys: Float16Module drops its prefix
@@ -890,7 +894,8 @@ def _resume_from_megatron(rank: int, world_size: int, argv: List[str], ckpt: str
             "converted": compared,
         }
         if ref_state is not None:
-            out["state loaded"] = max(_relative_error(state[n][k], v) for n, st in ref_state.items() for k, v in st.items())
+            out["state loaded"] = max(_relative_error(state[n][k], v) for n, st in ref_state.items()
+                                      for k, v in st.items())
             out["state keys"] = (sorted(state), sorted(ref_state))
         if not distributed:
             # Back: ours writes torch_dist as Megatron-LM would (the unwrapped model's
@@ -954,7 +959,8 @@ def test_megatron_dist_checkpoint_resumes_in_vescale_fsdp_and_back(tmp_path, sou
         check_dist_checkpoint_optimizer(ckpt)
         with pytest.raises(ValueError, match="dp_reshardable.*--dist-ckpt-optim-fully-reshardable"):
             check_dist_checkpoint_optimizer(ckpt + "-buckets")
-        with pytest.raises(CheckpointError, match="dp_reshardable.*--dist-ckpt-optim-fully-reshardable.*--weights-only"):
+        refused = "dp_reshardable.*--dist-ckpt-optim-fully-reshardable.*--weights-only"
+        with pytest.raises(CheckpointError, match=refused):
             convert("megatron", ckpt + "-buckets", str(tmp_path / "refused"))
         assert not os.path.exists(tmp_path / "refused")
         convert("megatron", ckpt + "-buckets", str(tmp_path / "weights"), weights_only=True)
@@ -1012,13 +1018,12 @@ def _megatron_lm_torch_dist(rank: int, world_size: int, save_dir: str, name: str
     from tests.megatron_shim import install_cuda_shim
 
     install_cuda_shim()
+    import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from vescale_zero.integrations.megatron import add_vescale_fsdp_args, use_vescale_fsdp_in_megatron_lm
     from vescale_zero.state_dict import full_optimizer_state
-
-    import torch.distributed as dist
 
     training = types.ModuleType("megatron.training.training")
     path = os.path.join(save_dir, "iter_0000002")
@@ -1069,8 +1074,8 @@ def _megatron_lm_torch_dist(rank: int, world_size: int, save_dir: str, name: str
         return {
             "weights": all(torch.equal(loaded[k], v) for k, v in saved.items() if torch.is_tensor(v)),
             "optimizer": sum(len(s) for s in saved_state) > 0 and all(
-                s.keys() <= l.keys() and all(torch.equal(v, torch.as_tensor(l[k])) for k, v in s.items())
-                for s, l in zip(saved_state, loaded_state)),
+                s.keys() <= got.keys() and all(torch.equal(v, torch.as_tensor(got[k])) for k, v in s.items())
+                for s, got in zip(saved_state, loaded_state)),
             "shards beside": os.path.isdir(os.path.join(path, "vescale_zero_optim")),
             "model space": model_space,
         }

@@ -21,12 +21,10 @@ import os
 import statistics
 import sys
 import time
-from functools import partial
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
