@@ -65,6 +65,18 @@ class _NoEvent(_NoStream):
         return True
 
 
+class _FP8Off:
+    """Transformer Engine's FP8GlobalStateManager with FP8 training off."""
+
+    @staticmethod
+    def is_fp8_enabled() -> bool:
+        return False
+
+    @staticmethod
+    def get_fp8_recipe() -> None:
+        return None
+
+
 def install_cuda_shim() -> None:
     """Idempotent. Call in each rank process before building megatron-core objects."""
     global _installed
@@ -87,6 +99,13 @@ def install_cuda_shim() -> None:
 
     tp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     tp_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    if not hasattr(tp_random, "FP8GlobalStateManager"):
+        # 0.16.1's CheckpointWithoutOutput (selective recompute of "layernorm") sets
+        # ``self.fp8 = fp8 is not None`` -- always true -- and then calls Transformer Engine's
+        # FP8 hooks: stand in for TE with FP8 off, as on a GPU with TE and bf16 training.
+        tp_random.FP8GlobalStateManager = _FP8Off
+        tp_random.activation_recompute_forward = lambda *a, **k: contextlib.nullcontext()
+        tp_random.fp8_autocast = lambda *a, **k: contextlib.nullcontext()
     import megatron.core.transformer.moe.moe_utils as moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):  # 0.16.1 reads it unguarded when TE is absent

@@ -193,9 +193,259 @@ def test_clipping_matches_megatron():
             assert abs(a - b) <= 1e-6 * b, (norms, ref_norms)
 
 
-def _resume_and_interchange(rank: int, world_size: int, argv: List[str], ckpt_dir: str) -> Dict:
+# ---- activation recompute and idle experts -------------------------------------------
+# Megatron-LM's recompute flags (the example takes them), one variant each; a launch runs
+# every variant under megatron-core DDP and under VeScaleFSDP.
+_FULL = ["--recompute-granularity", "full", "--recompute-method"]
+RECOMPUTE = {
+    "full-uniform-1": _FULL + ["uniform", "--recompute-num-layers", "1"],  # one checkpoint per layer
+    "full-uniform-2": _FULL + ["uniform", "--recompute-num-layers", "2"],  # both layers' groups in one checkpoint
+    "full-block-1": _FULL + ["block", "--recompute-num-layers", "1"],  # the first layer recomputed, not the second
+    # Megatron's default selective set: core attention (no parameters; it runs inside a layer's group)
+    "selective": ["--recompute-granularity", "selective"],
+    # a layer's own parameters inside checkpoints: its MLP (tensor_parallel.checkpoint) and its two
+    # layernorms (CheckpointWithoutOutput, recomputed from a gradient hook in the layer's backward;
+    # 0.16.1 calls Transformer Engine's FP8 hooks there, stood in for by the CUDA shim with FP8 off)
+    "selective-mlp-layernorm": ["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "mlp",
+                                "layernorm"],
+}
+
+
+class _Recorder:
+    """The optimizer, recording at each step the full gradients it steps on and the full
+    weights after the step (``grads`` / ``weights``: callables giving name -> tensor)."""
+
+    def __init__(self, optimizer, grads, weights) -> None:
+        self.optimizer, self.grads, self.weights = optimizer, grads, weights
+        self.steps: List[tuple] = []
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def step(self):
+        grads = self.grads()
+        out = self.optimizer.step()
+        self.steps.append((grads, self.weights()))
+        return out
+
+
+def _ddp_grads(ddp) -> Dict[str, torch.Tensor]:
+    """megatron-core DDP's reduced gradients (``main_grad``) by state-dict key."""
+    return {k: v.main_grad.detach().clone() for k, v in ddp.module.state_dict(keep_vars=True).items()
+            if isinstance(v, torch.nn.Parameter) and v.requires_grad}
+
+
+def _our_grads(model) -> Dict[str, torch.Tensor]:
+    """VeScaleFSDP's sharded gradients (``main_grad``), each made full: every rank puts its
+    piece (``sharded_range``) into zeros and the group's ranks sum them (disjoint pieces,
+    so the sum is exact). Collective."""
+    import torch.distributed as dist
+
+    from vescale_zero.state_dict import sharded_params_by_key
+
+    pg_of = {id(sp): g.process_group for g in model.vescale_groups for sp in g.sharded_params}
+    out = {}
+    for key, sp in sharded_params_by_key(model.module).items():
+        if not sp.requires_grad:
+            continue
+        r = sp.sharded_range
+        full = torch.zeros(math.prod(r.shape), dtype=sp.dtype)
+        if r.end > r.start:
+            full[r.start:r.end] = sp.main_grad.reshape(-1)
+        dist.all_reduce(full, group=pg_of[id(sp)])
+        out[key] = full.view(r.shape)
+    return out
+
+
+def _steps_differ(a: List[tuple], b: List[tuple]) -> tuple:
+    """The largest relative difference between two runs' recorded steps, and where."""
+    if len(a) != len(b):
+        return math.inf, f"{len(a)} steps against {len(b)}"
+    worst = (0.0, "")
+    for step, (x, y) in enumerate(zip(a, b)):
+        for what, p, q in (("grad", x[0], y[0]), ("weight", x[1], y[1])):
+            if sorted(p) != sorted(q):
+                return math.inf, f"step {step}: {what} keys differ: {sorted(set(p) ^ set(q))}"
+            for k in p:
+                err = _relative_error(p[k], q[k])
+                if err > worst[0] or math.isnan(err):
+                    worst = (err, f"step {step} {what} {k}")
+    return worst
+
+
+def _both_recorded(pg, argv: List[str]) -> Dict[str, tuple]:
+    """megatron-core DDP + Megatron's FP32 step, then VeScaleFSDP + VeScaleOptimizer, on
+    ``argv``: ``{"ddp"|"ours": (losses, recorded steps)}``."""
     from tests.megatron_shim import MegatronFP32Step
 
+    args = pg.build_parser().parse_args(argv)
+    args.use_vescale_fsdp = False
+    pg.seed(args)
+    config = pg.transformer_config(args)
+    ddp = pg.build_model(args, config)
+    ref = _Recorder(MegatronFP32Step(ddp, pg.optimizer_config(args)), lambda: _ddp_grads(ddp),
+                    lambda: {k: v.detach().clone() for k, v in ddp.state_dict().items() if torch.is_tensor(v)})
+    ref_losses = pg.train_loop(args, ddp, ref, config)["losses"]
+    args.use_vescale_fsdp = True
+    model, optimizer, config = pg.build(args)
+    ours = _Recorder(optimizer, lambda: _our_grads(model),
+                     lambda: {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)})
+    losses = pg.train_loop(args, model, ours, config)["losses"]
+    return {"ddp": (ref_losses, ref.steps), "ours": (losses, ours.steps)}
+
+
+def _recorded_runs(rank: int, world_size: int, argv: List[str], variants: Dict[str, List[str]],
+                   patch=None) -> Dict:
+    """Each variant (extra flags) trained by both systems in one job (:func:`_both_recorded`);
+    "plain" (no extra flags) runs first. ``patch(pg, args)`` (test-only) runs once before
+    the builds and gives ``(before_variant(name), report())``. Returns per variant the losses
+    of both, how far ours is from DDP's and each from its own plain run -- or the error that
+    stopped it (later variants are then not run: the ranks may be out of step) -- and the
+    patch's report."""
+    with _megatron_job(argv) as (pg, args):
+        before, report = patch(pg, args) if patch is not None else (None, None)
+        runs: Dict[str, Dict[str, tuple]] = {}
+        out: Dict[str, Dict] = {}
+        for name, flags in {"plain": [], **variants}.items():
+            if before is not None:
+                before(name)
+            try:
+                runs[name] = _both_recorded(pg, argv + flags)
+            except Exception as e:  # noqa: BLE001 - reported as this variant's failure
+                out[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+                break
+        plain = runs.get("plain")
+        for name, run in runs.items():
+            (ref_losses, ref_steps), (losses, steps) = run["ddp"], run["ours"]
+            out[name] = {
+                "losses": (losses, ref_losses),
+                "ours vs ddp": _steps_differ(steps, ref_steps),
+                "ddp vs its plain run": _steps_differ(ref_steps, plain["ddp"][1]),
+                "ours vs its plain run": _steps_differ(steps, plain["ours"][1]),
+                "losses vs plain": (losses == plain["ours"][0], ref_losses == plain["ddp"][0]),
+                "zero in ours only": sorted({k for (g, _), (r, _) in zip(steps, ref_steps) for k in g
+                                             if k in r and not g[k].any() and r[k].any()}),
+            }
+        return {"variants": out, "extra": report() if report is not None else None}
+
+
+def _check_recorded(results: List[Dict], variants: List[str], tolerance: float,
+                    same_as_plain: Optional[List[str]] = None, steps: int = 3) -> None:
+    """Every variant ran; ours equals DDP (losses, per-step gradients and weights) within
+    ``tolerance`` in each; those in ``same_as_plain`` equal their plain run bit for bit, in
+    both systems."""
+    failures = []
+    for rank, res in enumerate(results):
+        failures += [f"rank {rank} {name}: not run (an earlier variant failed)"
+                     for name in ["plain", *variants] if name not in res["variants"]]
+        for name, v in res["variants"].items():
+            if "error" in v:
+                failures.append(f"rank {rank} {name}: {v['error']}")
+                continue
+            losses, ref_losses = v["losses"]
+            if len(losses) != steps or len(ref_losses) != steps or not all(
+                    abs(a - b) <= tolerance * abs(b) for a, b in zip(losses, ref_losses)):
+                failures.append(f"rank {rank} {name}: losses {losses} vs DDP {ref_losses}")
+            err, where = v["ours vs ddp"]
+            if not err <= tolerance:
+                failures.append(f"rank {rank} {name}: {where} differs from DDP by {err:.2e} (relative)")
+            if v["zero in ours only"]:
+                failures.append(f"rank {rank} {name}: gradients zero in ours only: {v['zero in ours only']}")
+            if name in (same_as_plain or ()):
+                for key in ("ddp vs its plain run", "ours vs its plain run"):
+                    err, where = v[key]
+                    if err != 0.0:
+                        failures.append(f"rank {rank} {name}: {key}: {where} differs by {err:.2e}")
+                if v["losses vs plain"] != (True, True):
+                    failures.append(f"rank {rank} {name}: losses differ from the plain run (ours, ddp): "
+                                    f"{v['losses vs plain']}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("world_size", [2, 3], ids=["dp2", "dp3"])
+def test_activation_recompute_equals_megatron_ddp(world_size):
+    """``--recompute-granularity full`` (uniform by 1 and 2 layers, block) and ``selective``
+    (core attention; MLP and layernorms): VeScaleFSDP equals megatron-core DDP with the same
+    settings step by step -- losses, reduced gradients, weights -- bit for bit at dp2 (as
+    without recompute), 5e-6 at dp3 (summation order, see the parity test); and every
+    recomputed run equals the run without recompute bit for bit, in both systems."""
+    argv = SMALL + ["--clip-grad", "0", "--global-batch-size", str(2 * 2 * world_size)]
+    results = run_on_ranks(_recorded_runs, world_size, argv, RECOMPUTE, timeout=300)
+    _check_recorded(results, list(RECOMPUTE), tolerance=0.0 if world_size == 2 else 5e-6,
+                    same_as_plain=list(RECOMPUTE))
+
+
+# MoE with an expert idle on one data-parallel rank: 4 experts, top-2, over dp2 (ep1)
+MOE_IDLE = SMALL + ["--num-experts", "4", "--moe-router-topk", "2", "--clip-grad", "0", "--global-batch-size", "8"]
+MOE_IDLE_VARIANTS = {
+    "skip-idle": [],  # experts that get no tokens are not run: no gradient at all on that rank
+    "selective-moe": ["--recompute-granularity", "selective", "--recompute-modules", "moe"],  # experts' group inside
+    "full-uniform-1": _FULL + ["uniform", "--recompute-num-layers", "1"],
+}
+IDLE_EXPERT = 3
+
+
+def _idle_expert(pg, args):
+    """Test-only. On data-parallel rank 0 the last layer's router never picks expert 3 (its
+    logit lowered by 1e4; Megatron's probabilities and router gradient otherwise); other
+    ranks route as Megatron does. Megatron's SequentialMLP still runs an expert on zero
+    tokens (a zero gradient); in the "skip" variants the experts that get no tokens are not
+    run (as expert loops that skip empty batches do), so expert 3 of the last layer gets no
+    gradient at all on rank 0. Returns ``(before_variant(name), report())``."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    routing, experts_forward = TopKRouter.routing, SequentialMLP.forward
+    seen = {"tokens": [], "skipped": 0, "skip": False}
+
+    def lowered_routing(self, logits, *rest, **kwargs):
+        last = self.layer_number == args.num_layers
+        if last and parallel_state.get_data_parallel_rank() == 0:
+            logits = logits - 1e4 * torch.nn.functional.one_hot(torch.tensor(IDLE_EXPERT), logits.shape[-1])
+        probs, routing_map = routing(self, logits, *rest, **kwargs)
+        if last:
+            seen["tokens"].append(int(routing_map[:, IDLE_EXPERT].sum()))
+        return probs, routing_map
+
+    def skipping_forward(self, hidden, tokens_per_expert, probs):
+        if not seen["skip"]:
+            return experts_forward(self, hidden, tokens_per_expert, probs)
+        counts = tokens_per_expert.tolist()
+        outputs = []
+        for expert, x, p in zip(self.local_experts, torch.split(hidden, counts), torch.split(probs, counts)):
+            if x.shape[0] == 0:
+                seen["skipped"] += 1
+                continue
+            outputs.append(expert(x, p)[0])
+        return torch.cat(outputs), None
+
+    TopKRouter.routing, SequentialMLP.forward = lowered_routing, skipping_forward
+
+    def before_variant(name: str) -> None:
+        seen["skip"] = name.startswith("skip")
+
+    def report() -> Dict:
+        return {"idle expert tokens": (min(seen["tokens"]), max(seen["tokens"])), "skipped": seen["skipped"]}
+
+    return before_variant, report
+
+
+def test_expert_idle_on_one_rank_equals_megatron_ddp():
+    """An expert that gets no tokens on one data-parallel rank but some on the other, with
+    Megatron's experts (zero gradient) and with experts that skip empty batches (no gradient
+    on that rank), also under selective (MoE layer) and full recompute: VeScaleFSDP equals
+    megatron-core DDP step by step bit for bit (dp2), each variant equals the plain run, and
+    nothing hangs (collective order never depends on which gradients a rank produced)."""
+    results = run_on_ranks(_recorded_runs, 2, MOE_IDLE, MOE_IDLE_VARIANTS, _idle_expert, timeout=120)
+    idle, busy = results[0]["extra"], results[1]["extra"]
+    assert idle["idle expert tokens"][1] == 0 and busy["idle expert tokens"][0] > 0, (idle, busy)
+    assert idle["skipped"] > 0 and busy["skipped"] == 0, (idle, busy)
+    _check_recorded(results, list(MOE_IDLE_VARIANTS), tolerance=0.0, same_as_plain=list(MOE_IDLE_VARIANTS))
+
+
+def _resume_and_interchange(rank: int, world_size: int, argv: List[str], ckpt_dir: str) -> Dict:
+    from tests.megatron_shim import MegatronFP32Step
     from vescale_zero import checkpoint
 
     with _megatron_job(argv) as (pg, args):
@@ -359,6 +609,7 @@ def _megatron_lm_switch(rank: int, world_size: int, save_dir: str) -> Dict[str, 
     from tests.megatron_shim import install_cuda_shim
 
     install_cuda_shim()
+    import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -369,8 +620,6 @@ def _megatron_lm_switch(rank: int, world_size: int, save_dir: str) -> Dict[str, 
         use_vescale_fsdp_in_megatron_lm,
     )
 
-    import torch.distributed as dist
-
     def save_checkpoint(iteration, model, optimizer, *rest, **kwargs):
         """Megatron-LM's torch format: only data-parallel rank 0 asks for the model state."""
         if parallel_state.get_data_parallel_rank() == 0:
@@ -379,7 +628,8 @@ def _megatron_lm_switch(rank: int, world_size: int, save_dir: str) -> Dict[str, 
 
     training = _megatron_lm_stand_in(save_checkpoint=save_checkpoint)
     with _megatron_job(SMALL + ["--global-batch-size", "4"]) as (pg, args):
-        mlm_args = add_vescale_fsdp_args(argparse.ArgumentParser()).parse_args(["--use-vescale-fsdp", "--vescale-granularity", "row"])
+        mlm_args = add_vescale_fsdp_args(argparse.ArgumentParser()).parse_args(
+            ["--use-vescale-fsdp", "--vescale-granularity", "row"])
         mlm_args.gradient_accumulation_fusion = False
         mlm_args.save, mlm_args.no_save_optim = save_dir, False
         use_vescale_fsdp_in_megatron_lm(get_args=lambda: mlm_args)
@@ -391,7 +641,8 @@ def _megatron_lm_switch(rank: int, world_size: int, save_dir: str) -> Dict[str, 
         optimizer = training.get_megatron_optimizer(pg.optimizer_config(args), [chunk], config_overrides=None,
                                                     use_gloo_process_groups=True)
         granularity_rows = all(sp.sharded_range.granularity % max(1, sp.sharded_range.shape[-1]) == 0
-                               for g in chunk.vescale_groups for sp in g.sharded_params if len(sp.sharded_range.shape) == 2)
+                               for g in chunk.vescale_groups for sp in g.sharded_params
+                               if len(sp.sharded_range.shape) == 2)
         args.train_iters = 2
         pg.train_loop(args, chunk, optimizer, config)  # so the optimizer has state
         saved = training.save_checkpoint(1, [chunk], optimizer)  # hangs if it gathered on rank 0 alone
@@ -403,7 +654,8 @@ def _megatron_lm_switch(rank: int, world_size: int, save_dir: str) -> Dict[str, 
         written = [optimizer.state_dict() if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(written, src=0)
         resumed = training.DDP(config=config, ddp_config=DistributedDataParallelConfig(),
-                               module=pg.build_model_unwrapped(args, pg.transformer_config(args)), disable_bucketing=False)
+                               module=pg.build_model_unwrapped(args, pg.transformer_config(args)),
+                               disable_bucketing=False)
         resumed_opt = training.get_megatron_optimizer(pg.optimizer_config(args), [resumed], config_overrides=None)
         resumed_opt.load_state_dict(written[0])
         before = [optimizer.optimizer.state[p] for p in optimizer.get_parameters()]
@@ -413,7 +665,8 @@ def _megatron_lm_switch(rank: int, world_size: int, save_dir: str) -> Dict[str, 
             for b, a in zip(before, after))
         mlm_args.use_vescale_fsdp = False
         plain = training.DDP(config=config, ddp_config=DistributedDataParallelConfig(),
-                             module=pg.build_model_unwrapped(args, pg.transformer_config(args)), disable_bucketing=False)
+                             module=pg.build_model_unwrapped(args, pg.transformer_config(args)),
+                             disable_bucketing=False)
         return {
             "wrapper": isinstance(chunk, VeScaleFSDP), "optimizer": isinstance(optimizer, VeScaleOptimizer),
             "unwrapped": training.unwrap_model(chunk) is inner, "rows": granularity_rows,
@@ -510,7 +763,8 @@ def _megatron_writes_dist_checkpoint(rank: int, world_size: int, argv: List[str]
         dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(
             model_sd, metadata=FULLY_RESHARDABLE)}, ckpt)
         if args.use_distributed_optimizer:  # also in Megatron-LM's default layout (by buckets)
-            dist_checkpointing.save({"model": model.module.sharded_state_dict(), "optimizer": optimizer.sharded_state_dict(
+            model_sd = model.module.sharded_state_dict()
+            dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(
                 model.module.sharded_state_dict(), metadata={"distrib_optim_sharding_type": "dp_reshardable"})},
                 ckpt + "-buckets")
         args.train_iters = 3  # and Megatron's own continuation
@@ -523,7 +777,8 @@ def _megatron_trained(model, optimizer) -> Dict[str, torch.Tensor]:
     """Name -> the tensor Megatron's optimizer trains: the parameter, or in a bf16 run its
     fp32 master (Megatron's mixed-precision optimizer keeps them in parallel groups)."""
     masters = {id(p): m for inner in optimizer.chained_optimizers
-               for low, high in zip(getattr(inner, "float16_groups", []), getattr(inner, "fp32_from_float16_groups", []))
+               for low, high in zip(getattr(inner, "float16_groups", []),
+                                    getattr(inner, "fp32_from_float16_groups", []))
                for p, m in zip(low, high)}
     return {k: masters.get(id(v), v) for k, v in model.module.state_dict(keep_vars=True).items()
             if isinstance(v, torch.nn.Parameter)}  # state-dict keys: Float16Module drops its prefix
@@ -639,7 +894,8 @@ def _resume_from_megatron(rank: int, world_size: int, argv: List[str], ckpt: str
             "converted": compared,
         }
         if ref_state is not None:
-            out["state loaded"] = max(_relative_error(state[n][k], v) for n, st in ref_state.items() for k, v in st.items())
+            out["state loaded"] = max(_relative_error(state[n][k], v) for n, st in ref_state.items()
+                                      for k, v in st.items())
             out["state keys"] = (sorted(state), sorted(ref_state))
         if not distributed:
             # Back: ours writes torch_dist as Megatron-LM would (the unwrapped model's
@@ -703,7 +959,8 @@ def test_megatron_dist_checkpoint_resumes_in_vescale_fsdp_and_back(tmp_path, sou
         check_dist_checkpoint_optimizer(ckpt)
         with pytest.raises(ValueError, match="dp_reshardable.*--dist-ckpt-optim-fully-reshardable"):
             check_dist_checkpoint_optimizer(ckpt + "-buckets")
-        with pytest.raises(CheckpointError, match="dp_reshardable.*--dist-ckpt-optim-fully-reshardable.*--weights-only"):
+        refused = "dp_reshardable.*--dist-ckpt-optim-fully-reshardable.*--weights-only"
+        with pytest.raises(CheckpointError, match=refused):
             convert("megatron", ckpt + "-buckets", str(tmp_path / "refused"))
         assert not os.path.exists(tmp_path / "refused")
         convert("megatron", ckpt + "-buckets", str(tmp_path / "weights"), weights_only=True)
@@ -761,13 +1018,12 @@ def _megatron_lm_torch_dist(rank: int, world_size: int, save_dir: str, name: str
     from tests.megatron_shim import install_cuda_shim
 
     install_cuda_shim()
+    import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from vescale_zero.integrations.megatron import add_vescale_fsdp_args, use_vescale_fsdp_in_megatron_lm
     from vescale_zero.state_dict import full_optimizer_state
-
-    import torch.distributed as dist
 
     training = types.ModuleType("megatron.training.training")
     path = os.path.join(save_dir, "iter_0000002")
@@ -818,8 +1074,8 @@ def _megatron_lm_torch_dist(rank: int, world_size: int, save_dir: str, name: str
         return {
             "weights": all(torch.equal(loaded[k], v) for k, v in saved.items() if torch.is_tensor(v)),
             "optimizer": sum(len(s) for s in saved_state) > 0 and all(
-                s.keys() <= l.keys() and all(torch.equal(v, torch.as_tensor(l[k])) for k, v in s.items())
-                for s, l in zip(saved_state, loaded_state)),
+                s.keys() <= got.keys() and all(torch.equal(v, torch.as_tensor(got[k])) for k, v in s.items())
+                for s, got in zip(saved_state, loaded_state)),
             "shards beside": os.path.isdir(os.path.join(path, "vescale_zero_optim")),
             "model space": model_space,
         }

@@ -21,12 +21,10 @@ import os
 import statistics
 import sys
 import time
-from functools import partial
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
@@ -66,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--moe-router-topk", type=int, default=2)
     g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall"], default="allgather")
     g.add_argument("--init-method-std", type=float, default=0.02)
+    g = p.add_argument_group("activation recompute")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--recompute-modules", nargs="*", default=None,
+                   help="with --recompute-granularity selective (Megatron's default: core_attn)")
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -112,7 +116,10 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         sequence_parallel=args.sequence_parallel, params_dtype=dtype, bf16=args.bf16, fp16=args.fp16,
         pipeline_dtype=dtype, use_cpu_initialization=not torch.cuda.is_available(),
-        add_bias_linear=args.add_bias_linear, gradient_accumulation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0, **moe,
+        add_bias_linear=args.add_bias_linear, gradient_accumulation_fusion=False, hidden_dropout=0.0,
+        attention_dropout=0.0,
+        recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers, recompute_modules=args.recompute_modules, **moe,
     )
 
 
