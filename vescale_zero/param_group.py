@@ -47,7 +47,7 @@ import enum
 import functools
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Set
+from typing import Callable, Dict, List, Optional, Sequence, Set
 
 import torch
 import torch.distributed as dist
@@ -60,7 +60,12 @@ from .param_gather import make_param_gather
 from .planner import ShardPlan, TensorSpec, plan
 from .ragged_param import ManagedParam, RaggedParam, ShardedRange
 
-__all__ = ["ManagedParam", "ParamGroup", "GroupState", "ShardedRange", "BackwardProgress", "InputGradTrigger"]
+__all__ = ["ManagedParam", "ParamGroup", "GroupState", "ShardedRange", "BackwardProgress", "InputGradTrigger", "Part"]
+
+
+_FORWARDS_KEPT = 1024
+"""Forwards a group remembers while their backward has not run (pipeline micro-batches in
+flight); older ones were never differentiated (evaluation forwards with grad enabled)."""
 
 
 class GroupState(enum.Enum):
@@ -69,22 +74,23 @@ class GroupState(enum.Enum):
     UNSHARDED = "unsharded"
 
 
+class Part(enum.Enum):
+    """What a group does in a backward (runtime [Note: one order of reduce-scatters])."""
+
+    TAKES_PART = "takes part"  # ran forward with grad in the forward being differentiated, or seen in backward
+    MAY_TAKE_PART = "may take part"  # ran that forward only under no_grad: a reentrant checkpoint may recompute it
+    NONE = "none"  # did not run in that forward
+
+
 @dataclass
 class BackwardProgress:
     """Where one group stands in the current backward; a new one when the backward ends."""
 
-    forward_with_grad: bool = False  # ran forward with grad enabled since the last backward ended
-    forward_without_grad: bool = False  # ran forward under no_grad (a reentrant checkpoint may recompute it)
-    in_backward: bool = False  # pre-backward, a gradient or an input trigger was seen in this backward
+    in_backward: bool = False  # pre-backward, a recompute, a gradient or an input trigger was seen in it
     started: bool = False  # pre-backward ran: full params installed, gradient views attached
     arrived: Set[int] = field(default_factory=set)  # indices whose gradient was accumulated
     ready: bool = False  # its gradients are complete ([Note: when a group's gradients are complete])
     issued: bool = False  # its reduce-scatter is issued (or skipped: no gradient sync)
-
-    @property
-    def participating(self) -> bool:
-        """Its gradients are reduced in this backward."""
-        return self.forward_with_grad or self.in_backward
 
 
 class InputGradTrigger:
@@ -167,6 +173,7 @@ class ParamGroup:
         self._forward_trigger: Optional[tuple] = None  # (forward id, weakref to its InputGradTrigger)
         self._recompute_trigger: Optional[InputGradTrigger] = None
         self._calls: tuple = (None, 0)  # (forward id, module calls in that forward)
+        self._forwards: Dict[int, bool] = {}  # forward id -> ran with grad enabled in it (else only without)
         self.unused_grads = "none"  # see [Note: unused everywhere]
         self._used: Set[int] = set()  # indices with a gradient since the last synced backward
         self._usage: Optional[tuple] = None  # (used here, had a sharded .grad before) of the synced backward
@@ -235,15 +242,20 @@ class ParamGroup:
 
     # ---- forward bookkeeping ---------------------------------------------------------
     def note_forward(self, grad_enabled: bool, forward_id: int) -> None:
-        """The module runs forward (not a recompute inside backward)."""
+        """The module runs forward (not a recompute inside backward) in root forward ``forward_id``."""
         fid, calls = self._calls
         self._calls = (forward_id, calls + 1 if fid == forward_id else 1)
         if not self._grad_indices:
             return
-        if grad_enabled:
-            self.progress.forward_with_grad = True
-        else:
-            self.progress.forward_without_grad = True
+        self._forwards[forward_id] = self._forwards.get(forward_id, False) or grad_enabled
+        if len(self._forwards) > _FORWARDS_KEPT:  # forwards never differentiated (evaluation)
+            del self._forwards[min(self._forwards)]
+
+    def part_in(self, forward_id: Optional[int]) -> Part:
+        """What this group does in the backward of root forward ``forward_id``."""
+        if self.progress.in_backward or self._forwards.get(forward_id):
+            return Part.TAKES_PART
+        return Part.MAY_TAKE_PART if forward_id in self._forwards else Part.NONE
 
     def note_recompute(self, grad_enabled: bool) -> None:
         """The module runs forward inside backward (activation recompute)."""
@@ -372,10 +384,15 @@ class ParamGroup:
         """Wait for the reduce-scatter and give the sharded parameters their ``.grad``."""
         self.grads.finish([(i, self.params[i].sharded) for i in self._grad_indices])
 
-    def end_backward(self) -> None:
-        """The backward is over: the next one starts afresh."""
+    def end_backward(self, forward_id: Optional[int]) -> None:
+        """The backward of root forward ``forward_id`` is over: the next one starts afresh.
+        Forwards up to it are done with; later ones (pipeline schedules run the next
+        micro-batches' forwards first) keep their records."""
         self.progress = BackwardProgress()
         self._recompute_trigger = None
+        if forward_id is not None:
+            for fid in [f for f in self._forwards if f <= forward_id]:
+                del self._forwards[fid]
 
     def zero_grad(self) -> None:
         """Drop every gradient of the group: locally accumulated full gradients (from

@@ -33,12 +33,15 @@ Collectives pair up across ranks by the order they are issued in, so every rank 
 the same reduce-scatters in the same order, whatever gradients it got. Groups issue in one
 fixed order: the reverse of the first forward's order (backward's natural order), then the
 groups that were not in it. A group issues once it is ready and every earlier group that
-takes part in this backward has issued; a group that ran forward under ``no_grad`` may still
-take part (a reentrant checkpoint recomputes it), so it holds later groups until it does, or
-until the backward ends. At the end every participating group is ready, so the rest issue,
-in order; a group that only ran under ``no_grad`` and was never recomputed issues nothing.
-Readiness may differ between ranks (an MoE expert without tokens on one rank), the sequence
-of collectives cannot.
+takes part in this backward has issued. Taking part is judged against the forward being
+differentiated (the backward's first hook names it; pipeline schedules run the next
+micro-batches' forwards before this backward): a group that ran in it with grad enabled, or
+was seen in this backward, takes part; one that ran in it only under ``no_grad`` may still
+take part (a reentrant checkpoint recomputes it), so it holds later groups until it does or
+the backward ends; one that did not run in it takes no part. At the end every participating
+group is ready, so the rest issue, in order; a group that only ran under ``no_grad`` and was
+never recomputed issues nothing. Readiness may differ between ranks (an MoE expert without
+tokens on one rank), the sequence of collectives cannot.
 
 [Note: meshes] A sub-module may shard over another group than its root (MoE experts over
 the expert-data-parallel group, the rest over data-parallel): each group's collectives
@@ -47,6 +50,7 @@ only involve its own ranks, which run the same modules in the same order.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -55,7 +59,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .param_group import InputGradTrigger, ParamGroup
+from .param_group import InputGradTrigger, ParamGroup, Part
 
 __all__ = ["FSDPState", "RootContext", "STATE_ATTR", "in_backward_pass"]
 
@@ -86,7 +90,10 @@ def _arm_input_trigger(trigger: Optional[InputGradTrigger], args: tuple, kwargs:
     if trigger is None:
         return args, kwargs
     leaves, spec = tree_flatten((args, kwargs))
-    slots = [i for i, t in enumerate(leaves) if torch.is_tensor(t) and t.requires_grad]
+    # Only computed inputs: a leaf passed in (a parameter handed to the module, as Megatron
+    # hands the shared embedding weight to its output layer) gets its gradient through the
+    # node, which would fire before that gradient is accumulated.
+    slots = [i for i, t in enumerate(leaves) if torch.is_tensor(t) and t.requires_grad and t.grad_fn is not None]
     if not slots:
         trigger.blind = True  # no input gradient will come: this call cannot tell us when it is done
         return args, kwargs
@@ -106,6 +113,7 @@ class RootContext:
         self.order_frozen = False
         self.forward_id = 0
         self.in_backward = False
+        self.backward_of: Optional[int] = None  # the forward id the current backward differentiates
         self.reducing: List[ParamGroup] = []  # reduce-scatters issued, not yet waited on
         self._reduce_order: Optional[List[ParamGroup]] = None
 
@@ -146,14 +154,14 @@ class RootContext:
     def issue_ready(self, final: bool = False) -> None:
         """Issue every reduce-scatter that [Note: one order of reduce-scatters] allows now."""
         for group in self.reduce_order():
-            progress = group.progress
-            if progress.issued:
+            if group.progress.issued:
                 continue
-            if not progress.participating:
-                if final or not progress.forward_without_grad:
+            part = group.part_in(self.backward_of)
+            if part is not Part.TAKES_PART:
+                if final or part is Part.NONE:
                     continue  # takes no part (and, at the end, never will)
                 return  # may still be recomputed: later groups wait for it
-            if not progress.ready:
+            if not group.progress.ready:
                 return
             if group.issue_reduce_scatter():
                 self._bound_in_flight(group)
@@ -169,7 +177,7 @@ class RootContext:
     def final_callback(self) -> None:
         """End of backward: every participating group reduce-scattered, waited for, resharded."""
         for group in self.reduce_order():
-            if group.progress.participating:
+            if group.part_in(self.backward_of) is Part.TAKES_PART:
                 group.force_ready()  # no-op for groups already ready; issues nothing by itself
         self.issue_ready(final=True)
         usage = self._usage_anywhere()
@@ -178,10 +186,11 @@ class RootContext:
             if state.group is not None:
                 state.group.finish_grad_sync()
                 state.group.reshard()
-                state.group.end_backward()
+                state.group.end_backward(self.backward_of)
         for group, used_anywhere in usage:
             group.drop_unused_grads(used_anywhere)
         self.in_backward = False
+        self.backward_of = None
 
     def _usage_anywhere(self) -> List[tuple]:
         """param_group [Note: unused everywhere]: one all-reduce (MAX) of the usage flags of
@@ -274,7 +283,9 @@ class FSDPState:
         if grad_on:
             tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
             if tensors:
-                torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+                fid = ctx.backward_of if recompute else ctx.forward_id
+                hook = functools.partial(self._pre_backward, fid)
+                torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
         mp = self.mp_policy
         if mp is not None and mp.output_dtype is not None:
             output = tree_map(
@@ -289,10 +300,11 @@ class FSDPState:
         cast = lambda t: t.to(mp.param_dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
         return tree_map(cast, args), tree_map(cast, kwargs)
 
-    def _pre_backward(self, _grad: torch.Tensor) -> None:
+    def _pre_backward(self, forward_id: Optional[int], _grad: torch.Tensor) -> None:
         ctx = self.context
-        if not ctx.in_backward:
+        if not ctx.in_backward:  # the first hook of a backward tells which forward it differentiates
             ctx.in_backward = True
+            ctx.backward_of = forward_id
             torch.autograd.Variable._execution_engine.queue_callback(ctx.final_callback)
         if self.group is not None and self.group.begin_backward() and self.prefetch:
             prev = ctx.next_in_order(self, -1)
