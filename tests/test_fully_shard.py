@@ -194,13 +194,16 @@ def _zero_copy(rank, world_size, mp):
                 sp = g.sharded_params[i]
                 if end > start:
                     assert sp.data_ptr() == g.master.local.data_ptr() + off * g.master.local.element_size(), m.fqn
+                    assert sp.data_ptr() % 16 == 0, (m.fqn, "a rank's piece must start on 16 bytes")
                     if m.requires_grad:
                         assert sp.grad.data_ptr() == g.sharded_grad.local.data_ptr() + off * sp.grad.element_size(), m.fqn
             ags = [c for c in calls if c[0] == "ag" and c[1] is g]
             assert ags, "the group was never gathered"
             for _, _, out_ptr, in_ptr, _, views in ags:
-                # the all-gather writes straight into the buffer the unsharded params view
+                # the all-gather writes straight into the buffer the unsharded params view,
+                # and every tensor starts on 16 bytes (fully_shard's align_bytes)
                 assert all(param_ptr == want for param_ptr, want in views), views
+                assert all(param_ptr % 16 == 0 for param_ptr, _ in views), views
                 if mp:  # the cast goes into this rank's own slot: the gather runs in place
                     assert in_ptr == out_ptr + rank * S * 2
                 else:  # the gather input is the optimizer's shard itself
