@@ -13,17 +13,46 @@ bytes of a ring reduce-scatter) into a receive buffer the size of the full buffe
 size of gloo's clone), then sum the chunks in rank order into the shard when the work is
 waited on (dividing by the group size for AVG). Measured on 2 CPU ranks, 6 MiB: 4.8 ms
 against 8.0 ms (4 ranks: 9.8 against 18.1). NCCL and other backends keep their own.
+:func:`set_reduce_scatter_impl` (or ``VESCALE_ZERO_REDUCE_SCATTER``) picks another, e.g. to
+compare with peers on torch's own reduce-scatter.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommStats", "all_gather", "reduce_scatter", "AllToAllReduceScatter"]
+__all__ = ["CommStats", "all_gather", "reduce_scatter", "AllToAllReduceScatter", "set_reduce_scatter_impl",
+           "get_reduce_scatter_impl", "REDUCE_SCATTER_IMPLS"]
+
+REDUCE_SCATTER_IMPLS = ("auto", "native", "all_to_all")
+"""``auto``: ``all_to_all`` on gloo for SUM/AVG, the backend's own otherwise; ``native``: always
+torch's ``reduce_scatter_tensor``; ``all_to_all``: always ours (SUM/AVG only)."""
+
+
+def _checked_impl(impl: str, source: str) -> str:
+    if impl not in REDUCE_SCATTER_IMPLS:
+        raise ValueError(f"{source}: unknown reduce-scatter implementation {impl!r}; use one of {REDUCE_SCATTER_IMPLS}")
+    return impl
+
+
+_impl = _checked_impl(os.environ.get("VESCALE_ZERO_REDUCE_SCATTER", "auto"), "VESCALE_ZERO_REDUCE_SCATTER")
+
+
+def set_reduce_scatter_impl(impl: str = "auto") -> str:
+    """Pick the reduce-scatter implementation for this process (every rank must pick the same,
+    before its first reduce-scatter); returns the previous one. See [Note: gloo reduce-scatter]."""
+    global _impl
+    previous, _impl = _impl, _checked_impl(impl, "set_reduce_scatter_impl")
+    return previous
+
+
+def get_reduce_scatter_impl() -> str:
+    return _impl
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -81,7 +110,13 @@ class AllToAllReduceScatter:
 
 
 def _native_reduce_scatter(group: Optional[dist.ProcessGroup], op: dist.ReduceOp) -> bool:
-    return dist.get_backend(group) != "gloo" or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
+    summing = op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
+    if _impl == "all_to_all":
+        if not summing:
+            raise ValueError(f"the all_to_all reduce-scatter sums or averages only, not {op}; "
+                             "set_reduce_scatter_impl('auto') for this op")
+        return False
+    return _impl == "native" or dist.get_backend(group) != "gloo" or not summing
 
 
 def reduce_scatter(

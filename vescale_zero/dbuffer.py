@@ -39,6 +39,19 @@ from .planner import ShardPlan
 __all__ = ["DBuffer"]
 
 
+def _gaps(plan: ShardPlan) -> List[tuple]:
+    """``(start, length)`` of every stretch of ``[0, m*S)`` that holds no tensor."""
+    spans = sorted((off, off + spec.numel) for off, spec in zip(plan.offsets, plan.specs) if spec.numel)
+    gaps, cursor = [], 0
+    for start, end in spans:
+        if start > cursor:
+            gaps.append((cursor, start - cursor))
+        cursor = max(cursor, end)
+    if plan.global_size > cursor:
+        gaps.append((cursor, plan.global_size - cursor))
+    return gaps
+
+
 class DBuffer:
     """Flat buffer for one role of one group on one rank (see module docstring).
 
@@ -84,6 +97,9 @@ class DBuffer:
             self.full.narrow(0, off, spec.numel).view(tuple(shape))
             for off, spec, shape in zip(plan.offsets, plan.specs, shapes)
         ] if with_full else []
+        self._gap_views: List[torch.Tensor] = [  # the padding between and after the tensors
+            self.full.narrow(0, start, length) for start, length in _gaps(plan)
+        ] if with_full else []
         # [Note: version counter] Autograd saved views of ``full`` in forward, and the
         # backward re-gather refills that storage by design. Collectives write through
         # ``_wire``: the same storage, its own version counter, so the saved views never
@@ -106,6 +122,11 @@ class DBuffer:
         elif zero:
             self.full.zero_()
         return self.full
+
+    def zero_padding(self) -> None:
+        """Zero the padding of ``full`` (what lies between and after the tensors), one op."""
+        if self._gap_views:
+            torch._foreach_zero_(self._gap_views)
 
     def free(self) -> None:
         """Release ``full``'s storage; its views stay valid for the next ``allocate``."""

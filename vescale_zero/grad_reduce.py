@@ -4,7 +4,7 @@
 
     buffer         dtype          lives                                  is
     full           param_dtype    pre-backward .. reduce-scatter issued  the unsharded params' .grad
-                                  (kept while accumulating without sync) (autograd adds in place)
+                                  (kept while accumulating without sync) (see the Note below)
     reduce         reduce_dtype   issue .. finish, only when              one cast of ``full``
                                   reduce_dtype != param_dtype
     sharded.local  master dtype   always                                 the sharded params' .grad
@@ -12,11 +12,21 @@
 ``issue`` casts and scales once per group and starts the reduce-scatter (asynchronous);
 ``finish`` waits, frees the full buffers and leaves the result in ``sharded.local``, added to
 what is there when gradients accumulate across synced backwards.
+
+[Note: the first gradient is copied in]
+Autograd hands a parameter its first gradient as a tensor of its own (``.grad`` is None:
+AccumulateGrad keeps the incoming tensor). :meth:`GradReducer.take` copies it into the
+parameter's view of ``full`` and the view becomes ``.grad``, so every later gradient of the
+window (another micro-batch without sync, a recompute's nested backward) is added in place.
+One read and one write per element, as a reduce-scatter copy-in costs, instead of zeroing
+the buffer and adding into it. ``full`` is therefore not zeroed when it gets its storage:
+only its padding is, and, before the reduce-scatter, the views of tensors that got no
+gradient in the window.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -55,19 +65,41 @@ class GradReducer:
         self.requires_grad_sync = True
         self.divide_factor: Optional[float] = None  # None: AVG over the group
         self._pending: Optional[Tuple] = None
+        self._written: set = set()  # tensors of ``full`` holding a gradient of this window
 
     @property
     def in_flight(self) -> bool:
         return self._pending is not None
 
     def prepare(self) -> None:
-        """Give the full gradients their storage, zeroed; kept (not zeroed) while accumulating."""
-        self.full.allocate(zero=not self.full.is_allocated)
+        """Give the full gradients their storage for a new window (its padding zeroed, see
+        [Note: the first gradient is copied in]); kept as it is while a window accumulates."""
+        if not self.full.is_allocated:
+            self.full.allocate()
+            self.full.zero_padding()
+            self._written = set()
+
+    def take(self, index: int, grad: torch.Tensor) -> torch.Tensor:
+        """Put ``grad`` of tensor ``index`` into its view of ``full``: a copy for the window's
+        first gradient, an add after it. Returns the view (the parameter's ``.grad`` now)."""
+        self.prepare()
+        view = self.full.full_view(index)
+        if grad.data_ptr() != view.data_ptr():
+            with torch.no_grad():
+                (view.add_ if index in self._written else view.copy_)(grad)
+        self._written.add(index)
+        return view
+
+    def _zero_unwritten(self) -> None:
+        views = [self.full.full_view(i) for i in range(len(self.plan.specs)) if i not in self._written]
+        if views:
+            torch._foreach_zero_(views)
 
     def issue(self, accumulate: bool) -> None:
         """Start the reduce-scatter of ``full`` (asynchronous). ``accumulate``: add the result
         to the sharded gradients already there instead of replacing them."""
         self.prepare()  # every rank joins the collective, with zeros if it has no gradient
+        self._zero_unwritten()
         source = self.full
         if self.reduce is not None:
             with torch.no_grad():
@@ -135,5 +167,3 @@ class GradReducer:
             self.reduce.free()
         self.sharded.local.zero_()
 
-    def full_views(self, indices: Sequence[int]) -> List[torch.Tensor]:
-        return [self.full.full_view(i) for i in indices]

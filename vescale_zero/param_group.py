@@ -13,7 +13,8 @@ One group owns, per rank::
 
 Every parameter object the module sees is a view: a sharded parameter into
 ``master.local``, an unsharded parameter into ``compute.full``, a gradient into
-``grads.full`` (autograd accumulates into it in place) or ``grads.sharded.local``.
+``grads.full`` (the first one copied in, later ones added in place: grad_reduce [Note: the
+first gradient is copied in]) or ``grads.sharded.local``.
 
 [Note: when a group's gradients are complete]
 The reduce-scatter needs every gradient of the group for this backward. The group is
@@ -286,7 +287,7 @@ class ParamGroup:
     # ---- backward --------------------------------------------------------------------
     def begin_backward(self) -> bool:
         """Pre-backward: the full parameters are installed (a recompute reads them) and the
-        gradient views attached. True the first time in this backward."""
+        full gradient buffer is ready. True the first time in this backward."""
         self.unshard()
         self.wait_for_unshard()
         self.to_unsharded_params()
@@ -297,11 +298,9 @@ class ParamGroup:
         progress.started = True
         if self._grad_indices:
             self.grads.prepare()
-            for i in self._grad_indices:
-                self.params[i].attach_full_grad(self.grads.full.full_view(i))
         return True
 
-    def _on_grad_accumulated(self, index: int, _param: torch.Tensor) -> None:
+    def _on_grad_accumulated(self, index: int, param: torch.Tensor) -> None:
         progress = self.progress
         if progress.issued and self.grads.requires_grad_sync:
             raise RuntimeError(
@@ -311,6 +310,7 @@ class ParamGroup:
                 "by another module, or stored and used later). Apply fully_shard to a module whose forward contains "
                 "every use of the parameter (e.g. a common parent), or to the root only."
             )
+        param.grad = self.grads.take(index, param.grad)  # grad_reduce [Note: the first gradient is copied in]
         progress.in_backward = True
         progress.arrived.add(index)
         if len(progress.arrived) == len(self._grad_indices):
@@ -344,11 +344,10 @@ class ParamGroup:
         self.progress.issued = True
         if not self._grad_indices:
             return False
-        full = self.grads.full
-        if any(self.params[i].unsharded.grad is not None for i in self._grad_indices):
-            self.grads.prepare()
-            for i in self._grad_indices:
-                self.params[i].fold_stray_grad(full.full_view(i))
+        for i in self._grad_indices:  # gradients autograd left where no hook took them
+            up = self.params[i].unsharded
+            if up.grad is not None:
+                up.grad = self.grads.take(i, up.grad)
         used = self._used | self.progress.arrived
         if not self.grads.requires_grad_sync:
             self._used = used

@@ -88,17 +88,3 @@ class RaggedParam:
     def to_unsharded(self) -> None:
         self._install(self.unsharded)
 
-    def attach_full_grad(self, view: torch.Tensor) -> None:
-        """Make ``view`` (into the full gradient buffer) the unsharded parameter's ``.grad``,
-        so autograd accumulates into it in place; a ``.grad`` already there stays."""
-        if self.unsharded.grad is None:
-            self.unsharded.grad = view
-
-    def fold_stray_grad(self, view: torch.Tensor) -> None:
-        """A ``.grad`` autograd made outside ``view`` (no pre-backward ran for it): add it
-        into ``view`` and point ``.grad`` there."""
-        grad = self.unsharded.grad
-        if grad is not None and grad.data_ptr() != view.data_ptr():
-            with torch.no_grad():
-                view.add_(grad)
-            self.unsharded.grad = view

@@ -205,7 +205,7 @@ class RootContext:
             first = entries[0][0]
             flat = torch.tensor([f for _, flags in entries for f in flags], dtype=torch.int32, device=first.device)
             dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=first.process_group)
-            for (group, flags), part in zip(entries, flat.split([len(f) for _, f in entries])):
+            for (group, _), part in zip(entries, flat.split([len(f) for _, f in entries])):
                 out.append((group, part.tolist()))
         return out
 
@@ -264,7 +264,8 @@ class FSDPState:
             else:
                 group.note_forward(grad_on, ctx.forward_id)
             if grad_on:
-                args, kwargs = _arm_input_trigger(group.input_trigger(None if recompute else ctx.forward_id), args, kwargs)
+                trigger = group.input_trigger(None if recompute else ctx.forward_id)
+                args, kwargs = _arm_input_trigger(trigger, args, kwargs)
             if not recompute and self.prefetch:
                 nxt = ctx.next_in_order(self, +1)
                 if nxt is not None and nxt.group is not None:
