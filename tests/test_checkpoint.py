@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import vescale_zero as vz
-from vescale_zero import checkpoint
 from tests.distributed import run_on_ranks
 from tests.models import AwkwardLM, assemble, local_pieces, make_batches, rank_slice
+from vescale_zero import checkpoint
 
 GLOBAL_BATCH = 12
 
@@ -46,7 +46,8 @@ def _phase(rank, world_size, path, phase, granularity):
     return local_pieces(model)
 
 
-@pytest.mark.parametrize("save_ranks,load_ranks,granularities", [(2, 3, ("row", "element")), (3, 1, ("element", "3rows")), (1, 4, ("row", "row"))])
+@pytest.mark.parametrize("save_ranks,load_ranks,granularities",
+                         [(2, 3, ("row", "element")), (3, 1, ("element", "3rows")), (1, 4, ("row", "row"))])
 def test_reshard_on_load_then_continue(tmp_path, save_ranks, load_ranks, granularities):
     path = str(tmp_path / "ckpt")
     run_on_ranks(_phase, save_ranks, path, "first", granularities[0])
@@ -104,7 +105,8 @@ def _structured(name: str, block: int = 16, granularity=None):
 
     model = GPT(GPTConfig(**STRUCTURED_CFG))
     if granularity is None:
-        granularity = {"adamw8bit": AdamW8bit.granularity(block), "shampoo": Shampoo.granularity(block)}.get(name, "row")
+        by_optimizer = {"adamw8bit": AdamW8bit.granularity(block), "shampoo": Shampoo.granularity(block)}
+        granularity = by_optimizer.get(name, "row")
     vz.fully_shard_layers(model, granularity=granularity)
     params = [p for p in model.parameters() if p.requires_grad]
     if name == "adamw8bit":
@@ -182,7 +184,8 @@ def test_structured_optimizer_state_reshards(tmp_path, name, save_ranks, load_ra
     diffs = torch.cat([(resumed[p] - straight[p]).abs().flatten() for p in straight])
     if name == "muon":
         for param in straight:
-            torch.testing.assert_close(resumed[param], straight[param], rtol=1e-6, atol=1e-6, msg=lambda m: f"{param}: {m}")
+            torch.testing.assert_close(resumed[param], straight[param], rtol=1e-6, atol=1e-6,
+                                       msg=lambda m, param=param: f"{param}: {m}")
     else:
         assert diffs.max().item() <= 5e-4 and (diffs > 1e-6).float().mean().item() <= 0.01, (
             diffs.max().item(), (diffs > 1e-6).float().mean().item())
@@ -233,7 +236,7 @@ def _killed_while_saving(rank, world_size, directory):
         checkpoint.write_latest(directory, "step1")
     _steps(model, opt, make_batches(2, GLOBAL_BATCH)[1:], rank, world_size)
     if rank == 1:  # dies after writing its file, before the checkpoint is published
-        sharded._sha256 = lambda _path: os._exit(3)
+        sharded.sha256_file = lambda _path: os._exit(3)
     checkpoint.save(os.path.join(directory, "step2"), model, opt)
     if rank == 0:
         checkpoint.write_latest(directory, "step2")
@@ -304,7 +307,8 @@ def test_fsdp2_dcp_checkpoint_loads_and_training_continues(tmp_path):
     assert sum(r["moments"] for r in ours) > 0
     for name, value in loaded.items():
         assert torch.equal(value, theirs["saved"][name]), name
-        torch.testing.assert_close(final[name], theirs["final"][name], rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(final[name], theirs["final"][name], rtol=1e-6, atol=1e-7,
+                                   msg=lambda m, name=name: f"{name}: {m}")
     offline = str(tmp_path / "offline")
     assert main(["convert", "--from", "fsdp2", src, offline]) == 0
     a, b = (checkpoint.consolidate(p, with_optimizer=True) for p in (src + ".vescale", offline))
