@@ -24,11 +24,11 @@ def _steps(model, opt, batches, rank, world_size):
         opt.zero_grad()
 
 
-def _build(seed, granularity):
+def _build(seed, granularity, mp_policy=None):
     model = AwkwardLM(seed=seed)
     for block in model.blocks:
-        vz.fully_shard(block, granularity=granularity)
-    vz.fully_shard(model, granularity=granularity)
+        vz.fully_shard(block, granularity=granularity, mp_policy=mp_policy)
+    vz.fully_shard(model, granularity=granularity, mp_policy=mp_policy)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
@@ -93,6 +93,41 @@ def test_partial_or_corrupt_checkpoints_are_refused(tmp_path):
         f.write(good_common)
     os.remove(os.path.join(path, "metadata.json"))  # as if the writer died before publishing
     refused("metadata.json", "partial checkpoint")
+
+
+def _load_after_forward(rank, world_size, path):
+    """For fp32 and for bf16 compute: train 2 steps, save; then the output of the next
+    batch from fresh models that loaded the checkpoint (a) before any forward, (b) after a
+    forward with grad enabled and no backward, (c) after a forward under no_grad."""
+    x, y = rank_slice(make_batches(3, GLOBAL_BATCH)[2], rank, world_size)
+    bf16 = vz.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    out = {}
+    for precision, mp in (("fp32", None), ("bf16", bf16)):
+        model, opt = _build(0, "row", mp)
+        _steps(model, opt, make_batches(2, GLOBAL_BATCH), rank, world_size)
+        checkpoint.save(f"{path}-{precision}", model, opt)
+        for before in ("nothing", "forward", "no_grad forward"):
+            fresh, _ = _build(7, "row", mp)  # other weights than the saved ones
+            if before == "forward":
+                fresh(x, y)
+            elif before == "no_grad forward":
+                with torch.no_grad():
+                    fresh(x, y)
+            checkpoint.load(f"{path}-{precision}", fresh)
+            out[precision, before] = fresh(x, y).detach()
+    return out
+
+
+def test_load_after_a_forward_computes_with_the_loaded_weights(tmp_path):
+    """Defect 1: the root group stays gathered after a forward without backward (and a
+    bf16 group keeps its cast), so a load after a forward must not leave the next forward
+    computing with the weights from before the load: its output equals, bit for bit, that
+    of a model that loaded before any forward (fp32 and bf16 compute, 2 ranks)."""
+    for rank, out in enumerate(run_on_ranks(_load_after_forward, 2, str(tmp_path / "ckpt"))):
+        wrong = [(precision, before, out[precision, before].item(), out[precision, "nothing"].item())
+                 for precision in ("fp32", "bf16") for before in ("forward", "no_grad forward")
+                 if not torch.equal(out[precision, before], out[precision, "nothing"])]
+        assert not wrong, (rank, wrong)
 
 
 STRUCTURED_CFG = dict(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..fully_shard import RaggedFSDPModule
+from ..fully_shard import RaggedFSDPModule, groups_of
 from .format import (
     CHECKPOINT_DOMAIN,
     CheckpointError,
@@ -206,7 +206,15 @@ def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
 
     Collective: if any rank refuses the checkpoint, every rank raises (none goes on to
     train alone and hang in its next collective).
+
+    [Note: load after forward] A group can hold gathered (full) parameters when the load
+    comes: the root and groups with ``reshard_after_forward=False`` stay gathered after a
+    forward without backward. Every group is resharded first, so the next forward gathers
+    the loaded shards; and the shards are written in place (their version counter moves),
+    so a group computing in another precision casts them again.
     """
+    for group in groups_of(model):
+        group.reshard()
     error: Optional[CheckpointError] = None
     try:
         extra = _load_local(path, model, optimizer)
@@ -272,7 +280,7 @@ def _load_local(path: str, model: nn.Module, optimizer: Optional[torch.optim.Opt
                         "TP = PP = EP = 1, into the model it was converted from") if name in sliced else ""
                 raise CheckpointError(f"{path}: parameter {name!r} of shape {shape} is "
                                       f"{'missing' if got is None else f'saved as {got}'}{hint}")
-            fill(p.data, s, e, saved, name)
+            fill(p.detach(), s, e, saved, name)  # not .data: see [Note: load after forward]
         for name, buf in model.named_buffers():
             saved = common["buffers"].get(name)
             piece_name = _whole_name(name, pieces, path) if meta.get("whole") else name
