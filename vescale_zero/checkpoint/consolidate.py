@@ -26,7 +26,7 @@ def _join(pieces: Dict[str, List[Piece]]) -> Dict[str, torch.Tensor]:
     out = {}
     for name, saved in pieces.items():
         shape = tuple(saved[0][0])
-        full = torch.empty(math.prod(shape), dtype=saved[0][3].dtype)
+        full = torch.empty(math.prod(shape), dtype=saved[0][3].dtype, device="cpu")
         fill(full, 0, full.numel(), saved, name)
         out[name] = full.view(shape)
     return out

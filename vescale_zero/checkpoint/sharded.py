@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm_device import collective_device, current_device
 from ..fully_shard import RaggedFSDPModule, groups_of
 from .format import (
     CHECKPOINT_DOMAIN,
@@ -57,7 +58,7 @@ from .format import (
     write_rank_file,
 )
 
-__all__ = ["save", "load", "managed_pieces"]
+__all__ = ["save", "load", "managed_pieces", "model_device"]
 
 SpanFn = Callable[[torch.Tensor, str], Optional[Tuple[int, int, int]]]
 
@@ -113,8 +114,20 @@ def _state_span_fn(optimizer: Any) -> Optional[SpanFn]:
     return None
 
 
+def model_device(model: nn.Module) -> Optional[torch.device]:
+    """The device of ``model``'s sharded groups (else of its parameters), ``None`` if it has none."""
+    for group in groups_of(model):
+        return group.device
+    return next((p.device for p in model.parameters()), None)
+
+
 def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, extra: Any = None) -> None:
     """Write ``model``'s (and ``optimizer``'s) shards of this rank under ``path``; collective."""
+    with current_device(model_device(model)):  # the object collectives' device on NCCL
+        _save(path, model, optimizer, extra)
+
+
+def _save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], extra: Any) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     token = [uuid.uuid4().hex if rank == 0 else None]
     dist.broadcast_object_list(token, src=0)
@@ -221,7 +234,7 @@ def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     except CheckpointError as e:
         error = e
     if dist.is_initialized():
-        flag = torch.tensor([1.0 if error else 0.0])
+        flag = torch.tensor([1.0 if error else 0.0], device=collective_device(None, model_device(model)))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item() and error is None:
             error = CheckpointError(f"another rank refused the checkpoint at {path!r}; see its error")
@@ -285,7 +298,7 @@ def _load_local(path: str, model: nn.Module, optimizer: Optional[torch.optim.Opt
             saved = common["buffers"].get(name)
             piece_name = _whole_name(name, pieces, path) if meta.get("whole") else name
             if saved is None and piece_name in pieces:
-                saved = torch.empty(buf.numel(), dtype=buf.dtype)
+                saved = torch.empty(buf.numel(), dtype=buf.dtype, device="cpu")
                 fill(saved, 0, buf.numel(), pieces[piece_name], name)
             if saved is not None:
                 buf.copy_(saved.view(buf.shape))

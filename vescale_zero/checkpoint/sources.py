@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm_device import current_device
 from . import sharded
 from .convert import from_deepspeed, from_fsdp2
 from .convert_megatron import from_megatron
@@ -43,7 +44,8 @@ def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     train alone and hang in its next collective).
     """
     if is_dcp_checkpoint(path):
-        path = _converted_dcp(path)
+        with current_device(sharded.model_device(model)):  # the object collective's device on NCCL
+            path = _converted_dcp(path)
     return sharded.load(path, model, optimizer)
 
 
