@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import vescale_zero as vz
-from vescale_zero import checkpoint
 from tests.distributed import run_on_ranks
 from tests.models import AwkwardLM, assemble, local_pieces, make_batches, rank_slice
+from vescale_zero import checkpoint
 
 GLOBAL_BATCH = 12
 
@@ -24,11 +24,11 @@ def _steps(model, opt, batches, rank, world_size):
         opt.zero_grad()
 
 
-def _build(seed, granularity):
+def _build(seed, granularity, mp_policy=None):
     model = AwkwardLM(seed=seed)
     for block in model.blocks:
-        vz.fully_shard(block, granularity=granularity)
-    vz.fully_shard(model, granularity=granularity)
+        vz.fully_shard(block, granularity=granularity, mp_policy=mp_policy)
+    vz.fully_shard(model, granularity=granularity, mp_policy=mp_policy)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
@@ -46,7 +46,8 @@ def _phase(rank, world_size, path, phase, granularity):
     return local_pieces(model)
 
 
-@pytest.mark.parametrize("save_ranks,load_ranks,granularities", [(2, 3, ("row", "element")), (3, 1, ("element", "3rows")), (1, 4, ("row", "row"))])
+@pytest.mark.parametrize("save_ranks,load_ranks,granularities",
+                         [(2, 3, ("row", "element")), (3, 1, ("element", "3rows")), (1, 4, ("row", "row"))])
 def test_reshard_on_load_then_continue(tmp_path, save_ranks, load_ranks, granularities):
     path = str(tmp_path / "ckpt")
     run_on_ranks(_phase, save_ranks, path, "first", granularities[0])
@@ -94,6 +95,41 @@ def test_partial_or_corrupt_checkpoints_are_refused(tmp_path):
     refused("metadata.json", "partial checkpoint")
 
 
+def _load_after_forward(rank, world_size, path):
+    """For fp32 and for bf16 compute: train 2 steps, save; then the output of the next
+    batch from fresh models that loaded the checkpoint (a) before any forward, (b) after a
+    forward with grad enabled and no backward, (c) after a forward under no_grad."""
+    x, y = rank_slice(make_batches(3, GLOBAL_BATCH)[2], rank, world_size)
+    bf16 = vz.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    out = {}
+    for precision, mp in (("fp32", None), ("bf16", bf16)):
+        model, opt = _build(0, "row", mp)
+        _steps(model, opt, make_batches(2, GLOBAL_BATCH), rank, world_size)
+        checkpoint.save(f"{path}-{precision}", model, opt)
+        for before in ("nothing", "forward", "no_grad forward"):
+            fresh, _ = _build(7, "row", mp)  # other weights than the saved ones
+            if before == "forward":
+                fresh(x, y)
+            elif before == "no_grad forward":
+                with torch.no_grad():
+                    fresh(x, y)
+            checkpoint.load(f"{path}-{precision}", fresh)
+            out[precision, before] = fresh(x, y).detach()
+    return out
+
+
+def test_load_after_a_forward_computes_with_the_loaded_weights(tmp_path):
+    """Defect 1: the root group stays gathered after a forward without backward (and a
+    bf16 group keeps its cast), so a load after a forward must not leave the next forward
+    computing with the weights from before the load: its output equals, bit for bit, that
+    of a model that loaded before any forward (fp32 and bf16 compute, 2 ranks)."""
+    for rank, out in enumerate(run_on_ranks(_load_after_forward, 2, str(tmp_path / "ckpt"))):
+        wrong = [(precision, before, out[precision, before].item(), out[precision, "nothing"].item())
+                 for precision in ("fp32", "bf16") for before in ("forward", "no_grad forward")
+                 if not torch.equal(out[precision, before], out[precision, "nothing"])]
+        assert not wrong, (rank, wrong)
+
+
 STRUCTURED_CFG = dict(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)
 
 
@@ -104,7 +140,8 @@ def _structured(name: str, block: int = 16, granularity=None):
 
     model = GPT(GPTConfig(**STRUCTURED_CFG))
     if granularity is None:
-        granularity = {"adamw8bit": AdamW8bit.granularity(block), "shampoo": Shampoo.granularity(block)}.get(name, "row")
+        by_optimizer = {"adamw8bit": AdamW8bit.granularity(block), "shampoo": Shampoo.granularity(block)}
+        granularity = by_optimizer.get(name, "row")
     vz.fully_shard_layers(model, granularity=granularity)
     params = [p for p in model.parameters() if p.requires_grad]
     if name == "adamw8bit":
@@ -182,7 +219,8 @@ def test_structured_optimizer_state_reshards(tmp_path, name, save_ranks, load_ra
     diffs = torch.cat([(resumed[p] - straight[p]).abs().flatten() for p in straight])
     if name == "muon":
         for param in straight:
-            torch.testing.assert_close(resumed[param], straight[param], rtol=1e-6, atol=1e-6, msg=lambda m: f"{param}: {m}")
+            torch.testing.assert_close(resumed[param], straight[param], rtol=1e-6, atol=1e-6,
+                                       msg=lambda m, param=param: f"{param}: {m}")
     else:
         assert diffs.max().item() <= 5e-4 and (diffs > 1e-6).float().mean().item() <= 0.01, (
             diffs.max().item(), (diffs > 1e-6).float().mean().item())
@@ -233,7 +271,7 @@ def _killed_while_saving(rank, world_size, directory):
         checkpoint.write_latest(directory, "step1")
     _steps(model, opt, make_batches(2, GLOBAL_BATCH)[1:], rank, world_size)
     if rank == 1:  # dies after writing its file, before the checkpoint is published
-        sharded._sha256 = lambda _path: os._exit(3)
+        sharded.sha256_file = lambda _path: os._exit(3)
     checkpoint.save(os.path.join(directory, "step2"), model, opt)
     if rank == 0:
         checkpoint.write_latest(directory, "step2")
@@ -304,7 +342,8 @@ def test_fsdp2_dcp_checkpoint_loads_and_training_continues(tmp_path):
     assert sum(r["moments"] for r in ours) > 0
     for name, value in loaded.items():
         assert torch.equal(value, theirs["saved"][name]), name
-        torch.testing.assert_close(final[name], theirs["final"][name], rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(final[name], theirs["final"][name], rtol=1e-6, atol=1e-7,
+                                   msg=lambda m, name=name: f"{name}: {m}")
     offline = str(tmp_path / "offline")
     assert main(["convert", "--from", "fsdp2", src, offline]) == 0
     a, b = (checkpoint.consolidate(p, with_optimizer=True) for p in (src + ".vescale", offline))

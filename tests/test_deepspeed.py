@@ -9,6 +9,7 @@ import torch
 
 pytest.importorskip("deepspeed")  # the [test] extra installs it; without it these tests cannot run
 
+from tests.device_guard import strict_collectives  # noqa: E402
 from tests.distributed import run_on_ranks  # noqa: E402
 from tests.models import AwkwardLM, assemble, local_pieces, make_batches, rank_slice  # noqa: E402
 
@@ -95,7 +96,8 @@ def test_ragged_matches_stage3_fp32(world_size):
     assert losses == pytest.approx(ref_losses, rel=1e-6)
     assert set(params) == set(ref_params)
     for name, value in params.items():
-        torch.testing.assert_close(value, ref_params[name], rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(value, ref_params[name], rtol=1e-6, atol=1e-7,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_bf16_tracks_stage3_bf16():
@@ -115,6 +117,13 @@ def _fp16_overflow_on_one_rank(rank, world_size):
 
     cfg = ds_config("ragged", world_size, fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1})
     engine, *_ = deepspeed.initialize(model=AwkwardLM(seed=0), config=cfg)
+    check = engine._unscale_and_check_overflow
+
+    def strict_check(scale):  # its all-reduce on the model's device (tests/device_guard.py)
+        with strict_collectives(groups_of(engine.module)[0].device):
+            return check(scale)
+
+    engine._unscale_and_check_overflow = strict_check
     scales, skipped, changed = [], [], []
     for step, batch in enumerate(make_batches(4, GLOBAL_BATCH)):
         x, y = rank_slice(batch, rank, world_size)
@@ -210,7 +219,8 @@ def _train_with_checkpoint(rank, world_size, ckpt_dir, phase):
     engine, *_ = deepspeed.initialize(model=model, config=ds_config("ragged", world_size))
     batches = make_batches(6, GLOBAL_BATCH)
     if phase == "resume":
-        path, client = engine.load_checkpoint(ckpt_dir)
+        with strict_collectives(next(engine.module.parameters()).device):  # see tests/device_guard.py
+            path, client = engine.load_checkpoint(ckpt_dir)
         assert client == {"epoch": 7} and path.endswith("global_step3"), (path, client)
         assert engine.global_steps == 3
         batches = batches[3:]
@@ -245,7 +255,8 @@ def _pipeline(rank, world_size, stage):
 
     deepspeed.init_distributed(dist_backend="gloo")  # PipelineModule needs DeepSpeed's comm up
     torch.manual_seed(0)
-    layers = [nn.Linear(13, 29), nn.GELU(), nn.Linear(29, 31), nn.GELU(), nn.Linear(31, 29), nn.GELU(), nn.Linear(29, 7)]
+    layers = [nn.Linear(13, 29), nn.GELU(), nn.Linear(29, 31), nn.GELU(), nn.Linear(31, 29), nn.GELU(),
+              nn.Linear(29, 7)]
     model = PipelineModule(layers=layers, num_stages=2, loss_fn=nn.MSELoss(), partition_method="uniform")
     cfg = {"train_batch_size": 12, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2,
            "gradient_clipping": 0.0, "steps_per_print": 10**9,
@@ -371,7 +382,8 @@ def test_zero_checkpoint_migrates_to_ragged_and_training_continues(tmp_path, sta
     assert engine_side.keys() == offline.keys() and all(torch.equal(engine_side[k], offline[k]) for k in offline)
     got, want = assemble([r["params"] for r in ours]), zero[0]["params"]
     for name in want:
-        torch.testing.assert_close(got[name], want[name].float(), rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got[name], want[name].float(), rtol=1e-6, atol=1e-7,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_fp8_all_gather_key_trains_like_the_plain_gather():

@@ -930,7 +930,7 @@ def test_megatron_dist_checkpoint_resumes_in_vescale_fsdp_and_back(tmp_path, sou
     equals Megatron's own continuation. ``vescale-zero convert --from megatron`` gives a
     checkpoint that loads to the same state. Ours then saves torch_dist and megatron-core
     DDP + its Adam loads it exactly (weights or masters, moments, step)."""
-    from vescale_zero.checkpoint.convert import convert
+    from vescale_zero.checkpoint.sources import convert
 
     distributed, bf16, moe = "--use-distributed-optimizer" in flags, "--bf16" in flags, flags == MOE_EP2
     ckpt, back, converted = str(tmp_path / "megatron"), str(tmp_path / "vescale"), str(tmp_path / "converted")

@@ -1,5 +1,6 @@
 """vescale-zero: RaggedShard FSDP with a structure-aware planner and zero-copy DBuffer."""
 
+from . import checkpoint  # the subpackage: vz.checkpoint.save(...)
 from .clip_grad import clip_grad_norm_, sharded_grad_norm
 from .dbuffer import DBuffer
 from .fully_shard import MixedPrecisionPolicy, RaggedFSDPModule, fully_shard, fully_shard_layers, sharded_counterpart
@@ -31,4 +32,5 @@ __all__ = [
     "ShardingReport",
     "preset_granularity",
     "resolve_granularities",
+    "checkpoint",
 ]

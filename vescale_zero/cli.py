@@ -167,8 +167,8 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from .checkpoint.convert import convert
-    from .checkpoint.sharded import CheckpointError
+    from .checkpoint import CheckpointError
+    from .checkpoint.sources import convert
 
     try:
         convert(args.source, args.src, args.dst, tag=args.tag, weights_only=args.weights_only,

@@ -3,23 +3,28 @@
 Each rank holds a disjoint piece of every sharded gradient (padding excluded, since it
 is never a parameter's view), so the global ``p``-norm is one all-reduce of the local
 sums of ``|g|^p`` (``max`` for the inf-norm). Parameters outside any group are replicated:
-each rank adds them once after the reduction.
+each rank adds them once after the reduction. The local sum lives on the groups' device
+(a rank holding no gradient, an expert without tokens, still joins the all-reduce, with
+a zero on that device: never on the CPU, which NCCL refuses).
 """
 
 from __future__ import annotations
 
-from typing import Iterable, List, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .comm_device import collective_device
 from .fully_shard import groups_of
 
 __all__ = ["clip_grad_norm_", "sharded_grad_norm"]
 
 
-def _split(module: nn.Module):
+def _split(module: nn.Module) -> Tuple[List[torch.Tensor], List[torch.Tensor], Optional[dist.ProcessGroup],
+                                      Optional[torch.device]]:
+    """``(sharded grads, replicated grads, the groups' process group, their device)``."""
     groups = groups_of(module)
     sharded_ids = {id(p) for g in groups for p in g.sharded_params + g.unsharded_params}
     sharded = [g.sharded_params[i].grad for g in groups for i in g.grad_indices]
@@ -27,7 +32,8 @@ def _split(module: nn.Module):
     pgs = {id(g.process_group): g.process_group for g in groups}
     if len(pgs) > 1:
         raise ValueError("clip_grad_norm_ over groups sharded on different process groups is not supported")
-    return [g for g in sharded if g is not None], replicated, next(iter(pgs.values()), None)
+    device = groups[0].device if groups else None
+    return [g for g in sharded if g is not None], replicated, next(iter(pgs.values()), None), device
 
 
 def _local_norm_term(grads: List[torch.Tensor], norm_type: float, device) -> torch.Tensor:
@@ -41,8 +47,11 @@ def _local_norm_term(grads: List[torch.Tensor], norm_type: float, device) -> tor
 def sharded_grad_norm(module: nn.Module, norm_type: Union[float, int] = 2.0) -> torch.Tensor:
     """The norm of all of ``module``'s gradients, as if they were unsharded."""
     norm_type = float(norm_type)
-    sharded, replicated, pg = _split(module)
-    device = (sharded or replicated or [torch.zeros(())])[0].device
+    sharded, replicated, pg, device = _split(module)
+    if pg is not None:
+        device = collective_device(pg, device)
+    elif device is None:
+        device = replicated[0].device if replicated else torch.device("cpu")
     term = _local_norm_term(sharded, norm_type, device)
     if pg is not None:
         dist.all_reduce(term, op=dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM, group=pg)
@@ -67,7 +76,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: Union[float, 
             g = group.sharded_params[i].grad
             if g is not None and g.numel() and not lo <= g.data_ptr() < hi:
                 g.detach().mul_(coef.to(g.dtype))
-    _, replicated, _ = _split(module)
+    _, replicated, _, _ = _split(module)
     for g in replicated:
         g.detach().mul_(coef.to(g.dtype))
     return total

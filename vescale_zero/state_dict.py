@@ -113,6 +113,9 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tenso
     communication. With ``strict``, missing or unexpected keys raise ``KeyError`` naming
     them; a tensor of the wrong shape always raises ``ValueError``.
     """
+    for group in groups_of(module):
+        if group.state is not GroupState.SHARDED:
+            group.reshard()  # full parameters gathered before the load must not outlive it
     current = module.state_dict(keep_vars=True)
     index = _managed_index(module)
     # A missing ``_extra_state`` is the module's business: its load hooks fill a default
@@ -149,12 +152,11 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tenso
             done.append((group, i))
     if rest:
         module.load_state_dict(rest, strict=False)
-    for group in groups_of(module):
-        if group.state is not GroupState.SHARDED:
-            group.reshard()  # drop full parameters gathered before the load
 
 
-def full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[Dict[str, Dict[str, torch.Tensor]], Optional[float]]:
+def full_optimizer_state(
+    module: nn.Module, optimizer: torch.optim.Optimizer,
+) -> Tuple[Dict[str, Dict[str, torch.Tensor]], Optional[float]]:
     """``({param key: {state key: full tensor}}, step)`` for element-wise optimizer state.
 
     Collective over every group under ``module`` (one all-gather per group and state

@@ -33,6 +33,7 @@ from deepspeed.utils import groups
 import vescale_zero as vz
 from vescale_zero import checkpoint
 from vescale_zero.checkpoint.convert import is_deepspeed_checkpoint
+from vescale_zero.comm_device import collective_device
 from vescale_zero.fully_shard import groups_of
 from vescale_zero.optim import AdamW8bit, Muon, Shampoo
 
@@ -167,8 +168,10 @@ class RaggedEngineMixin:
         super()._take_model_step(lr_kwargs)
 
     def _unscale_and_check_overflow(self, scale: float) -> bool:
-        flag = torch.zeros((), dtype=torch.float32, device=self.device)
-        for group in groups_of(self.module):
+        groups = groups_of(self.module)
+        device = collective_device(None, groups[0].device if groups else None)  # the all-reduce's: the model's
+        flag = torch.zeros((), dtype=torch.float32, device=device)
+        for group in groups:
             buf = group.sharded_grad.local
             buf.div_(scale)  # one op per group
             flag = torch.maximum(flag, (~torch.isfinite(buf)).any().float())

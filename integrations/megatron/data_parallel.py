@@ -59,7 +59,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 import vescale_zero as vz
-from vescale_zero.checkpoint.sharded import CHECKPOINT_DOMAIN
+from vescale_zero.checkpoint.format import CHECKPOINT_DOMAIN
 from vescale_zero.fully_shard import groups_of
 from vescale_zero.granularity import GranularityPolicy
 from vescale_zero.param_group import ParamGroup
@@ -389,7 +389,7 @@ def _rank_in(group: Any) -> int:
 
 
 def _checkpoint_domains(groups: Dict[str, Any]) -> tuple:
-    """Names of the model-parallel slices a rank holds (see vescale_zero.checkpoint
+    """Names of the model-parallel slices a rank holds (see vescale_zero.checkpoint.format
     [Note: domains]): dense tensors differ by TP and PP rank, experts also by EP rank."""
     from megatron.core import parallel_state
 

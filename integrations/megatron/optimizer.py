@@ -55,6 +55,7 @@ from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
 from vescale_zero import checkpoint
+from vescale_zero.comm_device import collective_device
 from vescale_zero.optim import AdamW8bit, Muon, Shampoo
 from vescale_zero.state_dict import (
     full_optimizer_state, load_full_optimizer_state, load_full_state_dict, sharded_params_by_key,
@@ -95,10 +96,12 @@ class VeScaleOptimizer(MegatronOptimizer):
         self._sharded_checkpoint: Optional[str] = None
         self.is_stub_optimizer = False
         params = self.get_parameters()
-        self._device = params[0].device if params else torch.device("cpu")
+        self.grad_stats_parallel_group = dist.group.WORLD
+        # the device of the norm / zero-count / overflow all-reduces: the parameters', or the
+        # current accelerator on a rank without parameters (never the CPU under NCCL)
+        self._device = collective_device(self.grad_stats_parallel_group, params[0].device if params else None)
         self.grad_scaler = _grad_scaler(config, self._device)
         self._one = torch.ones(1, dtype=torch.float32, device=self._device)
-        self.grad_stats_parallel_group = dist.group.WORLD
         self._tp_group = parallel_state.get_tensor_model_parallel_group()
         self._etp_group = parallel_state.get_expert_tensor_parallel_group(check_initialized=False)
 

@@ -6,7 +6,7 @@ Every name's pieces (flat ranges from every rank file) are joined into the full 
 of its saved shape; buffers come from rank 0's file. The checksums are verified first, and
 a name whose pieces do not cover the whole tensor is refused, naming it. Names carry the
 checkpoint domain of integrations that set one (``"tp1-pp0/module.decoder..."``, see
-:mod:`vescale_zero.checkpoint.sharded` [Note: domains]); their tensors are the slices of
+:mod:`vescale_zero.checkpoint.format` [Note: domains]); their tensors are the slices of
 that domain, as the host saved them.
 """
 
@@ -17,7 +17,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from .sharded import Piece, _entries, _fill, _read_common, _read_metadata, _read_rank_file
+from .format import Piece, entries, fill, read_common, read_metadata, read_rank_file
 
 __all__ = ["consolidate"]
 
@@ -26,8 +26,8 @@ def _join(pieces: Dict[str, List[Piece]]) -> Dict[str, torch.Tensor]:
     out = {}
     for name, saved in pieces.items():
         shape = tuple(saved[0][0])
-        full = torch.empty(math.prod(shape), dtype=saved[0][3].dtype)
-        _fill(full, 0, full.numel(), saved, name)
+        full = torch.empty(math.prod(shape), dtype=saved[0][3].dtype, device="cpu")
+        fill(full, 0, full.numel(), saved, name)
         out[name] = full.view(shape)
     return out
 
@@ -36,8 +36,8 @@ def consolidate(path: str, with_optimizer: bool = False) -> Dict[str, Any]:
     """The full state dict of the model saved at ``path`` (parameters and buffers); with
     ``with_optimizer``, also every per-element optimizer state as ``"name::key"`` (full
     shape) and every per-block one (8-bit scales, Shampoo blocks) with all its blocks."""
-    meta = _read_metadata(path)
-    files = [_read_rank_file(path, r, meta["sha256"][r]) for r in range(meta["world_size"])]
+    meta = read_metadata(path)
+    files = [read_rank_file(path, r, meta["sha256"][r]) for r in range(meta["world_size"])]
     params: Dict[str, List[Piece]] = {}
     states: Dict[str, List[Piece]] = {}
     blocks: Dict[str, List[Piece]] = {}
@@ -49,7 +49,7 @@ def consolidate(path: str, with_optimizer: bool = False) -> Dict[str, Any]:
         for key, piece in f["optim_states"].items():
             states.setdefault(key, []).append(piece)
     out = _join(params)
-    common = _read_common(path, meta)
+    common = read_common(path, meta)
     for saved, others in common.get("aliases", {}).items():  # tied parameters, under every name
         for name in others:
             out[name] = out[saved]
@@ -58,5 +58,5 @@ def consolidate(path: str, with_optimizer: bool = False) -> Dict[str, Any]:
         if common["optim_groups"] is None and not states and not blocks:
             raise ValueError(f"{path} holds no optimizer state (saved without an optimizer); drop --optimizer")
         out.update(_join(states))
-        out.update({key: _entries(0, saved[0][0][0], saved, key) for key, saved in blocks.items()})
+        out.update({key: entries(0, saved[0][0][0], saved, key) for key, saved in blocks.items()})
     return out

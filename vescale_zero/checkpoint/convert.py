@@ -29,7 +29,6 @@ parameters of the loading model (its buffers) are found by name among the pieces
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
@@ -39,68 +38,14 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .sharded import COMMON_FILE, FORMAT, CheckpointError, _rank_file, _sha256
+from .format import CheckpointError, is_dcp_checkpoint, read_dcp, write_whole
 
-__all__ = ["write_whole", "from_fsdp2", "from_deepspeed", "is_dcp_checkpoint", "is_deepspeed_checkpoint"]
+__all__ = ["from_fsdp2", "from_deepspeed", "is_deepspeed_checkpoint", "deepspeed_model_states"]
 
 _DS_MODEL_STATES = "mp_rank_00_model_states.pt"
 
 
-def write_whole(dst: str, tensors: Dict[str, torch.Tensor], optim_state: Optional[Dict[str, Dict[str, Any]]] = None,
-                optim_groups: Optional[List[Dict[str, Any]]] = None, extra: Any = None) -> None:
-    """Publish a one-rank checkpoint at ``dst`` holding every tensor whole (see module doc).
-
-    ``optim_state`` maps a parameter name to its state: tensors of the parameter's numel
-    are per element, anything else (``step``) is kept as is. Written to a temporary name
-    and renamed, like :func:`vescale_zero.checkpoint.save`.
-    """
-    params, states, scalars = {}, {}, {}
-    for name, t in tensors.items():
-        t = t.detach().to("cpu", copy=True)
-        params[name] = (tuple(t.shape), 0, t.numel(), t.reshape(-1).float() if t.is_floating_point() else t.reshape(-1))
-    for name, state in (optim_state or {}).items():
-        if name not in params:
-            raise CheckpointError(f"optimizer state for {name!r}, which is not a tensor of the model state dict")
-        shape, _, numel, _ = params[name]
-        for key, value in state.items():
-            if torch.is_tensor(value) and value.numel() == numel and numel > 1:
-                states[f"{name}::{key}"] = (shape, 0, numel, value.detach().to("cpu", torch.float32).reshape(-1).clone())
-            else:
-                scalars[f"{name}::{key}"] = (0, numel, value.detach().cpu().clone() if torch.is_tensor(value) else value)
-    parent = os.path.dirname(os.path.abspath(dst))
-    os.makedirs(parent, exist_ok=True)
-    if os.path.exists(dst):
-        raise CheckpointError(f"{dst} exists; convert into a new directory")
-    tmp = tempfile.mkdtemp(prefix=os.path.basename(dst) + ".tmp-", dir=parent)
-    try:
-        torch.save({"params": params, "optim_states": states, "optim_blocks": {}, "optim_scalars": scalars},
-                   _rank_file(tmp, 0))
-        torch.save({"aliases": {}, "optim_groups": optim_groups, "buffers": {}, "extra": extra},
-                   os.path.join(tmp, COMMON_FILE))
-        with open(os.path.join(tmp, "metadata.json"), "w") as f:
-            json.dump({"format": FORMAT, "world_size": 1, "whole": True, "sha256": [_sha256(_rank_file(tmp, 0))],
-                       "common_sha256": _sha256(os.path.join(tmp, COMMON_FILE)),
-                       "index": [{name: [0, p[2]] for name, p in params.items()}]}, f)
-        os.replace(tmp, dst)
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp)
-
-
 # ---- FSDP2 / DCP ----------------------------------------------------------------------
-
-
-def is_dcp_checkpoint(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, ".metadata")) and not os.path.exists(os.path.join(path, "metadata.json"))
-
-
-def _read_dcp(src: str) -> Dict[str, Any]:
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner, _load_state_dict
-
-    state: Dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=FileSystemReader(src), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    return state
 
 
 def _split_fsdp2(state: Dict[str, Any], src: str) -> Tuple[Dict[str, torch.Tensor], Optional[Dict[str, Any]]]:
@@ -117,7 +62,8 @@ def _split_fsdp2(state: Dict[str, Any], src: str) -> Tuple[Dict[str, torch.Tenso
     return {k: v for k, v in model.items() if torch.is_tensor(v)}, optim
 
 
-def _fsdp2_optimizer(optim: Dict[str, Any], names: List[str], src: str) -> Tuple[Dict[str, Dict[str, Any]], List[Dict[str, Any]]]:
+def _fsdp2_optimizer(optim: Dict[str, Any], names: List[str],
+                    src: str) -> Tuple[Dict[str, Dict[str, Any]], List[Dict[str, Any]]]:
     """Per-parameter state and hyper-parameters from ``get_optimizer_state_dict``'s output,
     nested (``{"state": {fqn: {...}}, "param_groups": [...]}``) or flattened
     (``{"state.fqn.exp_avg": t, "param_groups.fqn.lr": 0.1}``)."""
@@ -145,7 +91,7 @@ def from_fsdp2(src: str, dst: str, weights_only: bool = False) -> None:
     """Convert a DCP checkpoint written under PyTorch FSDP2 (see [Note: sources])."""
     if not is_dcp_checkpoint(src):
         raise CheckpointError(f"{src} is not a DCP checkpoint (no .metadata file)")
-    tensors, optim = _split_fsdp2(_read_dcp(src), src)
+    tensors, optim = _split_fsdp2(read_dcp(src), src)
     state, groups = (None, None) if weights_only or optim is None else _fsdp2_optimizer(optim, list(tensors), src)
     write_whole(dst, tensors, state, groups, extra={"converted_from": "fsdp2", "source": os.path.abspath(src)})
 
@@ -207,7 +153,9 @@ def _universal_adam_state(universal: str, shapes: Dict[str, Tuple[int, ...]]) ->
                 raise CheckpointError(f"{file}: {full.numel()} elements, the weight {name!r} has shape {shape}")
             state[key] = full.reshape(shape).float()
         step_file = os.path.join(folder, "step.pt")
-        step = torch.load(step_file, map_location="cpu", weights_only=False) if os.path.exists(step_file) else common_step
+        step = common_step
+        if os.path.exists(step_file):
+            step = torch.load(step_file, map_location="cpu", weights_only=False)
         state["step"] = torch.as_tensor(step).float().reshape(())
         out[name] = state
     return out
@@ -239,7 +187,8 @@ def from_deepspeed(load_dir: str, tag: Optional[str], dst: str, weights_only: bo
     if states_file is None:
         raise CheckpointError(f"{path} is not a DeepSpeed checkpoint (no {_DS_MODEL_STATES})")
     states = torch.load(states_file, map_location="cpu", weights_only=False)
-    if any(n.endswith("optim_states.pt") and n.startswith(("zero_pp_rank_", "bf16_zero_pp_rank_")) for n in os.listdir(path)):
+    zero_files = ("zero_pp_rank_", "bf16_zero_pp_rank_")
+    if any(n.endswith("optim_states.pt") and n.startswith(zero_files) for n in os.listdir(path)):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         tensors = dict(get_fp32_state_dict_from_zero_checkpoint(load_dir, tag))
@@ -268,19 +217,3 @@ def from_deepspeed(load_dir: str, tag: Optional[str], dst: str, weights_only: bo
     client = {k: v for k, v in states.items() if k not in DS_ENGINE_KEYS}
     write_whole(dst, tensors, state, groups, extra={"converted_from": "deepspeed", "deepspeed": engine,
                                                      "client_state": client})
-
-
-def convert(source: str, src: str, dst: str, tag: Optional[str] = None, weights_only: bool = False,
-            iteration: Optional[int] = None, layer_spec: str = "local") -> None:
-    """``vescale-zero convert --from SOURCE SRC DST``; ``tag`` is DeepSpeed's, ``iteration``
-    and ``layer_spec`` Megatron's (:mod:`vescale_zero.checkpoint.convert_megatron`)."""
-    if source == "fsdp2":
-        from_fsdp2(src, dst, weights_only=weights_only)
-    elif source == "deepspeed":
-        from_deepspeed(src, tag, dst, weights_only=weights_only)
-    elif source == "megatron":
-        from .convert_megatron import from_megatron
-
-        from_megatron(src, dst, iteration=iteration, layer_spec=layer_spec, weights_only=weights_only)
-    else:
-        raise CheckpointError(f"--from {source!r}: choose fsdp2, deepspeed or megatron")

@@ -8,14 +8,18 @@ of every pipeline stage (and the experts of every EP rank) stacked along leading
 Read with DCP's own reader in one process, those global tensors are exactly the
 tensors of the same model at TP = PP = EP = 1, once unstacked and renamed::
 
-    checkpoint key                                      global shape    -> name at tp1 x pp1
-    decoder.layers.self_attention.linear_qkv.weight     [L, 3h, h]      -> decoder.layers.{i}.self_attention.linear_qkv.weight
-    decoder.layers.self_attention.linear_qkv.layer_norm_weight  [L, h]  -> decoder.layers.{i}.input_layernorm.weight (local spec)
-    decoder.layers.mlp.experts.experts.linear_fc1.weight  [L, E, f, h]  -> decoder.layers.{i}.mlp.experts.local_experts.{j}.linear_fc1.weight
+    checkpoint key (global shape)
+        -> name at tp1 x pp1
+    decoder.layers.self_attention.linear_qkv.weight  [L, 3h, h]
+        -> decoder.layers.{i}.self_attention.linear_qkv.weight
+    decoder.layers.self_attention.linear_qkv.layer_norm_weight  [L, h]
+        -> decoder.layers.{i}.input_layernorm.weight (local spec)
+    decoder.layers.mlp.experts.experts.linear_fc1.weight  [L, E, f, h]
+        -> decoder.layers.{i}.mlp.experts.local_experts.{j}.linear_fc1.weight
     optimizer.state.exp_avg.<key>  (also chained_<k>.optimizer...)     -> "<name>::exp_avg", likewise exp_avg_sq
     optimizer.state.fp32_param.<key> / .param.<key>  (fp32 masters)     -> the weight itself, in place of the bf16 one
 
-The result (:func:`vescale_zero.checkpoint.convert.write_whole`) carries those names, so
+The result (:func:`vescale_zero.checkpoint.format.write_whole`) carries those names, so
 ``vescale-zero consolidate`` turns it into a plain state dict of the tp1 x pp1 model, and
 :func:`vescale_zero.checkpoint.load` loads it into ``VeScaleFSDP`` (or ``fully_shard``) at
 TP = PP = EP = 1 and any data-parallel size. At another model-parallel layout, load the
@@ -36,8 +40,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .convert import _read_dcp, write_whole
-from .sharded import CheckpointError
+from .format import CheckpointError, read_dcp, write_whole
 
 __all__ = ["from_megatron", "megatron_iteration_dir", "LAYER_SPECS"]
 
@@ -117,7 +120,8 @@ def _is_stacked(key: str) -> bool:
     return key.startswith(_LAYERS) and not key[len(_LAYERS):].split(".", 1)[0].isdigit()
 
 
-def _unstack(key: str, tensor: torch.Tensor, inverse: Dict[str, str], layer_spec: str) -> List[Tuple[str, torch.Tensor]]:
+def _unstack(key: str, tensor: torch.Tensor, inverse: Dict[str, str],
+             layer_spec: str) -> List[Tuple[str, torch.Tensor]]:
     """The tp1 x pp1 names and tensors of one checkpoint key (see the module doc)."""
     if not _is_stacked(key):
         return [(key, tensor)]
@@ -167,7 +171,7 @@ def from_megatron(src: str, dst: str, iteration: Optional[int] = None, layer_spe
     path = megatron_iteration_dir(src, iteration)
     _check_torch_dist(path)
     inverse = _inverse_keys_map(layer_spec)
-    state = _read_dcp(path)
+    state = read_dcp(path)
     common = torch.load(os.path.join(path, "common.pt"), map_location="cpu", weights_only=False)
     model: Dict[str, torch.Tensor] = {}
     optim: Dict[str, Dict[str, torch.Tensor]] = {}
@@ -215,8 +219,8 @@ def from_megatron(src: str, dst: str, iteration: Optional[int] = None, layer_spe
         for name in pieces:
             state_of[name] = {k: split[k][name] for k in split}
             state_of[name]["step"] = torch.as_tensor(steps[0]).float().reshape(())
-    megatron = {k: common[k] for k in ("iteration", "checkpoint_version", "opt_param_scheduler",
-                                       "num_floating_point_operations_so_far") if isinstance(common, dict) and k in common}
+    kept = ("iteration", "checkpoint_version", "opt_param_scheduler", "num_floating_point_operations_so_far")
+    megatron = {k: common[k] for k in kept if isinstance(common, dict) and k in common}
     write_whole(dst, names, None if weights_only else state_of, None,
                 extra={"converted_from": "megatron", "source": os.path.abspath(path), "layer_spec": layer_spec,
                        "megatron": megatron})

@@ -1,19 +1,11 @@
-"""Save and load ragged shards, with resharding and crash safety.
+"""Save and load the ragged shards of live ``fully_shard`` models, with resharding and
+crash safety (the files: :mod:`vescale_zero.checkpoint.format`).
 
-On disk, one directory per checkpoint::
-
-    CKPT/
-      metadata.json        world size, format, the sha256 of every rank file and the
-                           ranges each holds (a loading rank reads only the files it needs)
-      common.pt            written by rank 0: buffers, optimizer hyper-parameters, names of
-                           tied parameters, the caller's ``extra``
-      rank00000.pt         rank 0's pieces: {name: (shape, start, end, values)} for the
-      rank00001.pt         parameters, the same for each per-element optimizer state,
-      ...                  per-block optimizer state (by entry) and scalar optimizer state
-
-A piece is a flat range ``[start, end)`` of a parameter, so loading is independent of
-the layout that wrote it: each rank asks for its own ranges under the *current* plan
-(any world size, any granularity) and copies them out of whichever files overlap.
+Each rank writes only its own pieces; rank 0 adds ``common.pt`` and, once every rank file
+is written, the metadata. A piece is a flat range ``[start, end)`` of a parameter, so
+loading is independent of the layout that wrote it: each rank asks for its own ranges
+under the *current* plan (any world size, any granularity) and copies them out of
+whichever files overlap (the metadata's index says which; the others are not read).
 
 [Note: per-block state]
 Structure-aware optimizers keep state per *block* rather than per element: 8-bit AdamW
@@ -40,9 +32,6 @@ and the checksum of every file it reads, and names the file when one is wrong.
 
 from __future__ import annotations
 
-import hashlib
-import io
-import json
 import os
 import shutil
 import uuid
@@ -52,27 +41,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..fully_shard import RaggedFSDPModule
+from ..comm_device import collective_device, current_device
+from ..fully_shard import RaggedFSDPModule, groups_of
+from .format import (
+    CHECKPOINT_DOMAIN,
+    CheckpointError,
+    Piece,
+    entries,
+    fill,
+    read_common,
+    read_metadata,
+    read_rank_file,
+    sha256_file,
+    write_common,
+    write_metadata,
+    write_rank_file,
+)
 
-__all__ = ["save", "load", "managed_pieces", "CheckpointError", "read_latest", "write_latest"]
+__all__ = ["save", "load", "managed_pieces", "model_device"]
 
-FORMAT = "vescale-zero/ragged-v1"
-COMMON_FILE = "common.pt"
-Piece = Tuple[Tuple[int, ...], int, int, Any]
-"""``(full shape, start, end, values)``: elements (or entries) ``[start, end)`` along dim 0
-of the flattened tensor of ``full shape``; ``values`` is a tensor, or a list of entries."""
 SpanFn = Callable[[torch.Tensor, str], Optional[Tuple[int, int, int]]]
-
-CHECKPOINT_DOMAIN = "checkpoint_domain"
-"""[Note: domains] Pieces are matched by name across every rank's file, which is right
-when the ranks differ only in data parallelism. Under tensor / pipeline / expert
-parallelism one name means different tensors on different ranks (each TP rank's slice);
-an integration sets ``param.checkpoint_domain`` (e.g. ``"tp1-pp0"``) on the sharded
-parameters, and names are qualified by it, so pieces only meet pieces of the same tensor."""
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, partial or corrupt; the message names the file."""
 
 
 def managed_pieces(model: nn.Module) -> List[Tuple[str, nn.Parameter, Tuple[int, ...], int, int]]:
@@ -114,14 +102,6 @@ def _aliases(model: nn.Module) -> Dict[str, List[str]]:
     return out
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _state_span_fn(optimizer: Any) -> Optional[SpanFn]:
     """The ``sharded_state_span`` of ``optimizer`` or of the optimizer it wraps (Megatron's
     and DeepSpeed's wrappers keep the real one as ``.optimizer``); see [Note: per-block state]."""
@@ -134,12 +114,20 @@ def _state_span_fn(optimizer: Any) -> Optional[SpanFn]:
     return None
 
 
-def _rank_file(ckpt: str, rank: int) -> str:
-    return os.path.join(ckpt, f"rank{rank:05d}.pt")
+def model_device(model: nn.Module) -> Optional[torch.device]:
+    """The device of ``model``'s sharded groups (else of its parameters), ``None`` if it has none."""
+    for group in groups_of(model):
+        return group.device
+    return next((p.device for p in model.parameters()), None)
 
 
 def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, extra: Any = None) -> None:
     """Write ``model``'s (and ``optimizer``'s) shards of this rank under ``path``; collective."""
+    with current_device(model_device(model)):  # the object collectives' device on NCCL
+        _save(path, model, optimizer, extra)
+
+
+def _save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], extra: Any) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     token = [uuid.uuid4().hex if rank == 0 else None]
     dist.broadcast_object_list(token, src=0)
@@ -158,27 +146,23 @@ def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
                 if span is not None:  # per-block state, see [Note: per-block state]
                     first, last, total = span
                     blocks[f"{name}::{key}"] = ((total,), first, last, _to_cpu(value))
-                elif torch.is_tensor(value) and value.numel() == p.numel() and value.dim() == 1 and value.numel() == e - s:
+                elif torch.is_tensor(value) and value.dim() == 1 and value.numel() == p.numel() == e - s:
                     states[f"{name}::{key}"] = (shape, s, e, value.detach().cpu().clone())
                 else:  # a scalar (e.g. step), or other state tied to this piece
                     scalars[f"{name}::{key}"] = (s, e, _to_cpu(value))
-    payload = {"params": params, "optim_states": states, "optim_blocks": blocks, "optim_scalars": scalars}
-    torch.save(payload, _rank_file(tmp, rank))
+    file = write_rank_file(tmp, rank, params, states, blocks, scalars)
     if rank == 0:  # what every loading rank needs, apart from the big rank files
-        torch.save({
-            "aliases": _aliases(model),
-            "optim_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else None,
-            "buffers": {n: b.detach().cpu().clone() for n, b in model.named_buffers()},
-            "extra": extra,
-        }, os.path.join(tmp, COMMON_FILE))
+        write_common(
+            tmp, _aliases(model),
+            [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else None,
+            {n: b.detach().cpu().clone() for n, b in model.named_buffers()}, extra,
+        )
     # The index (which ranges each file holds) lets a loading rank open only the files it needs.
-    mine = (_sha256(_rank_file(tmp, rank)), {name: [s, e] for name, (_, s, e, _) in params.items()})
+    mine = (sha256_file(file), {name: [s, e] for name, (_, s, e, _) in params.items()})
     gathered: List[Any] = [None] * world
     dist.all_gather_object(gathered, mine)
     if rank == 0:
-        with open(os.path.join(tmp, "metadata.json"), "w") as f:
-            json.dump({"format": FORMAT, "world_size": world, "sha256": [g[0] for g in gathered],
-                       "common_sha256": _sha256(os.path.join(tmp, COMMON_FILE)), "index": [g[1] for g in gathered]}, f)
+        write_metadata(tmp, world, [g[0] for g in gathered], [g[1] for g in gathered])
         if os.path.exists(path):  # re-saving a tag: the old one goes only once the new one is whole
             old = f"{path.rstrip(os.sep)}.old-{token[0]}"
             os.replace(path, old)
@@ -209,48 +193,6 @@ def _to_device(value: Any, device: torch.device) -> Any:
     return value
 
 
-def _read_metadata(path: str) -> Dict[str, Any]:
-    meta_path = os.path.join(path, "metadata.json")
-    if not os.path.isdir(path):
-        raise CheckpointError(f"no checkpoint at {path!r}")
-    if not os.path.exists(meta_path):
-        raise CheckpointError(f"{meta_path} is missing: {path!r} is a partial checkpoint (its save did not finish)")
-    try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-    except ValueError as e:
-        raise CheckpointError(f"{meta_path} is corrupt ({e})") from None
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{meta_path}: format {meta.get('format')!r} is not {FORMAT!r}")
-    return meta
-
-
-def _read_rank_file(path: str, rank: int, digest: str) -> Dict[str, Any]:
-    """One rank file, read once: checked against its sha256, then unpickled from memory."""
-    file = _rank_file(path, rank)
-    if not os.path.exists(file):
-        raise CheckpointError(f"{file} is missing (the checkpoint was written by {rank + 1}+ ranks)")
-    return _read_checked(file, digest)
-
-
-def _read_common(path: str, meta: Dict[str, Any]) -> Dict[str, Any]:
-    """Buffers, hyper-parameters, aliases and extra (in rank 0's file before common.pt)."""
-    if "common_sha256" not in meta:
-        return _read_rank_file(path, 0, meta["sha256"][0])
-    file = os.path.join(path, COMMON_FILE)
-    if not os.path.exists(file):
-        raise CheckpointError(f"{file} is missing: the checkpoint is incomplete")
-    return _read_checked(file, meta["common_sha256"])
-
-
-def _read_checked(file: str, digest: str) -> Dict[str, Any]:
-    with open(file, "rb") as f:
-        data = f.read()
-    if hashlib.sha256(data).hexdigest() != digest:
-        raise CheckpointError(f"{file} does not match its sha256 in metadata.json: the file is corrupt or truncated")
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
-
-
 def _files_needed(meta: Dict[str, Any], managed: List[Tuple[str, nn.Parameter, Tuple[int, ...], int, int]],
                   whole: List[str]) -> List[int]:
     """Every rank file holding a range that overlaps one of this rank's pieces or a piece
@@ -271,55 +213,28 @@ def _files_needed(meta: Dict[str, Any], managed: List[Tuple[str, nn.Parameter, T
     return sorted(needed)
 
 
-def _fill(target: torch.Tensor, start: int, end: int, pieces: List[Piece], what: str) -> None:
-    """Copy flat range [start, end) of ``what`` out of the saved pieces into ``target``."""
-    covered = 0
-    for _, s, e, values in pieces:
-        lo, hi = max(s, start), min(e, end)
-        if lo < hi:
-            target[lo - start : hi - start].copy_(values[lo - s : hi - s])
-            covered += hi - lo
-    if covered != end - start:
-        raise CheckpointError(f"{what}: the checkpoint holds {covered} of the {end - start} elements this rank needs")
-
-
-def _entries(first: int, last: int, pieces: List[Piece], what: str) -> Any:
-    """Entries ``[first, last)`` of per-block state joined from the saved pieces: a tensor
-    (concatenated along dim 0) or a list, like the saved values."""
-    parts, covered = [], 0
-    for _, s, e, values in sorted(pieces, key=lambda piece: piece[1]):
-        lo, hi = max(s, first), min(e, last)
-        if lo < hi:
-            parts.append(values[lo - s : hi - s])
-            covered += hi - lo
-    if covered != last - first:
-        raise CheckpointError(f"{what}: the checkpoint holds {covered} of the {last - first} blocks this rank needs")
-    sample = pieces[0][3]
-    if torch.is_tensor(sample):
-        return torch.cat(parts) if parts else sample[:0].clone()
-    return [entry for part in parts for entry in part]
-
-
 def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
-    """Load a checkpoint written by :func:`save` at any world size; returns its ``extra``.
-
-    A DCP checkpoint of PyTorch FSDP2 is converted first (once, by rank 0, next to it as
-    ``path.vescale``; :mod:`vescale_zero.checkpoint.convert`).
+    """Load a checkpoint written by :func:`save` (or converted into our format) at any world
+    size; returns its ``extra``. (:func:`vescale_zero.checkpoint.load` also takes DCP ones.)
 
     Collective: if any rank refuses the checkpoint, every rank raises (none goes on to
     train alone and hang in its next collective).
-    """
-    from .convert import is_dcp_checkpoint
 
-    if is_dcp_checkpoint(path):
-        path = _converted_dcp(path)
+    [Note: load after forward] A group can hold gathered (full) parameters when the load
+    comes: the root and groups with ``reshard_after_forward=False`` stay gathered after a
+    forward without backward. Every group is resharded first, so the next forward gathers
+    the loaded shards; and the shards are written in place (their version counter moves),
+    so a group computing in another precision casts them again.
+    """
+    for group in groups_of(model):
+        group.reshard()
     error: Optional[CheckpointError] = None
     try:
         extra = _load_local(path, model, optimizer)
     except CheckpointError as e:
         error = e
     if dist.is_initialized():
-        flag = torch.tensor([1.0 if error else 0.0])
+        flag = torch.tensor([1.0 if error else 0.0], device=collective_device(None, model_device(model)))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item() and error is None:
             error = CheckpointError(f"another rank refused the checkpoint at {path!r}; see its error")
@@ -328,35 +243,14 @@ def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     return extra
 
 
-def _converted_dcp(path: str) -> str:
-    """``path`` + ``.vescale``: a DCP (FSDP2) checkpoint converted once, by rank 0."""
-    from .convert import from_fsdp2
-
-    target = path.rstrip(os.sep) + ".vescale"
-    error = None
-    if (not dist.is_initialized() or dist.get_rank() == 0) and not os.path.exists(os.path.join(target, "metadata.json")):
-        try:
-            from_fsdp2(path, target)
-        except (CheckpointError, OSError, RuntimeError, ValueError) as e:
-            error = f"{type(e).__name__}: {e}"
-    if dist.is_initialized():
-        flag = [error]
-        dist.broadcast_object_list(flag, src=0)
-        error = flag[0]
-    if error is not None:
-        raise CheckpointError(f"{path} is a DCP (FSDP2) checkpoint and converting it to {target} failed ({error}); "
-                              f"convert it offline: vescale-zero convert --from fsdp2 {path} {target}")
-    return target
-
-
 def _whole_name(name: str, saved: Dict[str, Any], path: str) -> str:
     """The name under which a whole-tensor checkpoint (written by
-    :mod:`vescale_zero.checkpoint.convert`, in the names of a model without model
+    :func:`vescale_zero.checkpoint.format.write_whole`, in the names of a model without model
     parallelism) holds the piece ``name`` of this model: the name itself, else without its
-    domain (see [Note: domains]) and without wrapper prefixes (``module.``, as torch's
-    ``consume_prefix_in_state_dict_if_present``). A domain other than the first slice of
-    every model-parallel dimension is refused: its tensors are slices the checkpoint does
-    not name."""
+    domain (see :mod:`~vescale_zero.checkpoint.format` [Note: domains]) and without wrapper
+    prefixes (``module.``, as torch's ``consume_prefix_in_state_dict_if_present``). A domain
+    other than the first slice of every model-parallel dimension is refused: its tensors are
+    slices the checkpoint does not name."""
     if name in saved:
         return name
     domain, _, plain = name.rpartition("/")
@@ -372,17 +266,17 @@ def _whole_name(name: str, saved: Dict[str, Any], path: str) -> str:
 
 
 def _load_local(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Any:
-    meta = _read_metadata(path)
+    meta = read_metadata(path)
     managed = managed_pieces(model)
     sliced = set()  # names of model-parallel slices looked up in a whole checkpoint
     if meta.get("whole"):
         renamed = [(_whole_name(name, meta["index"][0], path), name) for name, *_ in managed]
         sliced = {whole for whole, name in renamed if "/" in name}
         managed = [(whole, *rest) for (whole, _), (_, *rest) in zip(renamed, managed)]
-    common = _read_common(path, meta)
-    # Buffers of a converted checkpoint (vescale_zero.checkpoint.convert) are among the pieces.
+    common = read_common(path, meta)
+    # Buffers of a converted (whole) checkpoint are among the pieces.
     loose = [n for n, _ in model.named_buffers() if n not in common["buffers"]]
-    files = [_read_rank_file(path, r, meta["sha256"][r]) for r in _files_needed(meta, managed, loose)]
+    files = [read_rank_file(path, r, meta["sha256"][r]) for r in _files_needed(meta, managed, loose)]
     pieces: Dict[str, List[Piece]] = {}
     blocks: Dict[str, List[Piece]] = {}
     for f in files:
@@ -399,13 +293,13 @@ def _load_local(path: str, model: nn.Module, optimizer: Optional[torch.optim.Opt
                         "TP = PP = EP = 1, into the model it was converted from") if name in sliced else ""
                 raise CheckpointError(f"{path}: parameter {name!r} of shape {shape} is "
                                       f"{'missing' if got is None else f'saved as {got}'}{hint}")
-            _fill(p.data, s, e, saved, name)
+            fill(p.detach(), s, e, saved, name)  # not .data: see [Note: load after forward]
         for name, buf in model.named_buffers():
             saved = common["buffers"].get(name)
             piece_name = _whole_name(name, pieces, path) if meta.get("whole") else name
             if saved is None and piece_name in pieces:
-                saved = torch.empty(buf.numel(), dtype=buf.dtype)
-                _fill(saved, 0, buf.numel(), pieces[piece_name], name)
+                saved = torch.empty(buf.numel(), dtype=buf.dtype, device="cpu")
+                fill(saved, 0, buf.numel(), pieces[piece_name], name)
             if saved is not None:
                 buf.copy_(saved.view(buf.shape))
         if optimizer is not None:
@@ -434,7 +328,7 @@ def _load_local(path: str, model: nn.Module, optimizer: Optional[torch.optim.Opt
                     for key, saved in pieces.items():
                         if key.startswith(name + "::"):
                             t = torch.zeros(e - s, dtype=saved[0][3].dtype, device=p.device)
-                            _fill(t, s, e, saved, key)
+                            fill(t, s, e, saved, key)
                             state[key[len(name) + 2 :]] = t
                     for key, saved in blocks.items():
                         if key.startswith(name + "::"):
@@ -458,7 +352,7 @@ def _load_blocks(span_of: Optional[SpanFn], param: torch.Tensor, key: str, saved
             f"{what}: the checkpoint holds {saved[0][0][0]} blocks for this parameter and this optimizer has "
             f"{total}; load with the block size it was saved with"
         )
-    return _to_device(_entries(first, last, saved, what), param.device)
+    return _to_device(entries(first, last, saved, what), param.device)
 
 
 def _piece_scalars(files: List[Dict[str, Any]], name: str, start: int, end: int) -> Dict[str, Any]:
@@ -471,7 +365,8 @@ def _piece_scalars(files: List[Dict[str, Any]], name: str, start: int, end: int)
         for key, (s, e, value) in f["optim_scalars"].items():
             if not key.startswith(prefix) or key[len(prefix):] in state:
                 continue
-            small = value.numel() <= 1 if torch.is_tensor(value) else isinstance(value, (int, float, bool, str, type(None)))
+            plain = isinstance(value, (int, float, bool, str, type(None)))
+            small = value.numel() <= 1 if torch.is_tensor(value) else plain
             if small or (s, e) == (start, end):
                 state[key[len(prefix):]] = value.clone() if torch.is_tensor(value) else value
     missing = {k[len(prefix):] for f in files for k in f["optim_scalars"] if k.startswith(prefix)} - set(state)
@@ -483,19 +378,3 @@ def _piece_scalars(files: List[Dict[str, Any]], name: str, start: int, end: int)
             "granularity it was saved with"
         )
     return state
-
-
-def write_latest(directory: str, tag: str) -> None:
-    """Point ``directory/latest`` at ``tag``, atomically (rank 0 only)."""
-    tmp = os.path.join(directory, f".latest-{uuid.uuid4().hex}")
-    with open(tmp, "w") as f:
-        f.write(tag)
-    os.replace(tmp, os.path.join(directory, "latest"))
-
-
-def read_latest(directory: str) -> str:
-    path = os.path.join(directory, "latest")
-    if not os.path.exists(path):
-        raise CheckpointError(f"{path} is missing: pass a tag, or save a checkpoint with save_latest=True first")
-    with open(path) as f:
-        return f.read().strip()

@@ -30,6 +30,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..comm_device import current_device
+
 __all__ = ["Muon", "newton_schulz", "assign_roots"]
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -135,7 +137,8 @@ class Muon(torch.optim.Optimizer):
         ranges = [mine]
         if distributed:
             ranges = [None] * world
-            dist.all_gather_object(ranges, mine, group=self.process_group)
+            with current_device(params[0].device):  # the object collective's device on NCCL
+                dist.all_gather_object(ranges, mine, group=self.process_group)
         shapes = [_matrix_shape(self._full_shape(p)) for p in params]
         costs = [m * n * min(m, n) for m, n in shapes]
         roots = assign_roots(costs, world)
@@ -164,7 +167,8 @@ class Muon(torch.optim.Optimizer):
             adamw_rest()
         return loss
 
-    def _muon_step(self, muon: List[Tuple[torch.Tensor, dict]], while_moving: Callable[[], None] = lambda: None) -> None:
+    def _muon_step(self, muon: List[Tuple[torch.Tensor, dict]],
+                   while_moving: Callable[[], None] = lambda: None) -> None:
         params = [p for p, _ in muon]
         layout = self._plan(params)
         world, rank, ranges, roots = layout["world"], layout["rank"], layout["ranges"], layout["roots"]
@@ -181,7 +185,8 @@ class Muon(torch.optim.Optimizer):
             directions.append(direction.reshape(-1))
         device = params[0].device
         # 2. pieces to their roots (one all_to_all; splits in matrix order per destination)
-        send = [torch.cat([directions[k] for k in range(len(params)) if roots[k] == r] or [torch.empty(0, device=device)])
+        nothing = [torch.empty(0, device=device)]
+        send = [torch.cat([directions[k] for k in range(len(params)) if roots[k] == r] or nothing)
                 for r in range(world)]
         recv_sizes = [sum(ranges[s][k][1] - ranges[s][k][0] for k in range(len(params)) if roots[k] == rank)
                       for s in range(world)]
@@ -224,7 +229,7 @@ class Muon(torch.optim.Optimizer):
         load = [0.0] * world
         for k, r in enumerate(roots):
             load[r] += layout["costs"][k]
-        sent = sum(t.numel() for s, t in enumerate(send) if s != rank) + sum(t.numel() for s, t in enumerate(back) if s != rank)
+        sent = sum(t.numel() for moved in (send, back) for s, t in enumerate(moved) if s != rank)
         self.last_step_stats = {"ns_cost": load, "bytes_moved": 4 * sent}
 
     def _exchange(self, send: List[torch.Tensor], recv_sizes: List[int], device: torch.device, async_op: bool = False):

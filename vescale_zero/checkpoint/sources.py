@@ -1,0 +1,82 @@
+"""Checkpoints from every source: the one module that joins loading and conversion.
+
+::
+
+    load(path)  --- ours (metadata.json) ----------------------------------> sharded.load
+                \\-- a DCP directory (FSDP2) -> convert.from_fsdp2, once,
+                    by rank 0, into path.vescale ---------------------------> sharded.load
+
+    convert("fsdp2" | "deepspeed" | "megatron", SRC, DST)     (vescale-zero convert)
+                -> convert.from_fsdp2 | convert.from_deepspeed | convert_megatron.from_megatron
+
+The modules below it (``sharded``, ``convert``, ``convert_megatron``, ``consolidate``)
+import only :mod:`vescale_zero.checkpoint.format`, never each other.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm_device import current_device
+from . import sharded
+from .convert import from_deepspeed, from_fsdp2
+from .convert_megatron import from_megatron
+from .format import METADATA_FILE, CheckpointError, is_dcp_checkpoint
+
+__all__ = ["load", "convert", "SOURCES"]
+
+SOURCES = ("fsdp2", "deepspeed", "megatron")
+
+
+def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
+    """Load a checkpoint written by :func:`vescale_zero.checkpoint.save` (or converted) at
+    any world size; returns its ``extra``.
+
+    A DCP checkpoint of PyTorch FSDP2 is converted first (once, by rank 0, next to it as
+    ``path.vescale``; :func:`vescale_zero.checkpoint.from_fsdp2`).
+
+    Collective: if any rank refuses the checkpoint, every rank raises (none goes on to
+    train alone and hang in its next collective).
+    """
+    if is_dcp_checkpoint(path):
+        with current_device(sharded.model_device(model)):  # the object collective's device on NCCL
+            path = _converted_dcp(path)
+    return sharded.load(path, model, optimizer)
+
+
+def _converted_dcp(path: str) -> str:
+    """``path`` + ``.vescale``: a DCP (FSDP2) checkpoint converted once, by rank 0."""
+    target = path.rstrip(os.sep) + ".vescale"
+    error = None
+    if (not dist.is_initialized() or dist.get_rank() == 0) and not os.path.exists(os.path.join(target, METADATA_FILE)):
+        try:
+            from_fsdp2(path, target)
+        except (CheckpointError, OSError, RuntimeError, ValueError) as e:
+            error = f"{type(e).__name__}: {e}"
+    if dist.is_initialized():
+        flag = [error]
+        dist.broadcast_object_list(flag, src=0)
+        error = flag[0]
+    if error is not None:
+        raise CheckpointError(f"{path} is a DCP (FSDP2) checkpoint and converting it to {target} failed ({error}); "
+                              f"convert it offline: vescale-zero convert --from fsdp2 {path} {target}")
+    return target
+
+
+def convert(source: str, src: str, dst: str, tag: Optional[str] = None, weights_only: bool = False,
+            iteration: Optional[int] = None, layer_spec: str = "local") -> None:
+    """``vescale-zero convert --from SOURCE SRC DST``; ``tag`` is DeepSpeed's, ``iteration``
+    and ``layer_spec`` Megatron's (:mod:`vescale_zero.checkpoint.convert_megatron`)."""
+    if source == "fsdp2":
+        from_fsdp2(src, dst, weights_only=weights_only)
+    elif source == "deepspeed":
+        from_deepspeed(src, tag, dst, weights_only=weights_only)
+    elif source == "megatron":
+        from_megatron(src, dst, iteration=iteration, layer_spec=layer_spec, weights_only=weights_only)
+    else:
+        raise CheckpointError(f"--from {source!r}: choose fsdp2, deepspeed or megatron")
