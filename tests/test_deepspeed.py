@@ -79,12 +79,16 @@ def _train(rank, world_size, stage, extra):
             total += loss.detach().float() / ACCUM
         torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.AVG)
         losses.append(total.item())
-    return {"losses": losses, "params": _full_params(engine, stage), "steps": engine.global_steps}
+    return {"losses": losses, "params": _full_params(engine, stage), "steps": engine.global_steps,
+            "optimizer": type(engine.basic_optimizer).__name__}
 
 
-def run(world_size, stage, **extra):
+def run(world_size, stage, *, optimizer_class=None, **extra):
+    """Train STEPS steps on ``world_size`` ranks: ``(losses, full parameters)``; with
+    ``optimizer_class``, check that every rank stepped that optimizer class."""
     results = run_on_ranks(_train, world_size, stage, extra, timeout=400)
     assert all(r["steps"] == STEPS for r in results)
+    assert optimizer_class is None or all(r["optimizer"] == optimizer_class for r in results), results[0]["optimizer"]
     params = assemble([r["params"] for r in results]) if stage == "ragged" else results[0]["params"]
     return results[0]["losses"], params
 
@@ -105,6 +109,29 @@ def test_bf16_tracks_stage3_bf16():
     losses within 1e-2 relative, parameters within 1e-3 on average."""
     ref_losses, ref_params = run(2, 3, bf16={"enabled": True})
     losses, params = run(2, "ragged", bf16={"enabled": True})
+    assert losses == pytest.approx(ref_losses, rel=1e-2)
+    diffs = torch.cat([(params[n].float() - ref_params[n].float()).abs().flatten() for n in params])
+    assert diffs.mean().item() <= 1e-3
+
+
+def test_bf16_with_deepspeeds_own_adam_tracks_stage3():
+    """The optimizer DeepSpeed users get by default: a config AdamW without ``torch_adam``,
+    i.e. DeepSpeed's FusedAdam (on this CPU accelerator its own C++ kernel, built on first
+    use), which writes the fp32 master through its kernel, not through torch ops. Same
+    optimizer and config on both sides, 2 ranks, 10 steps, bf16.
+
+    Tolerance as test_bf16_tracks_stage3_bf16: losses within 1e-2 relative, parameters within
+    1e-3 mean absolute difference. Both sides compute in bf16 (unit roundoff 2^-8 = 3.9e-3)
+    but round in different places (ZeRO-3 keeps bf16 parameters and gradient buckets, we
+    reduce in fp32), so gradients differ at bf16 level, and Adam's normalised step turns a
+    small gradient difference into up to lr = 1e-2 per step for a near-zero component:
+    single parameters may move apart by ~2e-2, the mean stays small. Measured with torch's
+    AdamW on both sides: losses 1.3e-3, parameters 6.9e-4 mean (2.1e-2 max). Stale bf16
+    compute weights (the master changed, the compute copy not) show as losses that stop
+    falling: 0.51 relative, parameters 1.6e-2 mean."""
+    adam = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": False}}
+    ref_losses, ref_params = run(2, 3, optimizer_class="FusedAdam", bf16={"enabled": True}, optimizer=adam)
+    losses, params = run(2, "ragged", optimizer_class="FusedAdam", bf16={"enabled": True}, optimizer=adam)
     assert losses == pytest.approx(ref_losses, rel=1e-2)
     diffs = torch.cat([(params[n].float() - ref_params[n].float()).abs().flatten() for n in params])
     assert diffs.mean().item() <= 1e-3

@@ -8,6 +8,10 @@ The import wraps ``deepspeed.initialize``: a config whose ``zero_optimization.st
 ``"ragged"`` is validated (see :mod:`.config`), handed to DeepSpeed as stage 0 without its
 own ``bf16`` / ``fp16`` sections, and the engine is a :class:`RaggedDeepSpeedEngine`. Any
 other config goes to DeepSpeed untouched.
+
+The import also makes DeepSpeed's own config parser accept "ragged" everywhere it parses a
+config (``deepspeed.checkpointing.configure``, ``DeepSpeedConfig``, ...) and refuses
+``deepspeed.zero.Init`` with it: see :mod:`.parser`.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ import torch
 
 from .config import RAGGED_STAGE, RaggedOptions, parse_ragged_section
 from .engine import RaggedDeepSpeedEngine, RaggedPipelineEngine, RaggedPrecision
+from .parser import RaggedZeroConfig, install, is_ragged_config
 
-__all__ = ["RaggedDeepSpeedEngine", "RaggedPipelineEngine", "RaggedOptions", "split_ragged_config", "initialize"]
+__all__ = ["RaggedDeepSpeedEngine", "RaggedPipelineEngine", "RaggedOptions", "RaggedZeroConfig", "is_ragged_config",
+           "split_ragged_config", "initialize"]
 
 _original_initialize = getattr(deepspeed.initialize, "__wrapped__", deepspeed.initialize)
 
@@ -89,3 +95,4 @@ def initialize(*args: Any, **kwargs: Any):
 
 
 deepspeed.initialize = initialize
+install()

@@ -48,18 +48,21 @@ def _rejection(key: str, value: Any) -> Optional[str]:
     if key in ("offload_param", "offload_optimizer", "cpu_offload", "cpu_offload_param"):
         device = value.get("device", "none") if isinstance(value, dict) else ("cpu" if value else "none")
         if device not in (None, "none"):
-            return f"{key} (device {device!r}) is not implemented with stage 'ragged'; remove it, or use stage 3 for offload"
+            return (f"{key} (device {device!r}) is not implemented with stage 'ragged'; "
+                    "remove it, or use stage 3 for offload")
         return None
     if key == "cpu_offload_use_pin_memory":
         return None
     if key == "zero_hpz_partition_size" and value not in (None, 1):
-        return "zero_hpz_partition_size > 1 (hierarchical partitioning) is not implemented with stage 'ragged'; remove it"
+        return ("zero_hpz_partition_size > 1 (hierarchical partitioning) is not implemented with stage 'ragged'; "
+                "remove it")
     if key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients") and value:
         return f"{key} is ZeRO++ quantized communication, not implemented with stage 'ragged'; remove it"
     if key == "zenflow" and value:
         return "zenflow is not implemented with stage 'ragged'; remove it"
     if key == "reduce_scatter" and value is False:
-        return "reduce_scatter=false contradicts stage 'ragged', which always reduce-scatters gradients into shards; remove it"
+        return ("reduce_scatter=false contradicts stage 'ragged', which always reduce-scatters gradients into shards; "
+                "remove it")
     if key in ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
                "zero_quantized_gradients", "zenflow", "reduce_scatter"):
         return None

@@ -26,8 +26,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
-from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.utils import groups
 
 import vescale_zero as vz
@@ -67,7 +67,8 @@ class RaggedEngineMixin:
         opts, precision = self.ragged_options, self.ragged_precision
         mp = None
         if precision.dtype is not None:
-            mp = vz.MixedPrecisionPolicy(param_dtype=precision.dtype, reduce_dtype=opts.reduce_torch_dtype or torch.float32)
+            reduce_dtype = opts.reduce_torch_dtype or torch.float32
+            mp = vz.MixedPrecisionPolicy(param_dtype=precision.dtype, reduce_dtype=reduce_dtype)
         elif opts.reduce_torch_dtype is not None:
             mp = vz.MixedPrecisionPolicy(reduce_dtype=opts.reduce_torch_dtype)
         granularity = opts.granularity
@@ -90,7 +91,8 @@ class RaggedEngineMixin:
             if self.module.get_tied_weights_and_groups():
                 raise ValueError("stage 'ragged' with weights tied across pipeline stages is not supported yet")
             if precision.dtype is not None:
-                raise ValueError("stage 'ragged' with pipeline parallelism runs in fp32 only for now; disable bf16/fp16")
+                raise ValueError(
+                    "stage 'ragged' with pipeline parallelism runs in fp32 only for now; disable bf16/fp16")
 
     def _is_pipeline(self) -> bool:
         return isinstance(self, PipelineEngine)
@@ -116,7 +118,8 @@ class RaggedEngineMixin:
         return int((self.optimizer_params() or {}).get("block", default))
 
     def _is_supported_optimizer(self, optimizer_name: str) -> bool:
-        return (optimizer_name or "").lower() in STRUCTURED_OPTIMIZERS or super()._is_supported_optimizer(optimizer_name)
+        name = (optimizer_name or "").lower()
+        return name in STRUCTURED_OPTIMIZERS or super()._is_supported_optimizer(optimizer_name)
 
     def _configure_basic_optimizer(self, model_parameters: Any):
         cls = self._structured_optimizer()
@@ -187,7 +190,8 @@ class RaggedEngineMixin:
             "client_state": client_state or {},
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "loss_scaler": vars(self._ragged_scaler).copy() if self._ragged_scaler is not None else None,
-            "counters": {k: getattr(self, k) for k in ("global_steps", "global_samples", "skipped_steps", "micro_steps")},
+            "counters": {k: getattr(self, k)
+                         for k in ("global_steps", "global_samples", "skipped_steps", "micro_steps")},
         }
         os.makedirs(save_dir, exist_ok=True)
         checkpoint.save(os.path.join(save_dir, tag), self.module, self.optimizer, extra)

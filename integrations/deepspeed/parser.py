@@ -1,0 +1,119 @@
+"""Stage "ragged" wherever DeepSpeed parses a config, not only in ``deepspeed.initialize``.
+
+[Note: ragged in DeepSpeed's parser]
+Every DeepSpeed entry point that reads a config builds a ``DeepSpeedConfig``
+(``deepspeed.initialize``, ``deepspeed.checkpointing.configure``, ``deepspeed.zero.Init``,
+and other libraries that call it directly), and that class turns the ``zero_optimization``
+section into ZeRO's pydantic model (``stage`` 0-3, unknown keys forbidden) in one place:
+``get_zero_config``. We replace that one function, so that every parse agrees:
+
+* a ragged section is validated by :func:`.config.parse_ragged_section` (our errors, naming
+  the key and the fix) and comes back as a :class:`RaggedZeroConfig`: a valid ZeRO config at
+  **stage 0** (``zero_optimization_stage`` 0, ``zero_enabled`` False) that also carries our
+  options (``.ragged``). Stage 0 because DeepSpeed itself must do no ZeRO work: our runtime
+  shards, gathers, reduces and keeps the precision, so every DeepSpeed branch on the stage
+  (ZeRO optimizer wrappers, stage-3 hooks and ``ds_id`` parameters, checkpoint layout) must
+  take its "no ZeRO" path -- the config ``deepspeed.initialize`` hands its engine is the same
+  stage 0. Every other section (bf16 / fp16, activation_checkpointing, optimizer, ...) is
+  DeepSpeed's as always, and ``_param_dict`` keeps the user's dict (stage "ragged"), which
+  dict-reading libraries (Hugging Face's ``HfDeepSpeedConfig``: ``is_zero3()`` False) see;
+* a stage DeepSpeed refuses (a typo, 4) gets an error listing 0-3 and "ragged";
+* ``deepspeed.zero.Init`` with a ragged config would partition parameters ZeRO-3 style (it
+  does not look at the stage): refused with the way out, until it is supported;
+* DeepSpeed's own engine given a ragged config (``deepspeed.initialize`` bound before our
+  import, e.g. ``from deepspeed import initialize``) would train unsharded: refused.
+
+We do not widen the pydantic model's ``stage`` instead: a string there would reach
+DeepSpeed's integer comparisons (``stage > 0``, ``stage <= max_stage``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Dict
+
+import deepspeed.runtime.config as ds_config
+import deepspeed.runtime.zero.config as ds_zero_config
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.zero import partition_parameters
+from pydantic import Field, ValidationError
+
+from .config import RAGGED_STAGE, RaggedOptions, parse_ragged_section
+
+__all__ = ["RaggedZeroConfig", "is_ragged_config", "install"]
+
+
+class RaggedZeroConfig(ds_zero_config.DeepSpeedZeroConfig):
+    """What DeepSpeed sees for ``"stage": "ragged"``: ZeRO off (stage 0), our options in ``ragged``."""
+
+    ragged: RaggedOptions = Field(default_factory=RaggedOptions)
+
+
+def is_ragged_config(config: ds_config.DeepSpeedConfig) -> bool:
+    """Whether a parsed ``DeepSpeedConfig`` came from a ``"stage": "ragged"`` section."""
+    return isinstance(getattr(config, "zero_config", None), RaggedZeroConfig)
+
+
+_original_get_zero_config = getattr(ds_zero_config.get_zero_config, "__wrapped__", ds_zero_config.get_zero_config)
+
+
+@functools.wraps(_original_get_zero_config)
+def get_zero_config(param_dict: Dict[str, Any]) -> ds_zero_config.DeepSpeedZeroConfig:
+    section = param_dict.get(ds_zero_config.ZERO_OPTIMIZATION)
+    stage = section.get("stage") if isinstance(section, dict) else None
+    if stage == RAGGED_STAGE:
+        options, _ = parse_ragged_section(section)
+        return RaggedZeroConfig(ragged=options)
+    try:
+        return _original_get_zero_config(param_dict)
+    except ValidationError as e:
+        if any(err["loc"][:1] == ("stage",) for err in e.errors()):
+            raise ValueError(
+                f"zero_optimization.stage {stage!r} is not a stage: use 0, 1, 2, 3 (DeepSpeed ZeRO) or "
+                f"{RAGGED_STAGE!r} (vescale-zero ragged sharding, after `import vescale_zero.integrations.deepspeed`)"
+            ) from e
+        raise
+
+
+_original_init = getattr(partition_parameters.Init.__init__, "__wrapped__", partition_parameters.Init.__init__)
+_init_signature = inspect.signature(_original_init)
+
+
+@functools.wraps(_original_init)
+def _zero_init(self: partition_parameters.Init, *args: Any, **kwargs: Any) -> None:
+    bound = _init_signature.bind(self, *args, **kwargs)
+    bound.apply_defaults()
+    given = bound.arguments
+    config = given["config_dict_or_path"] if given["config_dict_or_path"] is not None else given.get("config")
+    parsed = ds_config.DeepSpeedConfig(config, given.get("mpu")) if given["enabled"] and config is not None else None
+    if parsed is not None and is_ragged_config(parsed):
+        raise ValueError(
+            "deepspeed.zero.Init with \"stage\": \"ragged\": partitioned (meta-device) construction is not supported "
+            "with ragged sharding yet. Build the model normally, without zero.Init (deepspeed.initialize shards it "
+            "group by group), or use stage 3 to construct it partitioned."
+        )
+    _original_init(self, *args, **kwargs)
+
+
+_original_sanity_check = getattr(DeepSpeedEngine._do_sanity_check, "__wrapped__", DeepSpeedEngine._do_sanity_check)
+
+
+@functools.wraps(_original_sanity_check)
+def _engine_sanity_check(self: DeepSpeedEngine) -> None:
+    if is_ragged_config(self._config):
+        raise ValueError(
+            "a \"stage\": \"ragged\" config reached DeepSpeed's own engine, which would train without ragged sharding: "
+            "build the engine with deepspeed.initialize after `import vescale_zero.integrations.deepspeed` (a "
+            "`from deepspeed import initialize` made before that import bypasses it)"
+        )
+    _original_sanity_check(self)
+
+
+def install() -> None:
+    """Route DeepSpeed's config parsing, ``zero.Init`` and engine check through this module
+    (idempotent: a second call changes nothing)."""
+    ds_zero_config.get_zero_config = get_zero_config
+    ds_config.get_zero_config = get_zero_config  # DeepSpeedConfig calls it by this imported name
+    partition_parameters.Init.__init__ = _zero_init
+    DeepSpeedEngine._do_sanity_check = _engine_sanity_check
