@@ -26,8 +26,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
-from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.utils import groups
 
 import vescale_zero as vz
@@ -37,6 +37,7 @@ from vescale_zero.fully_shard import groups_of
 from vescale_zero.optim import AdamW8bit, Muon, Shampoo
 
 from .config import RaggedOptions
+from .saving import consolidated_state_dict, install_save_hooks
 
 __all__ = ["RaggedEngineMixin", "RaggedDeepSpeedEngine", "RaggedPipelineEngine", "RaggedPrecision"]
 
@@ -66,7 +67,8 @@ class RaggedEngineMixin:
         opts, precision = self.ragged_options, self.ragged_precision
         mp = None
         if precision.dtype is not None:
-            mp = vz.MixedPrecisionPolicy(param_dtype=precision.dtype, reduce_dtype=opts.reduce_torch_dtype or torch.float32)
+            reduce_dtype = opts.reduce_torch_dtype or torch.float32
+            mp = vz.MixedPrecisionPolicy(param_dtype=precision.dtype, reduce_dtype=reduce_dtype)
         elif opts.reduce_torch_dtype is not None:
             mp = vz.MixedPrecisionPolicy(reduce_dtype=opts.reduce_torch_dtype)
         granularity = opts.granularity
@@ -79,6 +81,7 @@ class RaggedEngineMixin:
             fp8_all_gather_tile=opts.fp8_all_gather_tile,
         )
         self.module.set_prefetch(opts.prefetch)
+        install_save_hooks()  # accelerate's / transformers' saves get the full model (see .saving)
         self._ragged_scaler = self._make_loss_scaler() if precision.dtype == torch.float16 else None
         if self._is_pipeline():
             # [Note: pipelines] PipelineEngine runs backward per micro-batch outside
@@ -88,7 +91,9 @@ class RaggedEngineMixin:
             if self.module.get_tied_weights_and_groups():
                 raise ValueError("stage 'ragged' with weights tied across pipeline stages is not supported yet")
             if precision.dtype is not None:
-                raise ValueError("stage 'ragged' with pipeline parallelism runs in fp32 only for now; disable bf16/fp16")
+                raise ValueError(
+                    "stage 'ragged' with pipeline parallelism runs in fp32 only for now; disable bf16/fp16"
+                )
 
     def _is_pipeline(self) -> bool:
         return isinstance(self, PipelineEngine)
@@ -114,7 +119,8 @@ class RaggedEngineMixin:
         return int((self.optimizer_params() or {}).get("block", default))
 
     def _is_supported_optimizer(self, optimizer_name: str) -> bool:
-        return (optimizer_name or "").lower() in STRUCTURED_OPTIMIZERS or super()._is_supported_optimizer(optimizer_name)
+        name = (optimizer_name or "").lower()
+        return name in STRUCTURED_OPTIMIZERS or super()._is_supported_optimizer(optimizer_name)
 
     def _configure_basic_optimizer(self, model_parameters: Any):
         cls = self._structured_optimizer()
@@ -183,7 +189,9 @@ class RaggedEngineMixin:
             "client_state": client_state or {},
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "loss_scaler": vars(self._ragged_scaler).copy() if self._ragged_scaler is not None else None,
-            "counters": {k: getattr(self, k) for k in ("global_steps", "global_samples", "skipped_steps", "micro_steps")},
+            "counters": {
+                k: getattr(self, k) for k in ("global_steps", "global_samples", "skipped_steps", "micro_steps")
+            },
         }
         os.makedirs(save_dir, exist_ok=True)
         checkpoint.save(os.path.join(save_dir, tag), self.module, self.optimizer, extra)
@@ -242,6 +250,52 @@ class RaggedEngineMixin:
                 if engine.get(key) is not None:
                     setattr(self, key, engine[key])
         return os.path.join(load_dir, tag), extra["client_state"]
+
+    # ---- the whole model (16-bit saves, Hugging Face / accelerate; see .saving) --------
+    def _refuse_pipeline_consolidation(self, what: str) -> None:
+        if self._is_pipeline():
+            raise ValueError(
+                f"{what}: stage 'ragged' with pipeline parallelism cannot consolidate the model on one rank (each "
+                "stage holds its own layers); save with engine.save_checkpoint(dir) and join it offline with "
+                "`vescale-zero consolidate`"
+            )
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """Always: a ragged model is gathered group by group whenever the whole model is saved."""
+        return True
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> Optional[dict]:
+        """The full state dict on rank 0 (CPU, compute dtype), ``None`` elsewhere, as ZeRO-3's.
+        Collective: every rank must call it."""
+        self._refuse_pipeline_consolidation("the consolidated state dict")
+        return consolidated_state_dict(self.module, exclude_frozen_parameters)
+
+    _consolidated_16bit_state_dict = _zero3_consolidated_16bit_state_dict
+
+    def module_state_dict(self, destination: Optional[dict] = None, prefix: str = "", keep_vars: bool = False,
+                          exclude_frozen_parameters: bool = False) -> dict:
+        """The module's full (unsharded) state dict on every rank: CPU, master dtype. Collective:
+        every rank must call it (``keep_vars`` has no meaning for gathered tensors)."""
+        self._refuse_pipeline_consolidation("module_state_dict()")
+        state = vz.full_state_dict(self.module, cpu_offload=True)
+        if exclude_frozen_parameters:
+            for name, param in self.module.named_parameters(remove_duplicate=False):
+                if not param.requires_grad:
+                    state.pop(name, None)
+        out = destination if destination is not None else {}
+        out.update({prefix + key: value for key, value in state.items()})
+        return out
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Rank 0 writes the full model (compute dtype, ``torch.save``) to ``save_dir/save_filename``.
+        Collective: every rank must call it."""
+        state = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+        if dist.get_rank() == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            torch.save(state, os.path.join(save_dir, save_filename))
+        dist.barrier()
+        return True
 
     @property
     def loss_scale(self) -> float:
