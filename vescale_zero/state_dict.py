@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .collectives import all_gather
@@ -83,26 +84,46 @@ def sharded_params_by_key(module: nn.Module) -> Dict[str, nn.Parameter]:
     return out
 
 
-def full_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:
+def full_state_dict(
+    module: nn.Module, *, rank0_only: bool = False, cpu_offload: bool = False, compute_dtype: bool = False,
+) -> Dict[str, torch.Tensor]:
     """The module's ``state_dict()`` with every sharded parameter gathered to its full shape.
 
     Collective: every rank of every group under ``module`` must call it. Each group costs
-    one all-gather of its master shards; the full tensors of a group share one buffer.
+    one all-gather of its master shards; by default the full tensors of a group share one
+    buffer and every rank gets the whole dict.
+
+    Args:
+        rank0_only: only global rank 0 keeps the result (the others take part in the
+            gathers, keep nothing and get ``{}``): with ``cpu_offload`` the device holds one
+            group's full buffer at a time, as ZeRO-3's consolidated save does.
+        cpu_offload: every tensor of the result on the CPU, each gathered one its own copy made
+            group by group (by default a group's full tensors are views into one buffer).
+        compute_dtype: each gathered parameter in its group's compute dtype
+            (``mp_policy.param_dtype``: what a 16-bit save holds) instead of its master dtype.
     """
+    keep = not rank0_only or dist.get_rank() == 0
     state = module.state_dict(keep_vars=True)
     index = _managed_index(module)
     gathered: Dict[int, torch.Tensor] = {}
     for group in groups_of(module):
+        dtype = group.param_dtype if compute_dtype else group.master.local.dtype
         for param, full in zip(group.sharded_params, _full_views(group, group.master.local)):
-            gathered[id(param)] = full
+            if keep:
+                # with cpu_offload each tensor gets its own storage (serialisers refuse views of one buffer)
+                gathered[id(param)] = full.to(device="cpu", dtype=dtype, copy=True) if cpu_offload else full.to(dtype)
+    if not keep:
+        return {}
     out: Dict[str, torch.Tensor] = {}
     for key, value in state.items():
         hit = index.get(id(value))
         if hit is not None:
             group, i = hit
             out[key] = gathered[id(group.sharded_params[i])]
+        elif torch.is_tensor(value):
+            out[key] = value.detach().cpu() if cpu_offload else value.detach()
         else:
-            out[key] = value.detach() if torch.is_tensor(value) else value
+            out[key] = value
     return out
 
 

@@ -38,6 +38,7 @@ from vescale_zero.fully_shard import groups_of
 from vescale_zero.optim import AdamW8bit, Muon, Shampoo
 
 from .config import RaggedOptions
+from .saving import consolidated_state_dict, install_save_hooks
 
 __all__ = ["RaggedEngineMixin", "RaggedDeepSpeedEngine", "RaggedPipelineEngine", "RaggedPrecision"]
 
@@ -82,6 +83,7 @@ class RaggedEngineMixin:
         )
         self.module.set_prefetch(opts.prefetch)
         self.module.set_unused_grads("zero")  # as ZeRO-3: a parameter no rank used still gets stepped
+        install_save_hooks()  # accelerate's / transformers' saves get the full model (see .saving)
         self._ragged_scaler = self._make_loss_scaler() if precision.dtype == torch.float16 else None
         if self._is_pipeline():
             # [Note: pipelines] PipelineEngine runs backward per micro-batch outside
@@ -250,6 +252,52 @@ class RaggedEngineMixin:
                 if engine.get(key) is not None:
                     setattr(self, key, engine[key])
         return os.path.join(load_dir, tag), extra["client_state"]
+
+    # ---- the whole model (16-bit saves, Hugging Face / accelerate; see .saving) --------
+    def _refuse_pipeline_consolidation(self, what: str) -> None:
+        if self._is_pipeline():
+            raise ValueError(
+                f"{what}: stage 'ragged' with pipeline parallelism cannot consolidate the model on one rank (each "
+                "stage holds its own layers); save with engine.save_checkpoint(dir) and join it offline with "
+                "`vescale-zero consolidate`"
+            )
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """Always: a ragged model is gathered group by group whenever the whole model is saved."""
+        return True
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> Optional[dict]:
+        """The full state dict on rank 0 (CPU, compute dtype), ``None`` elsewhere, as ZeRO-3's.
+        Collective: every rank must call it."""
+        self._refuse_pipeline_consolidation("the consolidated state dict")
+        return consolidated_state_dict(self.module, exclude_frozen_parameters)
+
+    _consolidated_16bit_state_dict = _zero3_consolidated_16bit_state_dict
+
+    def module_state_dict(self, destination: Optional[dict] = None, prefix: str = "", keep_vars: bool = False,
+                          exclude_frozen_parameters: bool = False) -> dict:
+        """The module's full (unsharded) state dict on every rank: CPU, master dtype. Collective:
+        every rank must call it (``keep_vars`` has no meaning for gathered tensors)."""
+        self._refuse_pipeline_consolidation("module_state_dict()")
+        state = vz.full_state_dict(self.module, cpu_offload=True)
+        if exclude_frozen_parameters:
+            for name, param in self.module.named_parameters(remove_duplicate=False):
+                if not param.requires_grad:
+                    state.pop(name, None)
+        out = destination if destination is not None else {}
+        out.update({prefix + key: value for key, value in state.items()})
+        return out
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Rank 0 writes the full model (compute dtype, ``torch.save``) to ``save_dir/save_filename``.
+        Collective: every rank must call it."""
+        state = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+        if dist.get_rank() == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            torch.save(state, os.path.join(save_dir, save_filename))
+        dist.barrier()
+        return True
 
     @property
     def loss_scale(self) -> float:
