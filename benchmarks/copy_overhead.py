@@ -41,7 +41,8 @@ RS copy-out             reduce dtype != param's own: a cast of the    reduce dty
 ======================  ===========================================  ==========================================
 
 GB/s counts bytes read + bytes written by the kernels of a kind. ``vescale/fsdp2`` is the
-ratio of medians measured in this run (rows where neither system moves a byte print ``-``).
+ratio of medians measured in this run; a kind where either system runs nothing prints ``-``
+there (both times are still printed, as measured), the per-step total always has its ratio.
 Precisions: ``fp32`` (no mixed precision), ``bf16`` (bf16 params and gradients, fp32
 reduce and master), ``bf16-reduce`` (bf16 params and reduce, fp32 master). FP8 (vescale-zero
 ``fp8_all_gather_tile``) is shown where its tile-band plan pads less than ``--fp8-max-pad``;
@@ -304,7 +305,7 @@ def report(systems: Sequence[System], gathers: int) -> List[str]:
             cells.append(_cell(med[s.name], s.kinds[kind].nbytes))
             totals[s.name][0] += per_step * med[s.name]
             totals[s.name][1] += per_step * s.kinds[kind].nbytes
-        ratios = [_ratio(med[s.name], med[base.name], bool(s.kinds[kind].nbytes or base.kinds[kind].nbytes))
+        ratios = [_ratio(med[s.name], med[base.name], bool(s.kinds[kind].nbytes and base.kinds[kind].nbytes))
                   for s in systems[1:]]
         lines.append(f"{kind:16s} {per_step:6d} " + " ".join(cells) + " " + " ".join(f"{x:>15s}" for x in ratios))
     cells = [_cell(*totals[s.name]) for s in systems]

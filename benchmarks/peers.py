@@ -478,7 +478,7 @@ def _median_mib(per_rank, key: str):
     return statistics.median(r[key] for r in per_rank) / 2**20
 
 
-def _summarise(runs, args, precision: str):
+def _summarise(runs, args):
     ms = [1e3 * t for cycle in runs for r in cycle for t in r["times"]]
     per_rank = [r for cycle in runs for r in cycle]
     med = statistics.median(ms)
@@ -587,7 +587,7 @@ def main() -> None:
         print("NCCL: vescale-zero already runs torch's reduce_scatter_tensor; no _trs rows")
     summary = {}
     for (world, precision), vs in tables.items():
-        rows = {v: _summarise(raw[f"{world}:{precision}:{v}"], args, precision) for v in vs}
+        rows = {v: _summarise(raw[f"{world}:{precision}:{v}"], args) for v in vs}
         summary[f"{world}:{precision}"] = rows
         print_table(world, precision, rows, args)
     if args.json:
