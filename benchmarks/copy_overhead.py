@@ -50,7 +50,8 @@ FSDP2's FP8 all-gather needs torchao and is not measured here.
 
 ``--scale N`` divides the last dimension of every tensor of >= 2 dimensions by N (dim 0, the
 dimension FSDP2 shards and vescale's rows run along, is kept, so both layouts keep their
-padding pattern); the default fits a CPU machine (32) and is 1 on CUDA. Device-agnostic:
+padding pattern); the default fits a CPU machine (32) and, on CUDA, is the smallest power of 2
+that fits the device (80 GB: 1 for a Llama-3-70B layer alone, 2 with GPT-OSS-120B). Device-agnostic:
 ``--device cuda`` times with CUDA events, ``cpu`` with ``perf_counter``.
 """
 
@@ -314,6 +315,18 @@ def report(systems: Sequence[System], gathers: int) -> List[str]:
     return lines
 
 
+def auto_scale(models: Sequence[str], group: str, device: torch.device) -> int:
+    """The smallest power of 2 that fits the largest layer in 80% of the free device memory,
+    allowing ~32 bytes per element (FSDP2's and vescale-zero's fp32 buffers side by side)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    scale = 1
+    while True:
+        worst = max(sum(math.prod(s) for s in scaled([s for _, s in layer_groups(m)[group]], scale)) for m in models)
+        if 32 * worst <= 0.8 * free or scale >= 1024:
+            return scale
+        scale *= 2
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
@@ -324,7 +337,9 @@ def main() -> int:
     p.add_argument("--fp8-tile", type=int, default=128, help="vescale-zero FP8 all-gather tile (0: leave FP8 out)")
     p.add_argument("--fp8-max-pad", type=float, default=0.25, help="leave FP8 out where its plan pads more than this")
     p.add_argument("--gathers", type=int, default=2, help="all-gathers per step (2: reshard after forward)")
-    p.add_argument("--scale", type=int, default=None, help="divide every >= 2-D tensor's last dim (CPU default 32)")
+    p.add_argument("--scale", type=int, default=None,
+                   help="divide every >= 2-D tensor's last dim (default: 32 on CPU; on CUDA the smallest power of 2 "
+                        "that fits the device)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--threads", type=int, default=1,
                    help="CPU threads (1: steadier on a shared machine, where spinning OpenMP threads get descheduled)")
@@ -333,7 +348,7 @@ def main() -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here")
-    scale = args.scale or (1 if device.type == "cuda" else 32)
+    scale = args.scale or (auto_scale(args.models, args.group, device) if device.type == "cuda" else 32)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
     print(f"copy_overhead: {name}; one rank's work around its collectives (collectives and allocations excluded "
           f"for every system), median of {args.reps}, interleaved; {args.gathers} all-gathers + 1 reduce-scatter "
