@@ -1,6 +1,7 @@
 """vescale-zero against its peers on the same GPT, data and AdamW, in one run.
 
-    .venv/bin/python benchmarks/peers.py [--ranks 2 4] [--cycles 2] [--json peers.json]
+    .venv/bin/python benchmarks/peers.py [--ranks 2 4] [--cycles 2] [--precisions fp32 bf16]
+        [--reduce-scatter both|ours|torch] [--json peers.json]
 
 Variants: DDP (the no-sharding limit), PyTorch FSDP2 ``fully_shard``, DeepSpeed ZeRO-3,
 vescale-zero ``fully_shard`` and vescale-zero's DeepSpeed ``"stage": "ragged"``; then,
@@ -9,7 +10,27 @@ where megatron-core is installed (``--no-megatron`` leaves it out), megatron-cor
 ``VeScaleFSDP`` (``examples/megatron/pretrain_gpt.py``; on CPU through the test shim, see
 ``build_megatron_variant``), reported in a table of their own since the model differs. Each
 variant runs in fresh processes (so its memory is its own) and the variants cycle
-A B C D E ... A B C D E .... fp32 on gloo (CPU), NCCL when GPUs are present. Reported per rank:
+A B C D E ... A B C D E .... gloo on CPU, NCCL when GPUs are present.
+
+Precisions (``--precisions``): ``fp32``, and ``bf16`` = bf16 parameters and compute with fp32
+reduce and fp32 master weights, for the variants that have it: FSDP2
+(``MixedPrecisionPolicy(bf16, fp32)``), ZeRO-3 (``bf16.enabled`` with
+``communication_data_type: fp32``), vescale-zero (``MixedPrecisionPolicy(bf16, fp32)``) and
+DeepSpeed ragged (``bf16.enabled``; it reduces in fp32). DDP and the megatron-core pair run
+fp32 only. bf16 matmuls are 3-5x slower than fp32 on CPUs without avx512_bf16, so the bf16
+table uses its own, smaller GPT (``--bf16-d-model``); compare ratios within one table.
+
+Reduce-scatter (``--reduce-scatter``): on gloo, vescale-zero reduce-scatters as one
+``all_to_all`` + a local sum (``vescale_zero/collectives.py`` [Note: gloo reduce-scatter]),
+while FSDP2 and ZeRO-3 call torch's ``reduce_scatter_tensor``, which gloo runs as an
+all-reduce of a clone (twice the bytes). ``ours`` runs vescale-zero as shipped; ``torch``
+makes every vescale-zero variant use torch's ``reduce_scatter_tensor`` too (rows suffixed
+``_trs``), so the ratios show what the design buys with the same collective as its peers;
+``both`` (default) prints both. The switch is a benchmark-side monkeypatch of
+``vescale_zero.collectives`` (see ``force_torch_reduce_scatter``) until that module has a
+supported one. On NCCL vescale-zero already calls ``reduce_scatter_tensor``: no ``_trs`` rows.
+
+Reported per rank:
 
 * ms/step (median and spread over all timed steps of all cycles) and tokens/s;
 * peak memory: on GPU the CUDA allocator's peak; on CPU the highest resident set size
@@ -17,10 +38,21 @@ A B C D E ... A B C D E .... fp32 on gloo (CPU), NCCL when GPUs are present. Rep
   (freed pages are returned to the OS with malloc_trim after set-up);
 * bytes through collectives per step (profiled: all-gather, reduce-scatter, all-reduce; an
   all_to_all counts as a reduce-scatter, which is what vescale-zero runs as one on gloo);
-* bytes copied outside collectives per step: bytes through copy kernels (copy_, cat,
-  _chunk_cat, split_with_sizes_copy, _foreach_copy_, _to_copy) that are not made by a
-  collective (not under, nor during, a c10d / gloo / nccl op on the same thread) (tensor lists counted as 4-byte elements: exact for fp32), minus the same count for the unsharded model on the same local batch, so the
-  model's own copies (e.g. attention reshapes) are not charged to the parallel layer.
+* ``copy MiB``: bytes *written* by copy kernels (copy_, cat, _chunk_cat,
+  split_with_sizes_copy, _foreach_copy_, _to_copy; the outermost one only, so a
+  ``_foreach_copy_`` and the per-tensor ``copy_``s it runs on CPU count once) that no
+  collective makes (not under, nor during, a c10d / gloo / nccl op on the same thread, nor
+  on a thread that runs no model work, i.e. a gloo worker);
+* ``fill+acc MiB``: bytes written by ``zero_`` / ``fill_`` (called as such or through a zeros
+  factory; not the fill that starts another kernel, e.g. a sum's) and by the in-place adds that
+  autograd's AccumulateGrad runs when a parameter's ``.grad`` already exists (vescale-zero
+  attaches zeroed views of its full gradient buffer before backward, so every gradient is
+  added into it; FSDP2 and a plain model take autograd's gradient tensor as is);
+* both of those minus the same count for the unsharded model on the same local batch (in the
+  same dtype), so the model's own copies are not charged to the parallel layer. The
+  difference is printed as measured, negative included. Exact dtypes come from the profiler;
+  a tensor list whose dtype it does not record and whose kernel shows no per-tensor copies
+  (fused CUDA kernels) is counted in the run's parameter dtype.
 """
 
 from __future__ import annotations
@@ -42,12 +74,31 @@ import torch.multiprocessing as mp
 from tqdm import tqdm
 
 VARIANTS = ("ddp", "fsdp2", "zero3", "vescale", "ds_ragged")
+BF16_VARIANTS = ("fsdp2", "zero3", "vescale", "ds_ragged")  # those with bf16 params + fp32 reduce
 MEGATRON_VARIANTS = ("mcore_ddp", "mcore_vescale")
+OURS = ("vescale", "ds_ragged", "mcore_vescale")  # reduce-scatter through vescale_zero.collectives
+TORCH_RS = "_trs"  # suffix: the variant with vescale-zero forced onto torch's reduce_scatter_tensor
+PRECISIONS = ("fp32", "bf16")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COPY_OPS = {"aten::copy_", "aten::cat", "aten::_chunk_cat", "aten::split_with_sizes_copy", "aten::_foreach_copy_",
             "aten::_to_copy"}
-_ITEM = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4, "bool": 1}
-# A TensorList input carries no dtype in the profiler: counted as 4-byte elements (exact in fp32).
+FILL_OPS = {"aten::zero_", "aten::fill_"}
+ZERO_FACTORIES = {"aten::zeros", "aten::zeros_like", "aten::new_zeros"}
+MODEL_WORK = ("aten::mm", "aten::addmm", "aten::bmm", "aten::embedding")  # marks threads that run the model
+_ITEM = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4, "bool": 1,
+         "unsigned char": 1, "c10::Float8_e4m3fn": 1}
+_DTYPE_NAME = {"fp32": "float", "bf16": "c10::BFloat16"}
+
+
+def force_torch_reduce_scatter() -> None:
+    """BENCHMARK-SIDE MONKEYPATCH, until ``vescale_zero.collectives`` has a supported switch:
+    make ``vescale_zero.collectives.reduce_scatter`` call torch's ``reduce_scatter_tensor`` on
+    every backend (on gloo: torch's all-reduce emulation, the collective FSDP2 and ZeRO-3 run)
+    instead of its all_to_all + local sum. It replaces the module attribute that picks the
+    path, ``_native_reduce_scatter(group, op)``, which ``reduce_scatter`` looks up at each call."""
+    import vescale_zero.collectives as collectives
+
+    collectives._native_reduce_scatter = lambda group, op: True
 
 
 def _numel(shape) -> int:
@@ -57,41 +108,95 @@ def _numel(shape) -> int:
     return n
 
 
-def _bytes(shape, dtype) -> int:
-    if shape and isinstance(shape[0], list):  # a list of tensors
-        return sum(_bytes(s, dtype) for s in shape)
-    return _numel(shape) * _ITEM.get(dtype, 4)
+def _bytes(shape, dtype: str, fallback: str) -> int:
+    if shape and isinstance(shape[0], list):  # a list of tensors: the profiler has no dtype for it
+        return sum(_bytes(s, fallback, fallback) for s in shape)
+    return _numel(shape) * _ITEM.get(dtype, _ITEM[fallback])
 
 
 def _is_collective(name: str) -> bool:
     return name.startswith(("c10d::", "gloo:", "nccl:"))
 
 
-def _inside_collective(e, spans) -> bool:
-    """A copy made by a collective's backend (e.g. gloo's reduce-scatter clones its input):
-    a descendant of a collective, or running within one's time span on the same thread."""
+def _ancestors(e):
     parent = e.cpu_parent
     while parent is not None:
-        if _is_collective(parent.name):
-            return True
+        yield parent
         parent = parent.cpu_parent
+
+
+def _top_copies(e):
+    """The outermost ``copy_`` kernels below ``e``."""
+    for child in e.cpu_children:
+        if child.name == "aten::copy_":
+            yield child
+        else:
+            yield from _top_copies(child)
+
+
+def _inside_collective(e, spans) -> bool:
+    """A kernel made by a collective's backend (e.g. gloo's reduce-scatter clones its input):
+    a descendant of a collective, or running within one's time span on the same thread."""
+    if any(_is_collective(a.name) for a in _ancestors(e)):
+        return True
     return any(t == e.thread and s <= e.time_range.start and e.time_range.end <= t_end for t, s, t_end in spans)
 
 
-def _traffic(prof) -> Dict[str, int]:
-    out = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "copied": 0}
-    spans = [(e.thread, e.time_range.start, e.time_range.end) for e in prof.events() if _is_collective(e.name)]
-    for e in prof.events():
-        name, shapes, types = e.name, e.structured_input_shapes or e.input_shapes or [], e.input_dtypes or []
+def _args(e):
+    return e.structured_input_shapes or e.input_shapes or [], e.input_dtypes or []
+
+
+def _copy_written(e, fallback: str) -> int:
+    """Bytes a copy kernel writes: its destination, in the destination's dtype."""
+    shapes, types = _args(e)
+    if e.name in ("aten::copy_", "aten::split_with_sizes_copy"):  # self is the destination / all of it is moved
+        return _bytes(shapes[0], types[0], fallback)
+    if e.name in ("aten::_chunk_cat", "aten::cat"):  # out= (index 3 / 2), when given, has the dtype written
+        out = 3 if e.name == "aten::_chunk_cat" else 2
+        if len(shapes) > out and shapes[out] and types[out] in _ITEM:
+            return _bytes(shapes[out], types[out], fallback)
+    written = 0
+    copies = list(_top_copies(e))  # _foreach_copy_ (on CPU) and _to_copy run one copy_ per tensor
+    for c in copies:
+        c_shapes, c_types = _args(c)
+        written += _bytes(c_shapes[0], c_types[0], fallback)
+    if copies:
+        return written
+    return _bytes(shapes[0], types[0] if types else fallback, fallback) if shapes else 0
+
+
+TRAFFIC_KEYS = ("all_gather", "reduce_scatter", "all_reduce", "copied", "filled")
+
+
+def _traffic(prof, fallback: str = "float") -> Dict[str, int]:
+    """Per-step bytes of one rank from a profile of one step (see the module docstring)."""
+    out = dict.fromkeys(TRAFFIC_KEYS, 0)
+    events = list(prof.events())
+    spans = [(e.thread, e.time_range.start, e.time_range.end) for e in events if _is_collective(e.name)]
+    model_threads = {e.thread for e in events if e.name in MODEL_WORK or e.name.startswith("autograd::engine")}
+    for e in events:
+        name = e.name
+        shapes, types = _args(e)
         if name == "c10d::_allgather_base_" and shapes:
-            out["all_gather"] += _bytes(shapes[0], types[0] if types else "float")
+            out["all_gather"] += _bytes(shapes[0], types[0] if types else fallback, fallback)
         elif name in ("c10d::_reduce_scatter_base_", "c10d::alltoall_base_") and len(shapes) > 1:
             # all_to_all: vescale-zero's reduce-scatter on gloo (collectives.py [Note: gloo reduce-scatter])
-            out["reduce_scatter"] += _bytes(shapes[1], types[1] if len(types) > 1 else "float")
+            out["reduce_scatter"] += _bytes(shapes[1], types[1] if len(types) > 1 else fallback, fallback)
         elif name.startswith("c10d::allreduce") and shapes:
-            out["all_reduce"] += _bytes(shapes[0], types[0] if types else "float")
-        elif name in COPY_OPS and shapes and not _inside_collective(e, spans):
-            out["copied"] += _bytes(shapes[0], types[0] if types else "float")
+            out["all_reduce"] += _bytes(shapes[0], types[0] if types else fallback, fallback)
+        elif e.thread not in model_threads or not shapes:
+            continue
+        elif name in COPY_OPS:
+            if not any(a.name in COPY_OPS for a in _ancestors(e)) and not _inside_collective(e, spans):
+                out["copied"] += _copy_written(e, fallback)
+        elif name in FILL_OPS:
+            # a fill of its own or of a zeros factory; not one that initialises another kernel's
+            # output (sum's, say), nor the fill_ a zero_ runs (the zero_ counts)
+            caller = next((a for a in _ancestors(e) if a.name.startswith("aten::")), None)
+            if (caller is None or caller.name in ZERO_FACTORIES) and not _inside_collective(e, spans):
+                out["filled"] += _bytes(shapes[0], types[0] if types else fallback, fallback)
+        elif name == "aten::add_" and e.cpu_parent is not None and e.cpu_parent.name.endswith("AccumulateGrad"):
+            out["filled"] += _bytes(shapes[0], types[0] if types else fallback, fallback)
     return out
 
 
@@ -111,12 +216,22 @@ class _RssSampler(threading.Thread):
             time.sleep(0.002)
 
 
-def build_variant(variant: str, cfg, device, args):
-    """``(model or engine, optimizer or None, DeepSpeed engine or None)`` for ``variant``."""
+def build_variant(variant: str, cfg, device, args, precision: str = "fp32"):
+    """``(model or engine, optimizer or None, DeepSpeed engine or None)`` for ``variant``.
+
+    ``precision="bf16"``: bf16 parameters and compute, fp32 reduce and fp32 master weights
+    (the ``plain`` baseline is the model in bf16: it only stands for the model's own work)."""
     from vescale_zero.testing import GPT
 
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: one of {PRECISIONS}")
+    bf16 = precision == "bf16"
+    if bf16 and variant not in BF16_VARIANTS + ("plain",):
+        raise ValueError(f"{variant} has no bf16-param / fp32-reduce mode here; bf16 variants: {BF16_VARIANTS}")
     model = GPT(cfg).to(device)
     if variant == "plain":
+        if bf16:
+            model = model.to(torch.bfloat16)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3), None
     if variant == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -124,16 +239,19 @@ def build_variant(variant: str, cfg, device, args):
         model = DistributedDataParallel(model)
     elif variant == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+        kw = {"mesh": mesh, **({"mp_policy": mp} if mp else {})}
         for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, **kw)
+        fully_shard(model, **kw)
     elif variant == "vescale":
         import vescale_zero as vz
 
-        vz.fully_shard_layers(model, granularity="row")
+        mp = vz.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+        vz.fully_shard_layers(model, granularity="row", mp_policy=mp)
     else:  # DeepSpeed: zero3 or ds_ragged
         import deepspeed
 
@@ -143,7 +261,11 @@ def build_variant(variant: str, cfg, device, args):
                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
                   "zero_optimization": {"stage": 3 if variant == "zero3" else "ragged"}, "steps_per_print": 10**9}
         if variant == "ds_ragged":
-            cfg_ds["zero_optimization"]["granularity"] = "row"
+            cfg_ds["zero_optimization"]["granularity"] = "row"  # reduces in fp32 under bf16 by default
+        if bf16:
+            cfg_ds["bf16"] = {"enabled": True}
+            if variant == "zero3":
+                cfg_ds["communication_data_type"] = "fp32"  # ZeRO-3 reduces in bf16 otherwise
         engine, *_ = deepspeed.initialize(model=model, config=cfg_ds)
         return engine, None, engine
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3), None
@@ -178,15 +300,17 @@ def build_megatron_variant(variant: str, args: argparse.Namespace, world: int):
         from tests.megatron_shim import MegatronFP32Step, install_cuda_shim
 
         install_cuda_shim()
-    spec = importlib.util.spec_from_file_location("pretrain_gpt", os.path.join(REPO, "examples/megatron/pretrain_gpt.py"))
+    script = os.path.join(REPO, "examples/megatron/pretrain_gpt.py")
+    spec = importlib.util.spec_from_file_location("pretrain_gpt", script)
     pg = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pg)
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     argv = ["--num-layers", str(args.layers), "--hidden-size", str(args.d_model), "--num-attention-heads", "8",
-            "--seq-length", str(args.seq_len), "--vocab-size", "512", "--micro-batch-size", str(args.global_batch // world),
-            "--global-batch-size", str(args.global_batch), "--lr", "1e-3", "--clip-grad", "0", "--weight-decay", "0.01"]
+            "--seq-length", str(args.seq_len), "--vocab-size", "512",
+            "--micro-batch-size", str(args.global_batch // world), "--global-batch-size", str(args.global_batch),
+            "--lr", "1e-3", "--clip-grad", "0", "--weight-decay", "0.01"]
     margs = pg.build_parser().parse_args(argv + (["--use-vescale-fsdp"] if variant == "mcore_vescale" else []))
     pg.setup(margs)
     if variant == "mcore_vescale" or cuda:
@@ -226,13 +350,39 @@ def _profile_collective_waits() -> None:
     work.wait = wait
 
 
-def worker(rank: int, world: int, port: int, variant: str, args: argparse.Namespace, out: Dict) -> None:
+def _split_variant(variant: str):
+    """``"vescale_trs"`` -> ``("vescale", True)``: the base variant and whether it runs torch's reduce-scatter."""
+    if variant.endswith(TORCH_RS):
+        return variant[: -len(TORCH_RS)], True
+    return variant, False
+
+
+def _model_step(model, opt, engine, corpus, args, rank: int, world: int, device):
+    """``step(i)``: one training step of a :func:`build_variant` variant on batch ``i``."""
+
+    def step(i: int) -> None:
+        x, y = (t.to(device) for t in corpus.batch(i, args.global_batch, rank, world))
+        train_step(model, opt, engine, x, y)
+
+    return step
+
+
+def _gpt_config(args: argparse.Namespace, precision: str):
+    from vescale_zero.testing import GPTConfig
+
+    d_model = args.bf16_d_model if precision == "bf16" else args.d_model
+    return GPTConfig(vocab_size=512, seq_len=args.seq_len, d_model=d_model, n_layers=args.layers, n_heads=8)
+
+
+def worker(rank: int, world: int, port: int, variant: str, precision: str, args: argparse.Namespace,
+           out: Dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
+    base_variant, torch_rs = _split_variant(variant)
     cuda = torch.cuda.is_available()
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    if variant in ("zero3", "ds_ragged"):
+    if base_variant in ("zero3", "ds_ragged"):
         import deepspeed
 
         if not cuda:
@@ -240,30 +390,26 @@ def worker(rank: int, world: int, port: int, variant: str, args: argparse.Namesp
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     else:
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    if torch_rs:
+        force_torch_reduce_scatter()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     _profile_collective_waits()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    from vescale_zero.testing import GPTConfig, SyntheticCorpus
+    from vescale_zero.testing import SyntheticCorpus
 
-    cfg = GPTConfig(vocab_size=512, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, n_heads=8)
+    cfg = _gpt_config(args, precision)
     corpus = SyntheticCorpus(cfg.vocab_size, cfg.seq_len)
     gc.collect()
     base = _RssSampler.rss_mib()
-    megatron = variant in MEGATRON_VARIANTS
+    megatron = base_variant in MEGATRON_VARIANTS
     if megatron:
-        model, opt, megatron_step = build_megatron_variant(variant, args, world)
+        model, opt, step = build_megatron_variant(base_variant, args, world)
         engine = None
     else:
-        model, opt, engine = build_variant(variant, cfg, device, args)
-
-    def step(i: int) -> None:
-        if megatron:
-            megatron_step(i)
-            return
-        x, y = (t.to(device) for t in corpus.batch(i, args.global_batch, rank, world))
-        train_step(model, opt, engine, x, y)
+        model, opt, engine = build_variant(base_variant, cfg, device, args, precision)
+        step = _model_step(model, opt, engine, corpus, args, rank, world, device)
 
     for i in range(args.warmup):
         step(i)
@@ -288,24 +434,28 @@ def worker(rank: int, world: int, port: int, variant: str, args: argparse.Namesp
     peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else sampler.peak - base
     from torch.profiler import profile
 
+    fallback = _DTYPE_NAME[precision]
     with profile(record_shapes=True) as prof:
         step(args.warmup + args.steps)
-    traffic = _traffic(prof)
+    traffic = _traffic(prof, fallback)
     if megatron:  # another model (megatron-core's GPTModel): no plain baseline to subtract
-        traffic["copied"] = None
-    elif variant != "plain":  # the unsharded model's own copies on the same local batch
-        plain, popt, _ = build_variant("plain", cfg, device, args)
+        traffic["copied"] = traffic["filled"] = None
+    else:  # the unsharded model's own copies and fills on the same local batch, subtracted as measured
+        plain, popt, _ = build_variant("plain", cfg, device, args, precision)
+        plain_step = _model_step(plain, popt, None, corpus, args, rank, world, device)
+        plain_step(0)  # AdamW's state exists from the first step on, as in the variant's profiled step
         with profile(record_shapes=True) as prof:  # the same work as step(), batch included
-            x, y = (t.to(device) for t in corpus.batch(0, args.global_batch, rank, world))
-            plain(x, y).backward()
-            popt.step()
-            popt.zero_grad()
-        traffic["copied"] = max(0, traffic["copied"] - _traffic(prof)["copied"])
+            plain_step(1)
+        own = _traffic(prof, fallback)
+        traffic["copied"] -= own["copied"]
+        traffic["filled"] -= own["filled"]
+        del plain, popt, plain_step
     gathered = [None] * world
     dist.all_gather_object(gathered, {"times": times, "peak_mib": peak, **traffic})
+    key = f"{world}:{precision}:{variant}"
     if rank == 0:
-        out[f"{world}:{variant}"] = out.get(f"{world}:{variant}", []) + [gathered]
-    del model, opt, engine
+        out[key] = out.get(key, []) + [gathered]
+    del step, model, opt, engine
     gc.collect()
     if megatron:
         from megatron.core import parallel_state
@@ -322,19 +472,84 @@ def _has_megatron() -> bool:
     return True
 
 
-def _summarise(runs, args, world):
-    ms = [1e3 * t for cycle in runs for r in cycle for t in r["times"][: len(r["times"])]]
+def _median_mib(per_rank, key: str):
+    if per_rank[0][key] is None:
+        return None
+    return statistics.median(r[key] for r in per_rank) / 2**20
+
+
+def _summarise(runs, args):
+    ms = [1e3 * t for cycle in runs for r in cycle for t in r["times"]]
     per_rank = [r for cycle in runs for r in cycle]
     med = statistics.median(ms)
     return {
         "median_ms": med, "min_ms": min(ms), "max_ms": max(ms),
         "tokens_per_s": args.global_batch * args.seq_len / (med / 1e3),
         "peak_mib": max(r["peak_mib"] for r in per_rank),
-        "all_gather_mib": statistics.median(r["all_gather"] for r in per_rank) / 2**20,
-        "reduce_scatter_mib": statistics.median(r["reduce_scatter"] for r in per_rank) / 2**20,
-        "all_reduce_mib": statistics.median(r["all_reduce"] for r in per_rank) / 2**20,
-        "copied_mib": None if per_rank[0]["copied"] is None else statistics.median(r["copied"] for r in per_rank) / 2**20,
+        **{f"{k}_mib": _median_mib(per_rank, k) for k in TRAFFIC_KEYS},
     }
+
+
+def variants_for(precision: str, args: argparse.Namespace, cuda: bool) -> List[str]:
+    """The variants of one precision's table, in run order (see ``--reduce-scatter``)."""
+    names = list(VARIANTS if precision == "fp32" else BF16_VARIANTS)
+    if precision == "fp32" and not args.no_megatron and _has_megatron():
+        names += MEGATRON_VARIANTS
+    out = []
+    for v in names:
+        if v not in OURS or cuda or args.reduce_scatter in ("ours", "both"):
+            out.append(v)
+        if v in OURS and not cuda and args.reduce_scatter in ("torch", "both"):
+            out.append(v + TORCH_RS)
+    return out
+
+
+def _fmt(x, width: int, digits: int = 2) -> str:
+    return f"{'-':>{width}s}" if x is None else f"{x:{width}.{digits}f}"
+
+
+def _ratio(rows, v: str, ref: str) -> str:
+    return f"{rows[v]['median_ms'] / rows[ref]['median_ms']:7.3f}" if ref in rows else f"{'-':>7s}"
+
+
+def print_table(world: int, precision: str, rows: Dict[str, Dict], args: argparse.Namespace) -> None:
+    backend = "NCCL" if torch.cuda.is_available() else "gloo CPU"
+    d_model = args.bf16_d_model if precision == "bf16" else args.d_model
+    mp = "bf16 params / fp32 reduce + master" if precision == "bf16" else "fp32"
+    print(f"\n{world} ranks, {backend}, {mp}, GPT {args.layers}x{d_model}, seq {args.seq_len}, "
+          f"global batch {args.global_batch}; {args.cycles} cycles x {args.steps} steps per variant")
+    print(f"{'variant':14s} {'ms med':>8s} {'min':>7s} {'max':>7s} {'tok/s':>7s} {'peak MiB':>9s} {'AG MiB':>7s} "
+          f"{'RS MiB':>7s} {'AR MiB':>7s} {'copy MiB':>9s} {'fill+acc':>9s} {'/fsdp2':>7s} {'/zero3':>7s} {'/ddp':>7s}")
+    for v, r in rows.items():
+        if v.startswith("mcore"):
+            continue
+        print(f"{v:14s} {r['median_ms']:8.1f} {r['min_ms']:7.1f} {r['max_ms']:7.1f} {r['tokens_per_s']:7.0f} "
+              f"{r['peak_mib']:9.1f} {_fmt(r['all_gather_mib'], 7)} {_fmt(r['reduce_scatter_mib'], 7)} "
+              f"{_fmt(r['all_reduce_mib'], 7)} {_fmt(r['copied_mib'], 9)} {_fmt(r['filled_mib'], 9)} "
+              f"{_ratio(rows, v, 'fsdp2')} {_ratio(rows, v, 'zero3')} {_ratio(rows, v, 'ddp')}")
+    for ours in ("vescale", "vescale" + TORCH_RS):
+        if ours not in rows:
+            continue
+        r = rows[ours]
+        rs = "torch's reduce_scatter_tensor" if ours.endswith(TORCH_RS) else "its own reduce-scatter"
+        line = (f"targets ({ours}, {rs}): time <= 0.8x FSDP2 [{_ratio(rows, ours, 'fsdp2').strip()}], "
+                f"<= 0.9x ZeRO-3 [{_ratio(rows, ours, 'zero3').strip()}]")
+        if "ddp" in rows:
+            line += f", <= 1.15x DDP [{_ratio(rows, ours, 'ddp').strip()}]"
+        print(line + f"; peak memory {r['peak_mib']:.0f} MiB vs FSDP2 {rows['fsdp2']['peak_mib']:.0f}, "
+              f"ZeRO-3 {rows['zero3']['peak_mib']:.0f}; copies {r['copied_mib']:.2f} MiB/step, "
+              f"fill+acc {r['filled_mib']:.2f} MiB/step (vs the unsharded model)")
+    mcore = [v for v in rows if v.startswith("mcore")]
+    if mcore:
+        where = "CUDA" if torch.cuda.is_available() else "CPU via tests/megatron_shim.py"
+        print(f"megatron-core GPTModel, same dims, Megatron's schedule ({where}):")
+        print(f"{'variant':18s} {'ms med':>8s} {'min':>7s} {'max':>7s} {'peak MiB':>9s} {'AG MiB':>7s} "
+              f"{'RS MiB':>7s} {'AR MiB':>7s} {'/mcore_ddp':>10s}")
+        for v in mcore:
+            r = rows[v]
+            print(f"{v:18s} {r['median_ms']:8.1f} {r['min_ms']:7.1f} {r['max_ms']:7.1f} {r['peak_mib']:9.1f} "
+                  f"{_fmt(r['all_gather_mib'], 7)} {_fmt(r['reduce_scatter_mib'], 7)} {_fmt(r['all_reduce_mib'], 7)} "
+                  f"{_ratio(rows, v, 'mcore_ddp'):>10s}")
 
 
 def main() -> None:
@@ -345,53 +560,36 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--bf16-d-model", type=int, default=128, help="width of the bf16 table's GPT (bf16 is slow on CPU)")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
+    p.add_argument("--reduce-scatter", choices=("both", "ours", "torch"), default="both",
+                   help="vescale-zero's reduce-scatter on gloo: its own (all_to_all), torch's reduce_scatter_tensor "
+                        "(as FSDP2 / ZeRO-3; rows suffixed _trs), or both")
     p.add_argument("--json", help="write the raw measurements and the summary here")
     p.add_argument("--no-megatron", action="store_true", help="leave out megatron-core DDP vs VeScaleFSDP")
     args = p.parse_args()
-    variants = VARIANTS + (() if args.no_megatron or not _has_megatron() else MEGATRON_VARIANTS)
-    if torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    if cuda:
         args.ranks = [min(r, torch.cuda.device_count()) for r in args.ranks]
-    runs = [(w, c, v) for w in args.ranks for c in range(args.cycles) for v in variants]
+    tables = {(w, prec): variants_for(prec, args, cuda) for w in args.ranks for prec in args.precisions}
+    runs = [(w, prec, v) for (w, prec), vs in tables.items() for _ in range(args.cycles) for v in vs]
     with mp.Manager() as manager:
         out = manager.dict()
-        for world, _, variant in tqdm(runs, desc=f"runs ({' '.join(variants)}, cycled)"):
+        for world, precision, variant in tqdm(runs, desc="runs (variants cycled)"):
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-            mp.spawn(worker, args=(world, port, variant, args, out), nprocs=world)
+            mp.spawn(worker, args=(world, port, variant, precision, args, out), nprocs=world)
         raw = dict(out)
+    if cuda and args.reduce_scatter != "ours":
+        print("NCCL: vescale-zero already runs torch's reduce_scatter_tensor; no _trs rows")
     summary = {}
-    backend = "NCCL" if torch.cuda.is_available() else "gloo CPU"
-    for world in args.ranks:
-        rows = {v: _summarise(raw[f"{world}:{v}"], args, world) for v in VARIANTS}
-        summary[world] = rows
-        print(f"\n{world} ranks, {backend}, fp32, GPT {args.layers}x{args.d_model}, seq {args.seq_len}, "
-              f"global batch {args.global_batch}; {args.cycles} cycles x {args.steps} steps per variant")
-        print(f"{'variant':10s} {'ms med':>8s} {'min':>7s} {'max':>7s} {'tok/s':>7s} {'peak MiB':>9s} {'AG MiB':>7s} "
-              f"{'RS MiB':>7s} {'AR MiB':>7s} {'copy MiB':>9s} {'/fsdp2':>7s} {'/zero3':>7s} {'/ddp':>6s}")
-        for v, r in rows.items():
-            print(f"{v:10s} {r['median_ms']:8.1f} {r['min_ms']:7.1f} {r['max_ms']:7.1f} {r['tokens_per_s']:7.0f} "
-                  f"{r['peak_mib']:9.1f} {r['all_gather_mib']:7.2f} {r['reduce_scatter_mib']:7.2f} {r['all_reduce_mib']:7.2f} "
-                  f"{r['copied_mib']:9.2f} {r['median_ms'] / rows['fsdp2']['median_ms']:7.3f} "
-                  f"{r['median_ms'] / rows['zero3']['median_ms']:7.3f} {r['median_ms'] / rows['ddp']['median_ms']:6.3f}")
-        ours = rows["vescale"]
-        print(f"targets (vescale): time <= 0.8x FSDP2 [{ours['median_ms'] / rows['fsdp2']['median_ms']:.3f}], "
-              f"<= 0.9x ZeRO-3 [{ours['median_ms'] / rows['zero3']['median_ms']:.3f}], "
-              f"<= 1.15x DDP [{ours['median_ms'] / rows['ddp']['median_ms']:.3f}]; peak memory <= FSDP2 "
-              f"[{ours['peak_mib']:.0f} vs {rows['fsdp2']['peak_mib']:.0f} MiB] and ZeRO-3 [{rows['zero3']['peak_mib']:.0f} MiB]; "
-              f"copies outside collectives {ours['copied_mib']:.2f} MiB/step")
-        if f"{world}:mcore_ddp" in raw:
-            ddp, ours = (_summarise(raw[f"{world}:{v}"], args, world) for v in MEGATRON_VARIANTS)
-            summary[world].update(mcore_ddp=ddp, mcore_vescale=ours)
-            print(f"megatron-core GPTModel, same dims, Megatron's schedule ({'CUDA' if torch.cuda.is_available() else 'CPU via tests/megatron_shim.py'}):")
-            print(f"{'variant':14s} {'ms med':>8s} {'min':>7s} {'max':>7s} {'peak MiB':>9s} {'AG MiB':>7s} {'RS MiB':>7s} "
-                  f"{'AR MiB':>7s} {'/mcore_ddp':>10s}")
-            for v, r in (("mcore_ddp", ddp), ("mcore_vescale", ours)):
-                print(f"{v:14s} {r['median_ms']:8.1f} {r['min_ms']:7.1f} {r['max_ms']:7.1f} {r['peak_mib']:9.1f} "
-                      f"{r['all_gather_mib']:7.2f} {r['reduce_scatter_mib']:7.2f} {r['all_reduce_mib']:7.2f} "
-                      f"{r['median_ms'] / ddp['median_ms']:10.3f}")
+    for (world, precision), vs in tables.items():
+        rows = {v: _summarise(raw[f"{world}:{precision}:{v}"], args) for v in vs}
+        summary[f"{world}:{precision}"] = rows
+        print_table(world, precision, rows, args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "summary": summary, "raw": raw}, f, indent=1)
