@@ -29,9 +29,9 @@ AG copy-in  (x gathers) mixed precision: ``_foreach_copy_`` of the    mixed prec
 AG copy-out (x gathers) ``split_with_sizes_copy`` of the rank-major   nothing (parameters are views of the
                         gathered buffer into each parameter           gathered buffer). FP8: dequantize the
                                                                       gathered fp8 buffer into it
-grad accumulate         nothing: autograd's gradient tensor is        zero the full gradient buffer, then
-                        taken as is (AccumulateGrad steals it)        AccumulateGrad's in-place add of each
-                                                                      gradient into its view of that buffer
+grad accumulate         nothing: autograd's gradient tensor is        zero the buffer's padding, then copy each
+                        taken as is (AccumulateGrad steals it)        first gradient into its view of the full
+                                                                      gradient buffer (later ones add in place)
 RS copy-in              ``_chunk_cat`` of the gradients into the      reduce dtype != param dtype: one ``copy_``
                         rank-major reduce-scatter input, cast to the  casting the gradient buffer into the
                         reduce dtype in the same kernel               reduce buffer; else nothing
@@ -228,12 +228,12 @@ def vescale_system(shapes, m: int, precision: str, device: torch.device, fp8_til
     grad_views = [grad.full_view(i) for i in range(len(shapes))]
 
     def accumulate() -> None:
-        grad.full.zero_()  # grad.allocate(zero=True) in pre_backward
-        for view, g in zip(grad_views, new_grads):  # AccumulateGrad: view += g
-            view.add_(g)
+        grad.full.zero_padding()  # GradReducer.prepare: only the padding is zeroed
+        for view, g in zip(grad_views, new_grads):  # GradReducer.take: the first gradient is copied in
+            view.copy_(g)
 
     grad_numel = sum(math.prod(s) for s in shapes)
-    kinds["grad accumulate"] = Kernels(accumulate, G * p + 3 * grad_numel * p)
+    kinds["grad accumulate"] = Kernels(accumulate, (G - grad_numel) * p + 2 * grad_numel * p)
     if reduced is not None:
         kinds["RS copy-in"] = Kernels(lambda: reduced.full.copy_(grad.full), G * (p + r))
     else:

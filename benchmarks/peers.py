@@ -26,9 +26,8 @@ while FSDP2 and ZeRO-3 call torch's ``reduce_scatter_tensor``, which gloo runs a
 all-reduce of a clone (twice the bytes). ``ours`` runs vescale-zero as shipped; ``torch``
 makes every vescale-zero variant use torch's ``reduce_scatter_tensor`` too (rows suffixed
 ``_trs``), so the ratios show what the design buys with the same collective as its peers;
-``both`` (default) prints both. The switch is a benchmark-side monkeypatch of
-``vescale_zero.collectives`` (see ``force_torch_reduce_scatter``) until that module has a
-supported one. On NCCL vescale-zero already calls ``reduce_scatter_tensor``: no ``_trs`` rows.
+``both`` (default) prints both. The switch is ``vescale_zero.collectives.set_reduce_scatter_impl``
+("native"). On NCCL vescale-zero already calls ``reduce_scatter_tensor``: no ``_trs`` rows.
 
 Reported per rank:
 
@@ -91,14 +90,12 @@ _DTYPE_NAME = {"fp32": "float", "bf16": "c10::BFloat16"}
 
 
 def force_torch_reduce_scatter() -> None:
-    """BENCHMARK-SIDE MONKEYPATCH, until ``vescale_zero.collectives`` has a supported switch:
-    make ``vescale_zero.collectives.reduce_scatter`` call torch's ``reduce_scatter_tensor`` on
-    every backend (on gloo: torch's all-reduce emulation, the collective FSDP2 and ZeRO-3 run)
-    instead of its all_to_all + local sum. It replaces the module attribute that picks the
-    path, ``_native_reduce_scatter(group, op)``, which ``reduce_scatter`` looks up at each call."""
-    import vescale_zero.collectives as collectives
+    """Make vescale-zero reduce-scatter with torch's ``reduce_scatter_tensor`` on every backend
+    (on gloo: torch's all-reduce emulation, the collective FSDP2 and ZeRO-3 run) instead of its
+    all_to_all + local sum (``vescale_zero.collectives`` [Note: gloo reduce-scatter])."""
+    from vescale_zero.collectives import set_reduce_scatter_impl
 
-    collectives._native_reduce_scatter = lambda group, op: True
+    set_reduce_scatter_impl("native")
 
 
 def _numel(shape) -> int:

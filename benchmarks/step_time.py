@@ -21,9 +21,9 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from peers import build_variant  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from tqdm import tqdm
 
-from peers import build_variant  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from vescale_zero.testing import GPTConfig, SyntheticCorpus
 
 VARIANTS = ("ddp", "fsdp2", "vescale")

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import vescale_zero as vz
-from vescale_zero.fp8_gather import dequantize_tiles, quantize_tiles, tile_band_granularity
 from tests.distributed import run_on_ranks
 from tests.models import AwkwardLM, make_batches, rank_slice
+from vescale_zero.fp8_gather import dequantize_tiles, quantize_tiles, tile_band_granularity
 
 TILE = 4  # small, so AwkwardLM's prime-sized tensors have many tiles, bands and edge tiles
 

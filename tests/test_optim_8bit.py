@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 
 import vescale_zero as vz
-from vescale_zero.optim import AdamW8bit
-from vescale_zero.quantization import dequantize_blockwise, quantize_blockwise
 from tests.distributed import run_on_ranks
 from tests.models import AwkwardLM, local_pieces, make_batches, rank_slice
+from vescale_zero.optim import AdamW8bit
+from vescale_zero.quantization import dequantize_blockwise, quantize_blockwise
 
 BLOCK = 13  # divides most of AwkwardLM's tensors into several blocks; others stay whole
 

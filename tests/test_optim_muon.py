@@ -7,12 +7,12 @@ import pytest
 import torch
 
 import vescale_zero as vz
-from vescale_zero.optim import Muon
-from vescale_zero.optim.muon import assign_roots, newton_schulz
-from vescale_zero.testing import GPT, GPTConfig, SyntheticCorpus
 from tests.distributed import run_on_ranks
 from tests.models import local_pieces
 from tests.test_optim_8bit import _full_grads
+from vescale_zero.optim import Muon
+from vescale_zero.optim.muon import assign_roots, newton_schulz
+from vescale_zero.testing import GPT, GPTConfig, SyntheticCorpus
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)
 

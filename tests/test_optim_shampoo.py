@@ -6,11 +6,11 @@ import pytest
 import torch
 
 import vescale_zero as vz
-from vescale_zero.optim import Shampoo
-from vescale_zero.testing import GPT, GPTConfig, SyntheticCorpus
 from tests.distributed import run_on_ranks
 from tests.models import local_pieces
 from tests.test_optim_8bit import _full_grads
+from vescale_zero.optim import Shampoo
+from vescale_zero.testing import GPT, GPTConfig, SyntheticCorpus
 
 BLOCK = 16  # divides the GPT's row counts: bands of 16 rows, several 16x16 blocks per matrix
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)

@@ -50,13 +50,12 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
-from torch import nn
-
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
+from torch import nn
 
 import vescale_zero as vz
 from vescale_zero.checkpoint.format import CHECKPOINT_DOMAIN

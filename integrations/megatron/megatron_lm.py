@@ -98,7 +98,7 @@ def use_vescale_fsdp_in_megatron_lm(get_args: Optional[Callable[[], Any]] = None
     patched = unwrap_vescale(original)
     for module in list(sys.modules.values()):
         if module is not None and getattr(module, "unwrap_model", None) is original:
-            setattr(module, "unwrap_model", patched)
+            module.unwrap_model = patched
     setattr(training, _PATCHED, True)
 
 

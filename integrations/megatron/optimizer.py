@@ -45,20 +45,22 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from torch import nn
-
 from megatron.core import parallel_state
 from megatron.core.optimizer import OptimizerConfig, _get_param_groups
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
+from torch import nn
 
 from vescale_zero import checkpoint
 from vescale_zero.comm_device import collective_device
 from vescale_zero.optim import AdamW8bit, Muon, Shampoo
 from vescale_zero.state_dict import (
-    full_optimizer_state, load_full_optimizer_state, load_full_state_dict, sharded_params_by_key,
+    full_optimizer_state,
+    load_full_optimizer_state,
+    load_full_state_dict,
+    sharded_params_by_key,
 )
 
 from .data_parallel import VeScaleFSDP
