@@ -33,7 +33,8 @@ a new directory each time, under a fresh temporary directory inside ``--dir``), 
   reading during the load, seen by a Python audit hook on ``open`` (``builtins.open``,
   ``io.open`` and ``os.open`` all raise it). vescale's loader opens ``metadata.json``, rank 0's
   file (buffers, hyper-parameters) and the files whose ranges overlap this rank's pieces
-  (from the index in ``metadata.json``), each read once; ZeRO-3 at the same world size opens this rank's two files; DCP this rank's ``.distcp``
+  (from the index in ``metadata.json``), each read once; ZeRO-3 at the same world size opens this rank's
+  two files; DCP this rank's ``.distcp``
   plus ``.metadata`` and whichever other ``.distcp`` holds replicated items it needs (DCP
   writes each replicated item, e.g. AdamW ``step``, once, on a rank it picks). File size is an
   upper bound on what a reader that seeks (DCP) reads, and counts a file read twice once, so

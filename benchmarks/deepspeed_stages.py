@@ -70,7 +70,8 @@ def worker(rank: int, world: int, port: int, stage, args: argparse.Namespace, ou
         torch.distributed.barrier()
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
+    peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base)
     if rank == 0:
         out[str(stage)] = out.get(str(stage), []) + [{"times": times, "peak_mib": peak}]
     del engine
@@ -104,11 +105,13 @@ def main() -> None:
         ms = [1e3 * t for r in runs_v for t in r["times"]]
         rows[v] = (statistics.median(ms), min(ms), max(ms), statistics.median(r["peak_mib"] for r in runs_v))
     dev = "CUDA peak allocated" if torch.cuda.is_available() else "peak RSS growth, rank 0"
-    print(f"\n{args.ranks} ranks, fp32, GPT {args.layers}x{args.d_model} (vocab 1024), global batch {args.global_batch}, "
-          f"{args.cycles} cycles x {args.steps} steps")
-    print(f"{'stage':8s} {'median ms':>10s} {'min':>8s} {'max':>8s} {'memory MiB':>11s} {'ragged/x time':>14s} {'ragged/x mem':>13s}")
+    print(f"\n{args.ranks} ranks, fp32, GPT {args.layers}x{args.d_model} (vocab 1024), "
+          f"global batch {args.global_batch}, {args.cycles} cycles x {args.steps} steps")
+    print(f"{'stage':8s} {'median ms':>10s} {'min':>8s} {'max':>8s} {'memory MiB':>11s} "
+          f"{'ragged/x time':>14s} {'ragged/x mem':>13s}")
     for v, (med, lo, hi, mem) in rows.items():
-        print(f"{str(v):8s} {med:10.1f} {lo:8.1f} {hi:8.1f} {mem:11.0f} {rows['ragged'][0] / med:14.3f} {rows['ragged'][3] / mem:13.3f}")
+        print(f"{str(v):8s} {med:10.1f} {lo:8.1f} {hi:8.1f} {mem:11.0f} "
+              f"{rows['ragged'][0] / med:14.3f} {rows['ragged'][3] / mem:13.3f}")
     print(f"(memory: {dev})")
     if args.json:
         with open(args.json, "w") as f:

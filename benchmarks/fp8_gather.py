@@ -67,7 +67,8 @@ def main() -> None:
     deq = timed(lambda: layout.dequantize_full(full_q, full_s, out))
     cast = timed(lambda: master.to(torch.bfloat16))
     print(f"\none shard at {ws} ranks ({S:,d} elements), CPU, {torch.get_num_threads()} threads, median of 5:")
-    print(f"  quantize own tiles {quant:.1f} ms | dequantize gathered {deq:.1f} ms | bf16 cast of the shard {cast:.1f} ms")
+    print(f"  quantize own tiles {quant:.1f} ms | dequantize gathered {deq:.1f} ms | "
+          f"bf16 cast of the shard {cast:.1f} ms")
 
 
 if __name__ == "__main__":

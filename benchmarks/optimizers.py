@@ -49,8 +49,10 @@ class GatherEverythingMuon(Muon):
             if group["weight_decay"]:
                 p.mul_(1 - group["lr"] * group["weight_decay"])
             p.add_(ortho.reshape(-1)[rng.start:rng.end].view_as(p), alpha=-group["lr"])
-        total = sum(p.sharded_range.shape[0] * p.sharded_range.shape[1] * min(p.sharded_range.shape[:2]) for p, _ in muon)
-        self.last_step_stats = {"ns_cost": [float(total)] * dist.get_world_size(self.process_group), "bytes_moved": sent,
+        total = sum(p.sharded_range.shape[0] * p.sharded_range.shape[1] * min(p.sharded_range.shape[:2])
+                    for p, _ in muon)
+        self.last_step_stats = {"ns_cost": [float(total)] * dist.get_world_size(self.process_group),
+                                "bytes_moved": sent,
                                 "ns_share_max": 1.0}  # every rank orthogonalises every matrix
 
 
@@ -90,7 +92,8 @@ def worker(rank, world, port, args, out):
             times.append(time.perf_counter() - t0)
             opt.zero_grad()
         state = sum(t.numel() * t.element_size() for s in opt.state.values() for v in s.values()
-                    for t in ([v] if torch.is_tensor(v) else [b for blk in v for b in blk.values()] if isinstance(v, list) else []))
+                    for t in ([v] if torch.is_tensor(v)
+                              else [b for blk in v for b in blk.values()] if isinstance(v, list) else []))
         stats = getattr(opt, "last_step_stats", {})
         rows[name] = {"ms": 1e3 * statistics.median(times[1:]), "state_mib": state / 2**20,
                       "moved_mib": stats.get("bytes_moved", 0) / 2**20,
@@ -115,15 +118,16 @@ def main():
         port = s.getsockname()[1]
     out = mp.Manager().dict()
     mp.spawn(worker, args=(args.ranks, port, args, out), nprocs=args.ranks)
-    print(f"\n{args.ranks} ranks, {'NCCL' if torch.cuda.is_available() else 'gloo CPU'}, GPT {args.layers}x{args.d_model}, "
-          f"median optimizer step over {args.steps - 1} steps")
+    print(f"\n{args.ranks} ranks, {'NCCL' if torch.cuda.is_available() else 'gloo CPU'}, "
+          f"GPT {args.layers}x{args.d_model}, median optimizer step over {args.steps - 1} steps")
     print(f"{'optimizer':16s} {'step ms':>8s} {'state MiB/rank':>15s} {'sent MiB/rank':>14s} {'NS share max':>13s}")
     for name, r in out.items():
         share = f"{r['ns_max_share']:.3f}" if r["ns_max_share"] is not None else "-"
         print(f"{name:16s} {r['ms']:8.1f} {r['state_mib']:15.2f} {r['moved_mib']:14.2f} {share:>13s}")
     if "muon" in out and "muon-gather-all" in out:
         a, b = out["muon"], out["muon-gather-all"]
-        print(f"muon vs gather-everything: step {a['ms'] / b['ms']:.3f}x, bytes sent {a['moved_mib'] / max(b['moved_mib'], 1e-9):.3f}x, "
+        print(f"muon vs gather-everything: step {a['ms'] / b['ms']:.3f}x, "
+              f"bytes sent {a['moved_mib'] / max(b['moved_mib'], 1e-9):.3f}x, "
               f"largest Newton-Schulz share {a['ns_max_share']:.3f} vs {b['ns_max_share']:.3f} (everyone does all)")
 
 

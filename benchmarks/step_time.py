@@ -97,8 +97,9 @@ def main() -> None:
     for v in VARIANTS:  # step-time ratios: below 1 is faster than the reference
         summary[v]["vs_fsdp2"] = summary[v]["median_ms"] / summary["fsdp2"]["median_ms"]
         summary[v]["vs_ddp"] = summary[v]["median_ms"] / summary["ddp"]["median_ms"]
-    print(f"\n{args.ranks} ranks, {'NCCL' if torch.cuda.is_available() else 'gloo CPU'}, fp32, GPT {args.layers}x{args.d_model}, "
-          f"seq {args.seq_len}, global batch {args.global_batch}, {args.rounds} rounds x {args.steps} steps interleaved")
+    print(f"\n{args.ranks} ranks, {'NCCL' if torch.cuda.is_available() else 'gloo CPU'}, fp32, "
+          f"GPT {args.layers}x{args.d_model}, seq {args.seq_len}, global batch {args.global_batch}, "
+          f"{args.rounds} rounds x {args.steps} steps interleaved")
     print(f"{'variant':10s} {'median ms':>10s} {'min':>8s} {'max':>8s} {'tokens/s':>10s} {'/fsdp2':>8s} {'/ddp':>8s}")
     for v in VARIANTS:
         s = summary[v]

@@ -46,10 +46,12 @@ def main() -> None:
     if use_cuda:
         torch.cuda.set_device(device)
 
-    cfg = GPTConfig(vocab_size=256, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
+    cfg = GPTConfig(vocab_size=256, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
+                    n_heads=args.heads)
     model = GPT(cfg).to(device)
     granularity = int(args.granularity) if args.granularity.isdigit() else args.granularity
-    mp = vz.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.mixed_precision == "bf16" else None
+    mp = (vz.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if args.mixed_precision == "bf16" else None)
     for block in model.blocks:
         vz.fully_shard(block, granularity=granularity, mp_policy=mp)
     vz.fully_shard(model, granularity=granularity, mp_policy=mp)
@@ -79,16 +81,19 @@ def main() -> None:
 
     rep = vz.sharding_report(model)
     steady = max(1, args.steps - 1)
-    peak = torch.cuda.max_memory_allocated() / 2**20 if use_cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = (torch.cuda.max_memory_allocated() / 2**20 if use_cuda
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     if rank == 0:
         print(
             "\nsummary\n"
             f"  ranks {world} ({'nccl' if use_cuda else 'gloo'}), groups {rep.num_groups}, parameters {rep.numel:,}, "
             f"granularity {args.granularity}\n"
             f"  loss {losses[0]:.4f} -> {losses[-1]:.4f}\n"
-            f"  padding {rep.padding:,} elements ({100 * rep.padding_ratio:.3f}%), shard {rep.shard_numel:,} elements per rank\n"
+            f"  padding {rep.padding:,} elements ({100 * rep.padding_ratio:.3f}%), "
+            f"shard {rep.shard_numel:,} elements per rank\n"
             f"  per step: all-gathered {rep.bytes_all_gathered / steady / 2**20:.2f} MiB "
-            f"({rep.all_gathers // steady} collectives), reduce-scattered {rep.bytes_reduce_scattered / steady / 2**20:.2f} MiB "
+            f"({rep.all_gathers // steady} collectives), "
+            f"reduce-scattered {rep.bytes_reduce_scattered / steady / 2**20:.2f} MiB "
             f"({rep.reduce_scatters // steady} collectives)\n"
             f"  ms/step median {1e3 * statistics.median(times[1:] or times):.1f} (first step {1e3 * times[0]:.1f})\n"
             f"  peak memory rank 0: {peak:.0f} MiB ({'CUDA allocated' if use_cuda else 'process max RSS'})"

@@ -61,7 +61,8 @@ def _gathered_vs_qdq(rank, world_size):
         opt.step()
         opt.zero_grad()
         plain_losses.append(loss.item())
-    return {"mismatches": mismatches, "losses": (losses, plain_losses), "bytes_per_element": gathered / max(1, elements)}
+    return {"mismatches": mismatches, "losses": (losses, plain_losses),
+            "bytes_per_element": gathered / max(1, elements)}
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])

@@ -22,7 +22,8 @@ def _shard(model, granularity, mp_policy=None, reshard_after_forward=True):
     """``granularity``: one policy for every group, or ``(blocks' policy, root's policy)``."""
     block_policy, root_policy = granularity if isinstance(granularity, tuple) else (granularity, granularity)
     for block in model.blocks:
-        vz.fully_shard(block, granularity=block_policy, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+        vz.fully_shard(block, granularity=block_policy, mp_policy=mp_policy,
+                       reshard_after_forward=reshard_after_forward)
     vz.fully_shard(model, granularity=root_policy, mp_policy=mp_policy)
     return model
 
@@ -60,7 +61,7 @@ def run_sharded(world_size, granularity=None, clip=None, accum=1, mp=False, resh
 def _assert_close(params, ref, rtol, atol=0.0):
     assert set(params) == set(ref), (sorted(params), sorted(ref))
     for name, value in params.items():
-        torch.testing.assert_close(value, ref[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(value, ref[name], rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +197,8 @@ def _zero_copy(rank, world_size, mp):
                     assert sp.data_ptr() == g.master.local.data_ptr() + off * g.master.local.element_size(), m.fqn
                     assert sp.data_ptr() % 16 == 0, (m.fqn, "a rank's piece must start on 16 bytes")
                     if m.requires_grad:
-                        assert sp.grad.data_ptr() == g.sharded_grad.local.data_ptr() + off * sp.grad.element_size(), m.fqn
+                        assert (sp.grad.data_ptr()
+                                == g.sharded_grad.local.data_ptr() + off * sp.grad.element_size()), m.fqn
             ags = [c for c in calls if c[0] == "ag" and c[1] is g]
             assert ags, "the group was never gathered"
             for _, _, out_ptr, in_ptr, _, views in ags:

@@ -692,7 +692,8 @@ def _train_fp8(rank: int, world_size: int, argv: List[str]) -> Dict:
         model, optimizer, config = pg.build(args)
         fp8 = pg.train_loop(args, model, optimizer, config)
         return {"losses": (plain["losses"], fp8["losses"]),
-                "fp8_groups": sum(type(g.gather).__name__ == "FP8TileGather" for g in model.vescale_groups), "groups": len(model.vescale_groups)}
+                "fp8_groups": sum(type(g.gather).__name__ == "FP8TileGather" for g in model.vescale_groups),
+                "groups": len(model.vescale_groups)}
 
 
 def test_fp8_all_gather_flag_trains_like_the_plain_gather():

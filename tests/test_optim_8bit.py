@@ -51,7 +51,7 @@ def _sharded_vs_unsharded(rank, world_size):
         opt.step()
         ref_opt.step()
         opt.zero_grad()
-        for name, (shape, s, e, values) in local_pieces(model).items():
+        for name, (_shape, s, e, values) in local_pieces(model).items():
             if name in ref_params:
                 assert torch.equal(values, ref_params[name].detach().view(-1)[s:e]), (name, s, e)
     return True
@@ -109,7 +109,8 @@ def test_converges_like_fp32_adamw():
     cfg = GPTConfig(vocab_size=64, seq_len=32, d_model=64, n_layers=2, n_heads=4)
     corpus = SyntheticCorpus(cfg.vocab_size, cfg.seq_len)
     final = {}
-    for name, make in (("fp32", lambda ps: torch.optim.AdamW(ps, lr=3e-3)), ("8bit", lambda ps: AdamW8bit(ps, lr=3e-3, block=64))):
+    for name, make in (("fp32", lambda ps: torch.optim.AdamW(ps, lr=3e-3)),
+                       ("8bit", lambda ps: AdamW8bit(ps, lr=3e-3, block=64))):
         model = GPT(cfg)
         opt = make(model.parameters())
         for step in range(60):

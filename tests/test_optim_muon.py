@@ -35,7 +35,7 @@ def _sharded_vs_unsharded(rank, world_size):
         opt.step()
         ref_opt.step()
         opt.zero_grad()
-        for name, (shape, s, e, values) in local_pieces(model).items():
+        for name, (_shape, s, e, values) in local_pieces(model).items():
             if name in ref_params and e > s:
                 ref = ref_params[name].detach().view(-1)[s:e]
                 worst = max(worst, ((values - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item())

@@ -110,7 +110,8 @@ _CLASS_CACHE: Dict[type, type] = {}
 
 def groups_of(module: nn.Module) -> List[ParamGroup]:
     """Every parameter group at or under ``module``, in module order."""
-    return [m.vescale_group for m in module.modules() if isinstance(m, RaggedFSDPModule) and m.vescale_group is not None]
+    return [m.vescale_group for m in module.modules()
+            if isinstance(m, RaggedFSDPModule) and m.vescale_group is not None]
 
 
 def _process_group(mesh: Union[DeviceMesh, dist.ProcessGroup, None], device: Optional[torch.device]):
@@ -290,7 +291,8 @@ def fully_shard_layers(model: nn.Module, layer_classes: Optional[List[str]] = No
         kwargs: passed to every ``fully_shard`` call.
     """
     if layer_classes is None:
-        layer_classes = sorted({type(m).__name__ for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst})
+        layer_classes = sorted({type(m).__name__ for lst in model.modules() if isinstance(lst, nn.ModuleList)
+                                for m in lst})
     wanted = set(layer_classes)
     found = set()
     for module in list(model.modules()):

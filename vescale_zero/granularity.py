@@ -60,7 +60,9 @@ def preset_granularity(shape: Sequence[int], preset: str) -> int:
         return row_numel(shape)
     match = _NROWS.match(key)
     if match is None:
-        raise ValueError(f"unknown granularity preset {preset!r}; valid presets: 'element', 'row', '<N>rows' (e.g. '16rows')")
+        raise ValueError(
+            f"unknown granularity preset {preset!r}; valid presets: 'element', 'row', '<N>rows' (e.g. '16rows')"
+        )
     n = int(match.group(1))
     if n < 1:
         raise ValueError(f"granularity preset {preset!r}: N must be >= 1")

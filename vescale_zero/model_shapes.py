@@ -23,7 +23,8 @@ from typing import Dict, List, Sequence, Tuple
 from .granularity import preset_granularity
 from .planner import TensorSpec
 
-__all__ = ["MODEL_NAMES", "Group", "layer_groups", "granularity", "group_specs", "fsdp2_padding", "zero3_padding", "megatron_fsdp_padding", "load_shapes"]
+__all__ = ["MODEL_NAMES", "Group", "layer_groups", "granularity", "group_specs", "fsdp2_padding", "zero3_padding",
+           "megatron_fsdp_padding", "load_shapes"]
 
 Shape = Tuple[int, ...]
 Group = List[Tuple[str, Shape]]

@@ -1,6 +1,7 @@
-"""A DeepSpeed training script that switches to ragged sharding by its config alone.
+r"""A DeepSpeed training script that switches to ragged sharding by its config alone.
 
-    torchrun --standalone --nproc-per-node 2 examples/deepspeed/train.py --deepspeed_config configs/deepspeed/ragged.json
+    torchrun --standalone --nproc-per-node 2 examples/deepspeed/train.py \
+        --deepspeed_config configs/deepspeed/ragged.json
     deepspeed --num_gpus 2 examples/deepspeed/train.py --deepspeed_config configs/deepspeed/zero3.json
 
 The only line a DeepSpeed user adds is the ``vescale_zero.integrations.deepspeed`` import.

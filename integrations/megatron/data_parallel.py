@@ -102,7 +102,8 @@ def check_supported(config: TransformerConfig, ddp_config: DistributedDataParall
             "gradient buffers VeScaleFSDP reduce-scatters"
         )
     if getattr(config, "cuda_graph_impl", "none") not in ("none", None) or getattr(config, "enable_cuda_graph", False):
-        raise ValueError("--use-vescale-fsdp does not support CUDA graphs yet; drop --cuda-graph-impl / --enable-cuda-graph")
+        raise ValueError("--use-vescale-fsdp does not support CUDA graphs yet; "
+                         "drop --cuda-graph-impl / --enable-cuda-graph")
 
 
 def _is_expert(param: nn.Parameter) -> bool:

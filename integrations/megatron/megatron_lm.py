@@ -150,7 +150,8 @@ def _wrap_checkpointing(training: Any, get_args: Callable[[], Any]) -> None:
         chunks = _chunks_of(model)
         args = get_args()
         if chunks and not getattr(args, "no_load_optim", False) and not getattr(args, "finetune", False):
-            path = _checkpoint_dir(getattr(args, kwargs.get("load_arg", "load"), None), getattr(args, "ckpt_step", None))
+            path = _checkpoint_dir(getattr(args, kwargs.get("load_arg", "load"), None),
+                                   getattr(args, "ckpt_step", None))
             if path is not None:
                 check_dist_checkpoint_optimizer(path)
         with ExitStack() as stack:

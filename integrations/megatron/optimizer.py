@@ -265,7 +265,9 @@ class VeScaleOptimizer(MegatronOptimizer):
         not element-wise (and so cannot be written in model space)."""
         opt = self.optimizer
         if type(opt) in (torch.optim.Adam, torch.optim.AdamW):
-            return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if any(g.get("amsgrad") for g in opt.param_groups) else ())
+            return ("exp_avg", "exp_avg_sq") + (
+                ("max_exp_avg_sq",) if any(g.get("amsgrad") for g in opt.param_groups) else ()
+            )
         if type(opt) is torch.optim.SGD:
             return ("momentum_buffer",) if any(g.get("momentum") for g in opt.param_groups) else ()
         return None
@@ -283,7 +285,9 @@ class VeScaleOptimizer(MegatronOptimizer):
 
         chunk = self._chunk()
         names = self.model_space_keys()
-        common: Dict[str, Any] = {"grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None}
+        common: Dict[str, Any] = {
+            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None
+        }
         if names is None:
             if is_loading:
                 return {"vescale_zero_checkpoint": None, **common}
@@ -356,9 +360,9 @@ class VeScaleOptimizer(MegatronOptimizer):
     def _load_model_space(self, state_dict: Dict[str, Any]) -> None:
         if state_dict.get("param_state_sharding_type") not in _MODEL_SPACE_FORMATS:
             raise ValueError(
-                f"the checkpoint's distributed-optimizer state is {state_dict['param_state_sharding_type']!r}, laid out "
-                "by Megatron's buckets; re-save it with --dist-ckpt-optim-fully-reshardable (model space), or resume "
-                "with --no-load-optim"
+                f"the checkpoint's distributed-optimizer state is {state_dict['param_state_sharding_type']!r}, "
+                "laid out by Megatron's buckets; re-save it with --dist-ckpt-optim-fully-reshardable (model space), "
+                "or resume with --no-load-optim"
             )
         nested = state_dict.get("optimizer") if isinstance(state_dict.get("optimizer"), dict) else {}
         step = (state_dict.get("state") or nested.get("state") or {}).get("common_step")
@@ -444,9 +448,11 @@ def get_vescale_optimizer(
     """
     name = optimizer or config.optimizer
     if not all(isinstance(chunk, VeScaleFSDP) for chunk in model_chunks):
-        raise TypeError("get_vescale_optimizer needs VeScaleFSDP model chunks (build the model with --use-vescale-fsdp)")
+        raise TypeError("get_vescale_optimizer needs VeScaleFSDP model chunks "
+                        "(build the model with --use-vescale-fsdp)")
     if name not in SUPPORTED_OPTIMIZERS:
-        raise ValueError(f"--use-vescale-fsdp: optimizer {name!r} is not supported; choose one of {SUPPORTED_OPTIMIZERS}")
+        raise ValueError(f"--use-vescale-fsdp: optimizer {name!r} is not supported; "
+                         f"choose one of {SUPPORTED_OPTIMIZERS}")
     if config.use_distributed_optimizer:
         raise ValueError("--use-vescale-fsdp already shards the optimizer state; drop --use-distributed-optimizer")
     if config.optimizer_cpu_offload:
@@ -485,7 +491,8 @@ def get_vescale_optimizer(
             raise ValueError("--vescale-optimizer muon: expert parameters (another data-parallel group) are not "
                              "supported yet; use adam for MoE models")
         inner = Muon(groups, lr=config.lr, momentum=getattr(config, "muon_momentum", 0.95),
-                     nesterov=getattr(config, "muon_use_nesterov", True), ns_steps=getattr(config, "muon_num_ns_steps", 5),
+                     nesterov=getattr(config, "muon_use_nesterov", True),
+                     ns_steps=getattr(config, "muon_num_ns_steps", 5),
                      weight_decay=config.weight_decay, adamw_lr=config.lr,
                      adamw_betas=(config.adam_beta1, config.adam_beta2), adamw_eps=config.adam_eps,
                      process_group=model_chunks[0].dp_cp_group)

@@ -56,7 +56,8 @@ class AdamW8bit(torch.optim.Optimizer):
         block = next(g["block"] for g in self.param_groups if any(q is param for q in g["params"]))
         self._check_layout(param, block)
         rng = getattr(param, "sharded_range", None)
-        start, end, total = (rng.start, rng.end, math.prod(rng.shape)) if rng is not None else (0, param.numel(), param.numel())
+        start, end, total = ((rng.start, rng.end, math.prod(rng.shape)) if rng is not None
+                             else (0, param.numel(), param.numel()))
         return start // block, -(-end // block), -(-total // block)
 
     @staticmethod
@@ -80,7 +81,8 @@ class AdamW8bit(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            lr, (b1, b2), eps, wd, block = group["lr"], group["betas"], group["eps"], group["weight_decay"], group["block"]
+            lr, (b1, b2), eps, wd, block = (group["lr"], group["betas"], group["eps"], group["weight_decay"],
+                                            group["block"])
             for p in group["params"]:
                 if p.grad is None or p.numel() == 0:
                     continue

@@ -96,7 +96,9 @@ class Shampoo(torch.optim.Optimizer):
             shape = tuple(p.shape)
             return shape, 0, _matrix_shape(shape)[0]
         rows, cols = _matrix_shape(rng.shape)
-        whole_bands = rng.start % (block * cols) == 0 and ((rng.end - rng.start) % (block * cols) == 0 or rng.end == rows * cols)
+        whole_bands = rng.start % (block * cols) == 0 and (
+            (rng.end - rng.start) % (block * cols) == 0 or rng.end == rows * cols
+        )
         whole_tensor = rng.start == 0 and rng.end == rows * cols
         if rng.end > rng.start and not (whole_bands or whole_tensor):
             raise ValueError(

@@ -16,7 +16,8 @@ __all__ = ["SyntheticCorpus"]
 
 
 class SyntheticCorpus:
-    def __init__(self, vocab_size: int, seq_len: int, n_phrases: int = 16, phrase_len: int = 8, seed: int = 1234) -> None:
+    def __init__(self, vocab_size: int, seq_len: int, n_phrases: int = 16, phrase_len: int = 8,
+                 seed: int = 1234) -> None:
         g = torch.Generator().manual_seed(seed)
         self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
         self.phrases = torch.randint(0, vocab_size, (n_phrases, phrase_len), generator=g)

@@ -54,7 +54,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.embed.weight  # tied
-        for name, p in self.named_parameters():
+        for _name, p in self.named_parameters():
             if p.dim() == 2:
                 nn.init.normal_(p, std=0.02)
 
