@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 import vescale_zero as vz
 
-__all__ = ["AwkwardLM", "make_batches", "rank_slice", "train_reference", "local_pieces", "assemble", "VOCAB", "SEQ"]
+__all__ = ["AwkwardLM", "make_batches", "rank_slice", "train_reference", "local_pieces", "assemble", "VOCAB", "SEQ",
+           "train_steps", "record_reduce_scatters"]
 
 VOCAB, DIM, HIDDEN, SEQ = 37, 13, 29, 5  # primes: no shape divides evenly by 2, 3 or 4
 
@@ -126,3 +129,43 @@ def assemble(per_rank: List[Dict[str, tuple]]) -> Dict[str, torch.Tensor]:
         assert torch.all(hits == 1), f"{name}: ranks do not cover every element exactly once: {hits.tolist()}"
         full[name] = flat.view(shape)
     return full
+
+
+def train_steps(model: nn.Module, opt: torch.optim.Optimizer, batches, after_backward: Optional[Callable] = None):
+    """One step per local ``(x, y)`` batch: forward, backward, ``after_backward()``, optimizer
+    step; returns the losses averaged over the ranks."""
+    losses = []
+    for x, y in batches:
+        loss = model(x, y)
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.AVG)
+        losses.append(total.item())
+        if after_backward is not None:
+            after_backward()
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+@contextlib.contextmanager
+def record_reduce_scatters(groups) -> Iterator[List[int]]:
+    """Within: every reduce-scatter a DBuffer runs is recorded as the index (in ``groups``) of
+    the group whose full gradients it reduces (-1 for none of them)."""
+    import vescale_zero.dbuffer as dbuffer_module
+
+    real, sequence = dbuffer_module.reduce_scatter, []
+
+    def spy(shard, full, *args, **kwargs):
+        storage = full.untyped_storage()._cdata
+        owners = [i for i, g in enumerate(groups) if storage in {
+            g.grads.full.full.untyped_storage()._cdata,
+            g.grads.reduce.full.untyped_storage()._cdata if g.grads.reduce is not None else None}]
+        sequence.append(owners[0] if owners else -1)
+        return real(shard, full, *args, **kwargs)
+
+    dbuffer_module.reduce_scatter = spy
+    try:
+        yield sequence
+    finally:
+        dbuffer_module.reduce_scatter = real

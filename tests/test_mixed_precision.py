@@ -13,11 +13,10 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import vescale_zero as vz
 from tests.distributed import run_on_ranks
-from tests.models import AwkwardLM, assemble, local_pieces, make_batches, rank_slice
+from tests.models import AwkwardLM, assemble, local_pieces, make_batches, rank_slice, train_steps
 from vescale_zero.fully_shard import groups_of
 
 STEPS, GLOBAL_BATCH = 6, 12
@@ -36,16 +35,7 @@ def _train(rank, world_size, kernel, fp8_tile):
     model = _sharded(fp8_tile=fp8_tile)
     kw = {"fused": True} if kernel == "fused" else {"foreach": True}
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, **kw)
-    losses = []
-    for batch in make_batches(STEPS, GLOBAL_BATCH):
-        x, y = rank_slice(batch, rank, world_size)
-        loss = model(x, y)
-        loss.backward()
-        total = loss.detach().clone()
-        dist.all_reduce(total, op=dist.ReduceOp.AVG)
-        losses.append(total.item())
-        opt.step()
-        opt.zero_grad()
+    losses = train_steps(model, opt, [rank_slice(b, rank, world_size) for b in make_batches(STEPS, GLOBAL_BATCH)])
     return losses, local_pieces(model)
 
 

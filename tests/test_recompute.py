@@ -24,12 +24,11 @@ import functools
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 import vescale_zero as vz
 from tests.distributed import run_on_ranks
-from tests.models import AwkwardLM, assemble, local_pieces, make_batches, rank_slice, train_reference
+from tests.models import AwkwardLM, assemble, local_pieces, make_batches, rank_slice, train_reference, train_steps
 
 STEPS, GLOBAL_BATCH = 2, 12
 VARIANTS = ["none", "around/reentrant", "around/non-reentrant", "inside/reentrant", "inside/non-reentrant",
@@ -86,17 +85,10 @@ def _train_variants(rank, world_size):
             vz.fully_shard(block, granularity="row")
         vz.fully_shard(model, granularity="row")
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
-        losses, grads = [], []
-        for batch in make_batches(STEPS, GLOBAL_BATCH):
-            x, y = rank_slice(batch, rank, world_size)
-            loss = model(x, y)
-            loss.backward()
-            total = loss.detach().clone()
-            dist.all_reduce(total, op=dist.ReduceOp.AVG)
-            losses.append(total.item())
-            grads.append(_grad_pieces(model))
-            opt.step()
-            opt.zero_grad()
+        grads = []
+        batches = [rank_slice(b, rank, world_size) for b in make_batches(STEPS, GLOBAL_BATCH)]
+        losses = train_steps(model, opt, batches,
+                             after_backward=lambda model=model, grads=grads: grads.append(_grad_pieces(model)))
         results[variant] = {"losses": losses, "grads": grads, "params": local_pieces(model)}
     return results
 

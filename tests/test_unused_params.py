@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import vescale_zero as vz
 from tests.distributed import run_on_ranks
-from tests.models import assemble, local_pieces
+from tests.models import assemble, local_pieces, record_reduce_scatters, train_steps
 from vescale_zero.fully_shard import groups_of
 
 VOCAB, DIM, EXPERTS, SEQ, STEPS, PER_RANK = 30, 12, 3, 4, 3, 4
@@ -77,41 +76,17 @@ def _batches(rank: int, world_size: int):
 def _train(rank, world_size, variant):
     """``variant``: "ddp", "vescale" or "vescale+recompute" (reentrant, around each block)."""
     model = MoELM(recompute=variant == "vescale+recompute")
-    sequence = []
     if variant == "ddp":
         model = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
-    else:
-        import vescale_zero.dbuffer as dbuffer_module
-
-        for block in model.blocks:
-            vz.fully_shard(block)
-        vz.fully_shard(model)
-        groups = groups_of(model)  # root, blocks[0], blocks[1]
-        real = dbuffer_module.reduce_scatter
-
-        def spy(shard, full, *args, **kwargs):
-            owner = [i for i, g in enumerate(groups) if full.untyped_storage()._cdata in (
-                g.grads.full.full.untyped_storage()._cdata,)]
-            sequence.append((owner[0] if owner else -1, full.numel()))
-            return real(shard, full, *args, **kwargs)
-
-        dbuffer_module.reduce_scatter = spy
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    losses = []
-    try:
-        for x, y in _batches(rank, world_size):
-            loss = model(x, y)
-            loss.backward()
-            total = loss.detach().clone()
-            dist.all_reduce(total, op=dist.ReduceOp.AVG)
-            losses.append(total.item())
-            opt.step()
-            opt.zero_grad()
-    finally:
-        if variant != "ddp":
-            dbuffer_module.reduce_scatter = real
-    if variant == "ddp":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = train_steps(model, opt, _batches(rank, world_size))
         return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.module.named_parameters()}}
+    for block in model.blocks:
+        vz.fully_shard(block)
+    vz.fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with record_reduce_scatters(groups_of(model)) as sequence:  # groups: root, blocks[0], blocks[1]
+        losses = train_steps(model, opt, _batches(rank, world_size))
     return {"losses": losses, "pieces": local_pieces(model), "sequence": sequence}
 
 
@@ -127,7 +102,7 @@ def test_rank_dependent_unused_experts_match_ddp(world_size):
         runs = [r[variant] for r in results]
         sequences = [r["sequence"] for r in runs]
         assert all(s == sequences[0] for s in sequences), f"{variant}: ranks issued reduce-scatters in different orders"
-        assert [i for i, _ in sequences[0]] == [2, 1, 0] * STEPS, sequences[0]  # blocks[1], blocks[0], root
+        assert sequences[0] == [2, 1, 0] * STEPS, sequences[0]  # blocks[1], blocks[0], root
         assert runs[0]["losses"] == pytest.approx(ddp["losses"], rel=1e-6, abs=1e-7), variant
         params = assemble([r["pieces"] for r in runs])
         assert set(params) == set(ddp["params"])
@@ -187,19 +162,9 @@ def _pipeline_schedule(rank, world_size, interleaved):
         vz.fully_shard(block)
     vz.fully_shard(model)
     groups = groups_of(model)
-    import vescale_zero.dbuffer as dbuffer_module
-
-    real, sequence = dbuffer_module.reduce_scatter, []
-
-    def spy(shard, full, *args, **kwargs):
-        storage = full.untyped_storage()._cdata
-        sequence.append([i for i, g in enumerate(groups) if g.grads.full.full.untyped_storage()._cdata == storage])
-        return real(shard, full, *args, **kwargs)
-
-    dbuffer_module.reduce_scatter = spy
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     parts = []
-    try:
+    with record_reduce_scatters(groups) as sequence:
         for x, y in _batches(rank, world_size):
             micro = [(x[:2], y[:2]), (x[2:], y[2:])]
             if interleaved:
@@ -214,8 +179,6 @@ def _pipeline_schedule(rank, world_size, interleaved):
                     (model(a, b) / 2).backward()
             opt.step()
             opt.zero_grad()
-    finally:
-        dbuffer_module.reduce_scatter = real
     return local_pieces(model), sequence, parts
 
 
