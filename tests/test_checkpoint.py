@@ -48,6 +48,7 @@ def _phase(rank, world_size, path, phase, granularity):
 
 @pytest.mark.parametrize("save_ranks,load_ranks,granularities",
                          [(2, 3, ("row", "element")), (3, 1, ("element", "3rows")), (1, 4, ("row", "row"))])
+@pytest.mark.slow
 def test_reshard_on_load_then_continue(tmp_path, save_ranks, load_ranks, granularities):
     path = str(tmp_path / "ckpt")
     run_on_ranks(_phase, save_ranks, path, "first", granularities[0])
@@ -62,6 +63,7 @@ def _load_only(rank, world_size, path):
     checkpoint.load(path, model, opt)
 
 
+@pytest.mark.slow
 def test_partial_or_corrupt_checkpoints_are_refused(tmp_path):
     path = str(tmp_path / "ckpt")
     run_on_ranks(_phase, 2, path, "first", "row")
@@ -187,6 +189,7 @@ def _same(a, b) -> bool:
 
 @pytest.mark.parametrize("name,save_ranks,load_ranks", [("adamw8bit", 2, 3), ("shampoo", 2, 3), ("muon", 3, 2),
                                                         ("adamw8bit", 3, 1)])
+@pytest.mark.slow
 def test_structured_optimizer_state_reshards(tmp_path, name, save_ranks, load_ranks):
     """8-bit AdamW's codes and per-block scales, Shampoo's per-tile preconditioners and
     Muon's momentum, saved at one world size and loaded at another: the state the new ranks

@@ -93,6 +93,7 @@ def run(world_size, stage, *, optimizer_class=None, **extra):
     return results[0]["losses"], params
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_ragged_matches_stage3_fp32(world_size):
     ref_losses, ref_params = run(world_size, 3)
@@ -114,6 +115,7 @@ def test_bf16_tracks_stage3_bf16():
     assert diffs.mean().item() <= 1e-3
 
 
+@pytest.mark.slow
 def test_bf16_with_deepspeeds_own_adam_tracks_stage3():
     """The optimizer DeepSpeed users get by default: a config AdamW without ``torch_adam``,
     i.e. DeepSpeed's FusedAdam (on this CPU accelerator its own C++ kernel, built on first
@@ -259,6 +261,7 @@ def _train_with_checkpoint(rank, world_size, ckpt_dir, phase):
     return {"losses": losses, "params": local_pieces(engine.module)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("save_ranks,load_ranks", [(2, 2), (2, 3)])
 def test_save_load_continue_matches_uninterrupted(tmp_path, save_ranks, load_ranks):
     full = run_on_ranks(_train_with_checkpoint, load_ranks, str(tmp_path), "full", timeout=400)
@@ -299,6 +302,7 @@ def _pipeline(rank, world_size, stage):
     return {"losses": losses, "stage_id": engine.stage_id, "params": pieces}
 
 
+@pytest.mark.slow
 def test_pipeline_2_stages_x_2_way_matches_stage0_pipeline():
     ref = run_on_ranks(_pipeline, 4, 0, timeout=400)
     ours = run_on_ranks(_pipeline, 4, "ragged", timeout=400)
@@ -347,6 +351,7 @@ def _structured_from_config(rank, world_size, via, name):
 BLOCKS = {"AdamW8bit": {"block": 13}, "Shampoo": {"block": 13}, "Muon": {}}  # Muon needs no granularity
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(BLOCKS))
 def test_config_structured_optimizer_shards_by_its_blocks(name):
     via_ds = run_on_ranks(_structured_from_config, 3, "deepspeed", name, timeout=400)
@@ -383,6 +388,7 @@ def _zero_then_ragged(rank, world_size, ckpt_dir, stage, phase):
             "steps": engine.global_steps, "moments": moments, "refused": refused}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_checkpoint_migrates_to_ragged_and_training_continues(tmp_path, stage):
     """A ZeRO checkpoint written by 2 ranks loads into "ragged" on 3: the same fp32 weights

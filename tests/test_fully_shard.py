@@ -94,6 +94,7 @@ GRANULARITIES = [
 ]
 
 
+@pytest.mark.slow
 def test_every_granularity_gives_the_same_numbers(reference_plain):
     """No clipping: after the reduce, every step is element-wise, so the layout cannot
     change a number as long as the reduction itself is layout-independent. At 2 ranks it

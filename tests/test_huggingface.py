@@ -125,6 +125,7 @@ def _strict_load(directory):
     return model
 
 
+@pytest.mark.slow
 def test_trainer_saves_the_whole_model_like_zero3(tmp_path):
     """``save_model`` and ``checkpoint-N`` of a ragged Trainer job load strictly with
     ``from_pretrained``, hold exactly the engine's trained shards, and equal ZeRO-3's saves

@@ -696,6 +696,7 @@ def _train_fp8(rank: int, world_size: int, argv: List[str]) -> Dict:
                 "groups": len(model.vescale_groups)}
 
 
+@pytest.mark.slow
 def test_fp8_all_gather_flag_trains_like_the_plain_gather():
     """``--vescale-fp8-all-gather-tile 8`` under tp=2 x dp=2: every group gathers float8
     tiles, and the losses follow the plain run to 1%."""
@@ -922,6 +923,7 @@ def _resume_from_megatron(rank: int, world_size: int, argv: List[str], ckpt: str
                                           ([], ["--bf16"]),
                                           ([], MOE_EP2)],
                          ids=["tp2-adam", "pp2-adam", "dp2-distributed-optimizer", "bf16-adam", "moe-ep2-adam"])
+@pytest.mark.slow
 def test_megatron_dist_checkpoint_resumes_in_vescale_fsdp_and_back(tmp_path, source, flags):
     """Megatron writes a torch_dist checkpoint (tp2 x dp1 or pp2 x dp1 with its Adam, dp2
     with its distributed optimizer, ``fully_reshardable``, dp2 bf16 with its mixed-precision
