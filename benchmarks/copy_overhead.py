@@ -228,7 +228,7 @@ def vescale_system(shapes, m: int, precision: str, device: torch.device, fp8_til
     grad_views = [grad.full_view(i) for i in range(len(shapes))]
 
     def accumulate() -> None:
-        grad.full.zero_padding()  # GradReducer.prepare: only the padding is zeroed
+        grad.zero_padding()  # GradReducer.prepare: only the padding is zeroed
         for view, g in zip(grad_views, new_grads):  # GradReducer.take: the first gradient is copied in
             view.copy_(g)
 
