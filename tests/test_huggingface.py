@@ -1,11 +1,16 @@
 """Hugging Face models and tools with ragged sharding (gloo, CPU; transformers + accelerate).
 
-1. ``Trainer`` with DeepSpeed ``"stage": "ragged"`` saves the whole model (``save_model``
-   and every ``checkpoint-N``) as ZeRO-3 does: ``from_pretrained`` loads it strictly and it
-   equals ZeRO-3's saved weights. The other save paths give the whole model or refuse.
+1. ``Trainer`` with DeepSpeed ``"stage": "ragged"`` and gradient accumulation trains and
+   evaluates as with ZeRO-3, saves the whole model (``save_model`` and every
+   ``checkpoint-N``) as ZeRO-3 does: ``from_pretrained`` loads it strictly and it equals
+   ZeRO-3's saved weights; resuming from ``checkpoint-N`` continues bit for bit. The other
+   save paths give the whole model or refuse.
 2. Activation recompute (Hugging Face ``gradient_checkpointing_enable``, plain
    ``torch.utils.checkpoint`` around sharded layers, reentrant or not) gives the gradients
    and updates of the run without recompute and of an unsharded run.
+
+3. A plain ``accelerate`` loop (``accelerator.accumulate``, gradient accumulation 2) with
+   "ragged" equals the ZeRO-3 loop and the loop without accumulation on doubled batches.
 
 How the Trainer runs on spawned ranks: ``run_on_ranks`` sets what torchrun sets (RANK,
 WORLD_SIZE, MASTER_ADDR/PORT) and initialises the gloo group before the rank function; the

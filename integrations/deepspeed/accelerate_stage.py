@@ -9,7 +9,8 @@ accelerate copies ``zero_optimization.stage`` from the config into
     Accelerator.no_sync (every non-boundary  zero_stage < 2:     the ZeRO-2/3 branch: no context; the engine
       micro-batch of accelerator.accumulate)   engine.no_sync()    keeps gradients local until the boundary
                                                                  that accelerate sets before each backward
-    Trainer.__init__ (auto_find_batch_size)  zero_stage == 3     (checked before any engine exists)
+    Trainer.__init__ (auto_find_batch_size)  zero_stage == 3:    not reached: it runs before any engine
+                                               refused            exists, so "ragged" is not refused there
 
 The ragged engine shards parameters and gradients as ZeRO-3 does, and decides when to
 reduce-scatter as DeepSpeed's engine decides when to reduce: by
