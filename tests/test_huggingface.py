@@ -220,9 +220,10 @@ ACC_STEPS, ACC_ROWS, ACC_LR = 3, 2, 0.5  # optimizer steps, rows per micro-batch
 
 def _accelerate_loop(stage, accumulation, rows):
     """ACC_STEPS SGD steps of ``with accelerator.accumulate(model)`` over micro-batches of
-    ``rows`` rows per rank: ``(every micro-batch's loss on this rank, the full weights on
-    rank 0)``. SGD, not Adam: its update is linear in the gradient, so a gradient that is
-    off by a factor (the 1 / accumulation scaling) or misses a micro-batch shows."""
+    ``rows`` rows per rank: ``{"losses": every micro-batch's loss on this rank, "weights":
+    the full weights on rank 0 (None elsewhere), ...}``. SGD, not Adam: its update is linear
+    in the gradient, so a gradient that is off by a factor (the 1 / accumulation scaling) or
+    misses a micro-batch shows."""
     from accelerate import Accelerator, DeepSpeedPlugin
     from accelerate.state import AcceleratorState
     from accelerate.utils import InitProcessGroupKwargs
@@ -260,7 +261,7 @@ def _accelerate_loop(stage, accumulation, rows):
 
 def _accelerate_loops(rank, world_size):
     _hf_rank_env(rank, world_size)
-    # ragged first: ZeRO-3's plugin leaves its zero.Init switch (transformers' weak reference) behind
+    # ZeRO-3 last: its plugin may leave transformers' zero.Init switch (a weak reference) set
     return {"ragged": _accelerate_loop("ragged", 2, ACC_ROWS),
             "ragged, doubled batch": _accelerate_loop("ragged", 1, 2 * ACC_ROWS),
             "zero3": _accelerate_loop(3, 2, ACC_ROWS)}
