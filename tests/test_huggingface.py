@@ -1,11 +1,16 @@
 """Hugging Face models and tools with ragged sharding (gloo, CPU; transformers + accelerate).
 
-1. ``Trainer`` with DeepSpeed ``"stage": "ragged"`` saves the whole model (``save_model``
-   and every ``checkpoint-N``) as ZeRO-3 does: ``from_pretrained`` loads it strictly and it
-   equals ZeRO-3's saved weights. The other save paths give the whole model or refuse.
+1. ``Trainer`` with DeepSpeed ``"stage": "ragged"`` and gradient accumulation trains and
+   evaluates as with ZeRO-3, saves the whole model (``save_model`` and every
+   ``checkpoint-N``) as ZeRO-3 does: ``from_pretrained`` loads it strictly and it equals
+   ZeRO-3's saved weights; resuming from ``checkpoint-N`` continues bit for bit. The other
+   save paths give the whole model or refuse.
 2. Activation recompute (Hugging Face ``gradient_checkpointing_enable``, plain
    ``torch.utils.checkpoint`` around sharded layers, reentrant or not) gives the gradients
    and updates of the run without recompute and of an unsharded run.
+
+3. A plain ``accelerate`` loop (``accelerator.accumulate``, gradient accumulation 2) with
+   "ragged" equals the ZeRO-3 loop and the loop without accumulation on doubled batches.
 
 How the Trainer runs on spawned ranks: ``run_on_ranks`` sets what torchrun sets (RANK,
 WORLD_SIZE, MASTER_ADDR/PORT) and initialises the gloo group before the rank function; the
@@ -67,14 +72,14 @@ def _hf_rank_env(rank, world_size):
 
 # ---- 1. Trainer.save_model / checkpoint-N ---------------------------------------------------
 
-STEPS, SAVE_EVERY, LR = 4, 2, 1e-2
+STEPS, SAVE_EVERY, LR, ACCUMULATION = 4, 2, 1e-2, 2
 
 
-def _trainer(rank, world_size, stage, out):
-    _hf_rank_env(rank, world_size)
+def _trainer_job(stage, out, model, resume_from=None):
+    """The Trainer job (ACCUMULATION micro-batches of 2 rows per rank and step, 16 rows:
+    two steps per epoch), trained to STEPS, its model saved in ``out``."""
     from transformers import Trainer, TrainingArguments
 
-    model = llama(seed=0)
     data = [{"input_ids": x, "labels": x} for x in token_batches(1, 16)[0]]
     ds_config = {
         "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
@@ -85,14 +90,22 @@ def _trainer(rank, world_size, stage, out):
     }
     args = TrainingArguments(
         output_dir=out, deepspeed=ds_config, use_cpu=True, per_device_train_batch_size=2, max_steps=STEPS,
-        save_steps=SAVE_EVERY, learning_rate=LR, weight_decay=0.1, seed=0, report_to=[], disable_tqdm=True,
-        logging_steps=10**6,
+        gradient_accumulation_steps=ACCUMULATION, save_steps=SAVE_EVERY, learning_rate=LR, weight_decay=0.1, seed=0,
+        report_to=[], disable_tqdm=True, logging_steps=1, per_device_eval_batch_size=2,
     )
     trainer = Trainer(model=model, args=args, train_dataset=data)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_from)
     trainer.save_model(out)
+    return trainer
+
+
+def _trainer(rank, world_size, stage, out):
+    _hf_rank_env(rank, world_size)
+    trainer = _trainer_job(stage, out, llama(seed=0))
     assert trainer.accelerator.num_processes == world_size
-    result = {"engine": type(trainer.deepspeed).__name__}
+    evaluation = [{"input_ids": x, "labels": x} for x in token_batches(1, 8, seed=4)[0]]
+    result = {"engine": type(trainer.deepspeed).__name__, "eval_loss": trainer.evaluate(evaluation)["eval_loss"],
+              "losses": {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}}
     if stage != "ragged":
         return result
     engine, accelerator = trainer.deepspeed, trainer.accelerator
@@ -107,6 +120,11 @@ def _trainer(rank, world_size, stage, out):
         result["save_pretrained"] = "wrote"
     except ValueError as e:
         result["save_pretrained"] = str(e)
+    # resume from checkpoint-SAVE_EVERY (its DeepSpeed checkpoint global_stepN) into a model of other weights
+    resumed = _trainer_job(stage, os.path.join(out, "resumed"), llama(seed=5),
+                           resume_from=os.path.join(out, f"checkpoint-{SAVE_EVERY}"))
+    result["resumed losses"] = {h["step"]: h["loss"] for h in resumed.state.log_history if "loss" in h}
+    result["resumed pieces"] = local_pieces(resumed.deepspeed.module)
     return result
 
 
@@ -127,16 +145,39 @@ def _strict_load(directory):
 
 @pytest.mark.slow
 def test_trainer_saves_the_whole_model_like_zero3(tmp_path):
-    """``save_model`` and ``checkpoint-N`` of a ragged Trainer job load strictly with
-    ``from_pretrained``, hold exactly the engine's trained shards, and equal ZeRO-3's saves
-    to atol 1e-5 = LR / 1000 (fp32). Not closer: the engines sum gradients in another order
-    (ZeRO-3's buckets vs one reduce-scatter per group) and Adam's first steps move each
-    weight by about LR whatever the gradient's size, so a gradient at rounding level can
-    move differently (measured: 4 of 32768 lm_head weights 1.5e-6 apart at step 2). A
-    wrong save is off by whole updates (~LR) or by the initial weights."""
+    """A ragged Trainer job with gradient accumulation 2 trains, evaluates, saves and resumes
+    as the same ZeRO-3 job:
+
+    * every step's logged loss and ``trainer.evaluate()``'s loss equal ZeRO-3's to 1e-5;
+    * ``save_model`` and ``checkpoint-N`` load strictly with ``from_pretrained``, hold
+      exactly the engine's trained shards, and equal ZeRO-3's saves to atol 1e-5 = LR / 1000
+      (fp32). Not closer: the engines sum gradients in another order (ZeRO-3's buckets per
+      micro-batch vs one reduce-scatter per group and step) and Adam's first steps move each
+      weight by about LR whatever the gradient's size, so a gradient at rounding level can
+      move differently (measured: 4 of 32768 lm_head weights 1.5e-6 apart at step 2). A
+      wrong save is off by whole updates (~LR) or by the initial weights;
+    * ``trainer.train(resume_from_checkpoint="checkpoint-2")`` on a model of other weights
+      loads that checkpoint's DeepSpeed state (``global_step2``: our shards, optimizer,
+      scheduler) and continues bit for bit: steps 3-4 log the same losses and end in the
+      same weights as the uninterrupted run. The other save paths give the whole model or
+      refuse."""
     zero3 = run_on_ranks(_trainer, 2, 3, str(tmp_path / "zero3"), timeout=400)
-    ragged = run_on_ranks(_trainer, 2, "ragged", str(tmp_path / "ragged"), timeout=400)
+    ragged = run_on_ranks(_trainer, 2, "ragged", str(tmp_path / "ragged"), timeout=500)
     assert zero3[0]["engine"] == "DeepSpeedEngine" and ragged[0]["engine"] == "RaggedDeepSpeedEngine"
+    for rank in range(2):
+        ours, theirs = ragged[rank]["losses"], zero3[rank]["losses"]
+        assert list(ours) == list(theirs) == list(range(1, STEPS + 1)), (ours, theirs)
+        assert_close(torch.tensor(list(ours.values())), torch.tensor(list(theirs.values())), "losses", rtol=0,
+                     atol=1e-5)
+        assert_close(ragged[rank]["eval_loss"], zero3[rank]["eval_loss"], "eval_loss", rtol=0, atol=1e-5)
+    # resumed from checkpoint-SAVE_EVERY: the same steps after it, the same final weights
+    for r in ragged:
+        resumed = {step: loss for step, loss in r["resumed losses"].items() if step > SAVE_EVERY}
+        assert resumed == {step: loss for step, loss in r["losses"].items() if step > SAVE_EVERY}, resumed
+    uninterrupted, continued = assemble([r["pieces"] for r in ragged]), assemble([r["resumed pieces"] for r in ragged])
+    for key, value in uninterrupted.items():
+        assert torch.equal(continued[key], value), f"resumed run's {key}"
+    assert torch.equal(_saved(tmp_path / "ragged" / "resumed")["lm_head.weight"], uninterrupted["lm_head.weight"])
     reference = llama(seed=0).state_dict()  # keys and shapes of the unsharded model
     for where in [f"checkpoint-{s}" for s in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY)] + ["."]:
         ours, theirs = _saved(tmp_path / "ragged" / where), _saved(tmp_path / "zero3" / where)
@@ -170,6 +211,99 @@ def test_trainer_saves_the_whole_model_like_zero3(tmp_path):
         for key, value in full.items():
             assert torch.equal(value, ragged[0]["module_state_dict"][key]), key
     assert not (tmp_path / "ragged" / "save_pretrained" / "model.safetensors").exists()
+
+
+# ---- 3. a plain accelerate loop with gradient accumulation ---------------------------------------
+
+ACC_STEPS, ACC_ROWS, ACC_LR = 3, 2, 0.5  # optimizer steps, rows per micro-batch and rank, SGD learning rate
+
+
+def _accelerate_loop(stage, accumulation, rows):
+    """ACC_STEPS SGD steps of ``with accelerator.accumulate(model)`` over micro-batches of
+    ``rows`` rows per rank: ``{"losses": every micro-batch's loss on this rank, "weights":
+    the full weights on rank 0 (None elsewhere), ...}``. SGD, not Adam: its update is linear
+    in the gradient, so a gradient that is off by a factor (the 1 / accumulation scaling) or
+    misses a micro-batch shows."""
+    from accelerate import Accelerator, DeepSpeedPlugin
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import InitProcessGroupKwargs
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # one Accelerator per loop, as in a fresh script
+    zero = {"stage": stage, **({"stage3_gather_16bit_weights_on_model_save": True} if stage == 3 else {})}
+    config = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+              "gradient_accumulation_steps": "auto", "gradient_clipping": 0.0, "zero_optimization": zero,
+              "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+    # [Note: accelerate on CPU] accelerate picks a process-group backend only for accelerators
+    # (nccl, ...); on a CPU machine it would count one process. Naming gloo is the supported
+    # switch (the default group that run_on_ranks set up is reused).
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config),
+                              gradient_accumulation_steps=accumulation,
+                              kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+    world_size = accelerator.num_processes
+    model = llama(seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=ACC_LR)
+    data = token_batches(1, ACC_STEPS * accumulation * rows * world_size, seed=3)[0]
+    loader = torch.utils.data.DataLoader(data, batch_size=rows)  # accelerate gives each rank its batches
+    engine, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    losses = []
+    for ids in loader:
+        with accelerator.accumulate(engine):
+            loss = engine(input_ids=ids, labels=ids).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+    steps = engine.global_steps
+    assert len(losses) == ACC_STEPS * accumulation and steps == ACC_STEPS, (len(losses), steps)
+    return {"engine": type(engine).__name__, "processes": world_size, "losses": losses,
+            "weights": accelerator.get_state_dict(engine)}
+
+
+def _accelerate_loops(rank, world_size):
+    _hf_rank_env(rank, world_size)
+    # ZeRO-3 last: its plugin may leave transformers' zero.Init switch (a weak reference) set
+    return {"ragged": _accelerate_loop("ragged", 2, ACC_ROWS),
+            "ragged, doubled batch": _accelerate_loop("ragged", 1, 2 * ACC_ROWS),
+            "zero3": _accelerate_loop(3, 2, ACC_ROWS)}
+
+
+@pytest.mark.slow
+def test_accelerate_loop_with_accumulation_matches_zero3():
+    """``Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg), gradient_accumulation_steps=2)``
+    and ``accelerator.accumulate(model)`` on 2 ranks (crashed in ``Accelerator.no_sync`` before
+    the plugin's ``zero_stage`` read 3, see integrations/deepspeed/accelerate_stage.py):
+
+    * ragged = ZeRO-3 (accumulation 2): every micro-batch's loss on every rank (the first
+      step's bit for bit: the same weights) to 5e-6, and the final weights to 1e-6;
+    * ragged with accumulation 2 = ragged without accumulation on micro-batches twice as
+      large (the same rows per step): each step's loss averaged over ranks and micro-batches
+      to 5e-6, and the final weights to 1e-6.
+
+    Not bit for bit (fp32): the runs sum the same gradients in other orders (ZeRO-3 reduces
+    every micro-batch, ragged once per step; the doubled batch sums inside the matmuls).
+    Measured: weights 6e-8 apart, losses (about 6.2) one ulp, 4.8e-7. A wrong accumulation
+    (a micro-batch lost, or the gradient not divided by 2) moves weights by about
+    ACC_LR * gradient: up to 1e-2 here (the weights move 4e-2 in all).
+    """
+    runs = run_on_ranks(_accelerate_loops, 2, timeout=400)
+    for name, run in runs[0].items():
+        assert run["processes"] == 2, (name, run["processes"])
+        assert run["engine"] == ("DeepSpeedEngine" if name == "zero3" else "RaggedDeepSpeedEngine"), name
+    ragged, zero3, doubled = (runs[0][k]["weights"] for k in ("ragged", "zero3", "ragged, doubled batch"))
+    assert set(ragged) == set(zero3) == set(doubled) == set(llama(seed=0).state_dict())
+    initial = llama(seed=0).state_dict()
+    moved = max((ragged[k] - initial[k]).abs().max().item() for k in ragged)
+    assert moved > 1e-2, f"the weights hardly moved ({moved:.3g}): the comparisons would not see a wrong update"
+    for key in ragged:
+        assert_close(ragged[key], zero3[key], f"weights vs ZeRO-3: {key}", rtol=0, atol=1e-6)
+        assert_close(ragged[key], doubled[key], f"weights vs the doubled batch: {key}", rtol=0, atol=1e-6)
+    for rank, run in enumerate(runs):
+        ours, theirs = run["ragged"]["losses"], run["zero3"]["losses"]
+        assert ours[:2] == theirs[:2], (rank, ours[:2], theirs[:2])  # step 1: the initial weights
+        assert_close(torch.tensor(ours), torch.tensor(theirs), f"rank {rank} losses vs ZeRO-3", rtol=0, atol=5e-6)
+    per_step = torch.tensor([r["ragged"]["losses"] for r in runs]).view(len(runs), ACC_STEPS, 2).mean((0, 2))
+    doubled_per_step = torch.tensor([r["ragged, doubled batch"]["losses"] for r in runs]).mean(0)
+    assert_close(per_step, doubled_per_step, "per-step loss vs the doubled batch", rtol=0, atol=5e-6)
 
 
 # ---- 2. activation recompute ----------------------------------------------------------------

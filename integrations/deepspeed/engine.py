@@ -37,6 +37,7 @@ from vescale_zero.comm_device import collective_device
 from vescale_zero.fully_shard import groups_of
 from vescale_zero.optim import AdamW8bit, Muon, Shampoo
 
+from .accelerate_stage import present_ragged_stage_to_accelerate
 from .config import RaggedOptions
 from .saving import consolidated_state_dict, install_save_hooks
 
@@ -84,6 +85,7 @@ class RaggedEngineMixin:
         self.module.set_prefetch(opts.prefetch)
         self.module.set_unused_grads("zero")  # as ZeRO-3: a parameter no rank used still gets stepped
         install_save_hooks()  # accelerate's / transformers' saves get the full model (see .saving)
+        present_ragged_stage_to_accelerate()  # accelerate compares zero_stage with ints (see .accelerate_stage)
         self._ragged_scaler = self._make_loss_scaler() if precision.dtype == torch.float16 else None
         if self._is_pipeline():
             # [Note: pipelines] PipelineEngine runs backward per micro-batch outside
