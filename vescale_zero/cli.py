@@ -153,9 +153,13 @@ def _save_safetensors(state: dict, output: str) -> None:
 def _cmd_consolidate(args: argparse.Namespace) -> int:
     import torch
 
-    from .checkpoint import consolidate
+    from .checkpoint import CheckpointError, consolidate
 
-    state = consolidate(args.checkpoint, with_optimizer=args.optimizer)
+    try:
+        state = consolidate(args.checkpoint, with_optimizer=args.optimizer)
+    except (CheckpointError, ValueError) as e:
+        print(f"vescale-zero consolidate: {e}", file=sys.stderr)
+        return 2
     if args.output.endswith(".safetensors"):
         _save_safetensors(state, args.output)
     else:
