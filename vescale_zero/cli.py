@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
-from .granularity import preset_granularity
+from .granularity import describe_rows_short, preset_granularity, rows_short_of_preset
 from .model_shapes import (
     MODEL_NAMES,
     Group,
@@ -147,6 +147,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     name = args.shapes or args.model
     rows = _padding_table(groups, counts, args.granularity, args.sizes, args.dtype_bytes)
     print(f"{name}, {args.granularity} blocks, {args.dtype_bytes}-byte elements")
+    params = [(f"{g}.{p}", shape) for g, group in groups.items() for p, shape in group]
+    short = rows_short_of_preset(params, args.granularity)
+    if short:
+        print(f"note: {describe_rows_short(args.granularity, short, len(params))}")
     print(f"{'group':24s} {'count':>5s} {'ranks':>6s} {'shard':>14s} {'padding %':>10s} {'plan ms':>8s} "
           f"{'MiB/rank':>10s} {'fsdp2 %':>8s} {'zero3 %':>8s} {'mfsdp %':>8s}  order")
     for r in rows:
