@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -28,7 +29,7 @@ def test_own_model_description(tmp_path, capsys):
     shapes.write_text(json.dumps({"layer": [["w1", [96, 64]], ["w2", [64, 96]], ["norm", [64]]]}))
     assert main(["plan", "--shapes", str(shapes), "--granularity", "element", "--sizes", "3", "5"]) == 0
     out = capsys.readouterr().out
-    assert "layer" in out and "(all)" in out
+    assert "layer" in out and "(model)" in out
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"layer": [["w", "not a shape"]]}))
     with pytest.raises(ValueError, match="must be a list of"):
@@ -39,9 +40,60 @@ def test_the_table_names_the_order_of_each_plan(capsys):
     assert main(["plan", "--model", "qwen3-30b-a3b", "--granularity", "16rows", "--sizes", "256", "512"]) == 0
     lines = capsys.readouterr().out.splitlines()
     layer = [ln for ln in lines if ln.startswith("decoder_layer")]
-    summary = [ln for ln in lines if ln.startswith("(all)")]
+    summary = [ln for ln in lines if ln.startswith("(model)")]
     # at 512 ranks the model's order pads 7.15%, 4.9% above the bound: another order reaches it
     p = plan(group_specs(layer_groups("qwen3-30b-a3b")["decoder_layer"], "16rows"), 512)
     assert p.order == "granularity descending"
     assert layer[0].endswith(" model") and layer[1].endswith(f" {p.order}")
     assert summary[0].endswith("0 of 3 reordered") and summary[1].endswith("1 of 3 reordered")
+
+
+def _row(out: str, group: str, ranks: int) -> list:
+    return next(ln.split() for ln in out.splitlines() if ln.startswith(group) and ln.split()[2] == str(ranks))
+
+
+def test_the_model_row_is_the_whole_model(capsys):
+    """The (model) row is every group times its instances (80 decoder layers of Llama-3-70B,
+    whose parameters total the published 70.6B), per rank; the columns are explained."""
+    assert main(["plan", "--model", "llama3-70b", "--sizes", "8", "--dtype-bytes", "2"]) == 0
+    out = capsys.readouterr().out
+    groups = layer_groups("llama3-70b")
+    counts = {"embedding": 1, "decoder_layer": 80, "head": 1}
+    numel = sum(counts[g] * math.prod(shape) for g, params in groups.items() for _, shape in params)
+    assert 70.5e9 < numel < 70.7e9, numel
+    plans = {g: plan(group_specs(params, "row"), 8) for g, params in groups.items()}
+    shard = sum(counts[g] * p.shard_size for g, p in plans.items())
+    padding = sum(counts[g] * p.padding for g, p in plans.items())
+    assert shard * 8 == numel + padding
+    model = _row(out, "(model)", 8)
+    assert model[1] == "82" and model[3] == f"{shard:,d}", model
+    assert float(model[6]) == pytest.approx(shard * 2 / 2**20, abs=0.05)
+    layer = _row(out, "decoder_layer", 8)
+    assert layer[1] == "80" and layer[3] == f"{plans['decoder_layer'].shard_size:,d}", layer
+    header = next(ln for ln in out.splitlines() if ln.startswith("group"))
+    assert header.split()[:4] == ["group", "count", "ranks", "shard"]
+    for label in ("count ", "shard ", "padding %", "MiB/rank ", "order "):
+        assert any(ln.startswith("  " + label) for ln in out.splitlines()), label
+
+
+def test_own_model_description_with_layer_counts(tmp_path, capsys):
+    shapes = tmp_path / "m.json"
+    layer = [["w1", [96, 64]], ["w2", [64, 96]], ["norm", [64]]]
+    shapes.write_text(json.dumps({"embed": [["e", [100, 64]]], "layer": {"count": 12, "params": layer}}))
+    assert main(["plan", "--shapes", str(shapes), "--granularity", "element", "--sizes", "3"]) == 0
+    out = capsys.readouterr().out
+    per_layer = plan(group_specs([("w1", (96, 64)), ("w2", (64, 96)), ("norm", (64,))], "element"), 3).shard_size
+    embed = plan(group_specs([("e", (100, 64))], "element"), 3).shard_size
+    assert _row(out, "(model)", 3)[1:4] == ["13", "3", f"{12 * per_layer + embed:,d}"]
+    shapes.write_text(json.dumps({"layer": {"count": 0, "params": layer}}))
+    with pytest.raises(ValueError, match='"count": N >= 1'):
+        main(["plan", "--shapes", str(shapes)])
+
+
+@pytest.mark.parametrize("value, hint", [("100", "did you mean '100rows'"), ("3rowz", "valid presets")])
+def test_a_bad_granularity_is_a_usage_error(capsys, value, hint):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--model", "llama3-8b", "--granularity", value, "--sizes", "8"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--granularity {value!r}" in err and hint in err and "Traceback" not in err, err

@@ -227,7 +227,7 @@ def test_config_keys_mapped_noted_and_rejected():
         for f in fragments:
             assert f in str(e.value), (f, str(e.value))
 
-    error({"stage4_magic": 1}, "unknown key 'stage4_magic'", "Valid keys:", "granularity", "overlap_comm")
+    error({"stage4_magic": 1}, "unknown key 'stage4_magic'", "Our keys:", "granularity", "overlap_comm")
     error({"offload_optimizer": {"device": "cpu"}}, "offload_optimizer", "not implemented", "stage 3")
     error({"reduce_scatter": False}, "reduce_scatter=false contradicts")
     error({"zero_hpz_partition_size": 2}, "zero_hpz_partition_size")

@@ -56,10 +56,31 @@ def test_deepspeed_config_ragged_section_errors_are_ours():
     _deepspeed()
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    with pytest.raises(ValueError, match="unknown key 'stage4_magic' for stage 'ragged'. Valid keys:"):
+    with pytest.raises(ValueError, match="unknown key 'stage4_magic' for stage 'ragged'. Our keys: fp8_all_gather"):
         DeepSpeedConfig(_ragged_config(stage4_magic=1))
     with pytest.raises(ValueError, match=r"offload_optimizer \(device 'cpu'\) is not implemented"):
         DeepSpeedConfig(_ragged_config(offload_optimizer={"device": "cpu"}))
+
+
+@pytest.mark.parametrize("key, closest", [
+    ("granularty", "granularity"), ("sharded_module", "sharded_modules"), ("sharded-modules", "sharded_modules"),
+    ("granular", "granularity"), ("reduce_bucket_sise", "reduce_bucket_size"),
+    ("offload_optimiser", "offload_optimizer"), ("stage4_magic", None),
+])
+def test_unknown_ragged_key_suggests_the_closest(key, closest):
+    """A typo in the ragged section names the key it was probably meant to be; the list that
+    follows is our six keys, not the fifty ZeRO-3 keys accepted for compatibility."""
+    _deepspeed()
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    with pytest.raises(ValueError) as e:
+        DeepSpeedConfig(_ragged_config(**{key: 1}))
+    message = str(e.value)
+    assert message.startswith(f"zero_optimization: unknown key {key!r} for stage 'ragged'."), message
+    assert (f"Did you mean {closest!r}?" in message) if closest else ("Did you mean" not in message), message
+    ours = message.split("Our keys: ")[1].split(";")[0].split(", ")
+    assert ours == ["fp8_all_gather_tile", "granularity", "prefetch", "reduce_dtype", "reshard_after_forward",
+                    "sharded_modules"], message
 
 
 @pytest.mark.parametrize("stage", ["raged", "Ragged", 4, "zero3"])

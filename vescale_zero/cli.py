@@ -6,9 +6,10 @@
     vescale-zero convert --from fsdp2|deepspeed|megatron SRC DST [--tag T] [--iteration N] [--layer-spec local|te]
                          [--weights-only]
 
-``plan`` prints, per FSDP group and FSDP size, the shard size, padding, planning time, bytes
-per rank and the order the planner laid the group out in (``model``, or another order where
-that pads less, see ``planner.plan``); ``--plot`` draws padding against FSDP size beside FSDP2's dim-0 padding,
+``plan`` prints, per FSDP group (one instance) and FSDP size, the shard size, padding, planning
+time, bytes per rank and the order the planner laid the group out in (``model``, or another
+order where that pads less, see ``planner.plan``), then the whole model (each group times its
+instances, e.g. 80 decoder layers); ``--plot`` draws padding against FSDP size beside FSDP2's dim-0 padding,
 ZeRO-3's flat padding and Megatron-FSDP's alignment; ``--gpus N`` suggests the FSDP x
 replica (HSDP) shape of N GPUs with the least padding.
 """
@@ -20,10 +21,12 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
+from .granularity import describe_rows_short, preset_granularity, rows_short_of_preset
 from .model_shapes import (
     MODEL_NAMES,
     Group,
     fsdp2_padding,
+    group_counts,
     group_specs,
     layer_groups,
     load_shapes,
@@ -37,7 +40,14 @@ __all__ = ["main"]
 DEFAULT_SIZES = [2**k for k in range(3, 15)]
 
 
-def _padding_table(groups: Dict[str, Group], policy: str, sizes: Sequence[int], dtype_bytes: int) -> List[dict]:
+MODEL_ROW = "(model)"
+"""The ``group`` of a table's whole-model row: every group times its instances."""
+
+
+def _padding_table(groups: Dict[str, Group], counts: Dict[str, int], policy: str, sizes: Sequence[int],
+                   dtype_bytes: int) -> List[dict]:
+    """Per FSDP size: a row per group (one instance of it) and a :data:`MODEL_ROW` row for the
+    whole model (each group's numbers times its instance count, summed)."""
     rows = []
     for m in sizes:
         total = pad = shard = reordered = 0
@@ -46,22 +56,26 @@ def _padding_table(groups: Dict[str, Group], policy: str, sizes: Sequence[int], 
             specs = group_specs(group, policy)
             t0 = time.perf_counter()
             p = plan(specs, m)
-            ms = max(ms, 1e3 * (time.perf_counter() - t0))
-            total += sum(s.numel for s in specs)
-            pad += p.padding
-            shard += p.shard_size
+            elapsed = 1e3 * (time.perf_counter() - t0)
+            ms = max(ms, elapsed)
+            n = counts.get(name, 1)
+            total += n * sum(s.numel for s in specs)
+            pad += n * p.padding
+            shard += n * p.shard_size
             reordered += p.order != MODEL_ORDER
-            rows.append({"group": name, "ranks": m, "shard": p.shard_size, "padding_pct": 100 * p.padding_ratio,
-                         "ms": 1e3 * (time.perf_counter() - t0), "mib_per_rank": p.shard_size * dtype_bytes / 2**20,
-                         "order": p.order})
+            rows.append({"group": name, "count": n, "ranks": m, "shard": p.shard_size,
+                         "padding_pct": 100 * p.padding_ratio, "ms": elapsed,
+                         "mib_per_rank": p.shard_size * dtype_bytes / 2**20, "order": p.order})
         keep_rows = policy != "element"
-        rows.append({"group": "(all)", "ranks": m, "shard": shard, "padding_pct": 100 * pad / (total + pad), "ms": ms,
+        peers = {"fsdp2_pct": [fsdp2_padding(g, m) for g in groups.values()],
+                 "zero3_pct": [zero3_padding(g, m) for g in groups.values()],
+                 "megatron_fsdp_pct": [megatron_fsdp_padding(g, m, keep_rows) for g in groups.values()]}
+        rows.append({"group": MODEL_ROW, "count": sum(counts.get(name, 1) for name in groups), "ranks": m,
+                     "shard": shard, "padding_pct": 100 * pad / (total + pad), "ms": ms,
                      "mib_per_rank": shard * dtype_bytes / 2**20,
                      "order": f"{reordered} of {len(groups)} reordered",
-                     "fsdp2_pct": _pct(sum(fsdp2_padding(g, m) for g in groups.values()), total),
-                     "zero3_pct": _pct(sum(zero3_padding(g, m) for g in groups.values()), total),
-                     "megatron_fsdp_pct": _pct(sum(megatron_fsdp_padding(g, m, keep_rows) for g in groups.values()),
-                                               total)})
+                     **{key: _pct(sum(counts.get(name, 1) * p for name, p in zip(groups, pads)), total)
+                        for key, pads in peers.items()}})
     return rows
 
 
@@ -77,7 +91,7 @@ def _plot(rows: List[dict], title: str, path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise SystemExit("--plot needs matplotlib: pip install matplotlib") from None
-    summary = [r for r in rows if r["group"] == "(all)"]
+    summary = [r for r in rows if r["group"] == MODEL_ROW]
     xs = [r["ranks"] for r in summary]
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for key, label, style in (("padding_pct", "vescale-zero (planner)", "o-"), ("fsdp2_pct", "FSDP2 (dim-0)", "s--"),
@@ -96,16 +110,17 @@ def _plot(rows: List[dict], title: str, path: str) -> None:
     plt.close(fig)
 
 
-def _suggest_hsdp(groups: Dict[str, Group], policy: str, gpus: int, dtype_bytes: int, max_padding: float) -> None:
+def _suggest_hsdp(groups: Dict[str, Group], counts: Dict[str, int], policy: str, gpus: int, dtype_bytes: int,
+                  max_padding: float) -> None:
     """The largest FSDP size (least memory per rank) whose padding stays within ``max_padding``%;
     the least padding if none does."""
     shapes = [m for m in range(2, gpus + 1) if gpus % m == 0]
-    rows = _padding_table(groups, policy, shapes, dtype_bytes)
-    summary = [r for r in rows if r["group"] == "(all)"]
+    rows = _padding_table(groups, counts, policy, shapes, dtype_bytes)
+    summary = [r for r in rows if r["group"] == MODEL_ROW]
     within = [r for r in summary if r["padding_pct"] <= max_padding]
     best = max(within, key=lambda r: r["ranks"]) if within else min(summary, key=lambda r: r["padding_pct"])
     print(f"\nHSDP shapes for {gpus} GPUs ({policy} blocks): FSDP size x replicas")
-    print(f"{'fsdp':>6s} {'replicas':>8s} {'padding %':>10s} {'MiB/rank':>10s}")
+    print(f"{'fsdp':>6s} {'replicas':>8s} {'padding %':>10s} {'MiB/rank':>10s}   (whole model)")
     for r in summary:
         mark = "  <- suggested" if r is best else ""
         print(f"{r['ranks']:6d} {gpus // r['ranks']:8d} {r['padding_pct']:10.3f} {r['mib_per_rank']:10.1f}{mark}")
@@ -115,24 +130,52 @@ def _suggest_hsdp(groups: Dict[str, Group], policy: str, gpus: int, dtype_bytes:
           f"{best['padding_pct']:.3f}% padding, {best['mib_per_rank']:.1f} MiB/rank ({why})")
 
 
+_LEGEND = """\
+  count      instances of the group in the model (its layers); the {model} row sums count x per instance
+  shard      elements per rank of one instance's buffer (the {model} row: of the whole model)
+  padding %  of that buffer; fsdp2 / zero3 / mfsdp %: the whole model padded by FSDP2 (dim 0),
+             ZeRO-3 (flat) and Megatron-FSDP (bound); plan ms: planning time (the {model} row: the longest)
+  MiB/rank   shard x element bytes
+  order      the layout order the planner chose (model, or another where that pads less)"""
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
-    groups = load_shapes(args.shapes) if args.shapes else layer_groups(args.model)
+    if args.shapes:
+        groups, counts = load_shapes(args.shapes)
+    else:
+        groups, counts = layer_groups(args.model), group_counts(args.model)
     name = args.shapes or args.model
-    rows = _padding_table(groups, args.granularity, args.sizes, args.dtype_bytes)
+    rows = _padding_table(groups, counts, args.granularity, args.sizes, args.dtype_bytes)
     print(f"{name}, {args.granularity} blocks, {args.dtype_bytes}-byte elements")
-    print(f"{'group':24s} {'ranks':>6s} {'shard':>14s} {'padding %':>10s} {'plan ms':>8s} {'MiB/rank':>10s}"
-          f" {'fsdp2 %':>8s} {'zero3 %':>8s} {'mfsdp %':>8s}  order")
+    params = [(f"{g}.{p}", shape) for g, group in groups.items() for p, shape in group]
+    short = rows_short_of_preset(params, args.granularity)
+    if short:
+        print(f"note: {describe_rows_short(args.granularity, short, len(params))}")
+    print(f"{'group':24s} {'count':>5s} {'ranks':>6s} {'shard':>14s} {'padding %':>10s} {'plan ms':>8s} "
+          f"{'MiB/rank':>10s} {'fsdp2 %':>8s} {'zero3 %':>8s} {'mfsdp %':>8s}  order")
     for r in rows:
-        extra = (" " * 27 if r["group"] != "(all)"
+        extra = (" " * 27 if r["group"] != MODEL_ROW
                  else f" {r['fsdp2_pct']:8.3f} {r['zero3_pct']:8.4f} {r['megatron_fsdp_pct']:8.3f}")
-        print(f"{r['group'][:24]:24s} {r['ranks']:6d} {r['shard']:14,d} {r['padding_pct']:10.3f} {r['ms']:8.2f} "
-              f"{r['mib_per_rank']:10.1f}{extra}  {r['order']}")
+        print(f"{r['group'][:24]:24s} {r['count']:5d} {r['ranks']:6d} {r['shard']:14,d} {r['padding_pct']:10.3f} "
+              f"{r['ms']:8.2f} {r['mib_per_rank']:10.1f}{extra}  {r['order']}")
+    print(_LEGEND.format(model=MODEL_ROW))
     if args.plot:
         _plot(rows, f"{name}: padding vs FSDP size ({args.granularity} blocks)", args.plot)
         print(f"wrote {args.plot}")
     if args.gpus:
-        _suggest_hsdp(groups, args.granularity, args.gpus, args.dtype_bytes, args.max_padding)
+        _suggest_hsdp(groups, counts, args.granularity, args.gpus, args.dtype_bytes, args.max_padding)
     return 0
+
+
+def _granularity_error(value: str) -> Optional[str]:
+    """Why ``--granularity value`` is not a preset (``None`` if it is one)."""
+    try:
+        preset_granularity((2, 2), value)
+    except ValueError as e:
+        n = value.strip()
+        hint = f"; did you mean '{n}rows' ({n} rows per block)?" if n.isdigit() else ""
+        return f"--granularity {value!r}: {e}{hint}"
+    return None
 
 
 def _save_safetensors(state: dict, output: str) -> None:
@@ -153,9 +196,13 @@ def _save_safetensors(state: dict, output: str) -> None:
 def _cmd_consolidate(args: argparse.Namespace) -> int:
     import torch
 
-    from .checkpoint import consolidate
+    from .checkpoint import CheckpointError, consolidate
 
-    state = consolidate(args.checkpoint, with_optimizer=args.optimizer)
+    try:
+        state = consolidate(args.checkpoint, with_optimizer=args.optimizer)
+    except (CheckpointError, ValueError) as e:
+        print(f"vescale-zero consolidate: {e}", file=sys.stderr)
+        return 2
     if args.output.endswith(".safetensors"):
         _save_safetensors(state, args.output)
     else:
@@ -218,6 +265,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _cmd_convert(args)
     if any(m < 1 for m in args.sizes):
         parser.error("--sizes must be positive")
+    bad = _granularity_error(args.granularity)
+    if bad:
+        parser.error(bad)
     return _cmd_plan(args)
 
 

@@ -23,8 +23,8 @@ from typing import Dict, List, Sequence, Tuple
 from .granularity import preset_granularity
 from .planner import TensorSpec
 
-__all__ = ["MODEL_NAMES", "Group", "layer_groups", "granularity", "group_specs", "fsdp2_padding", "zero3_padding",
-           "megatron_fsdp_padding", "load_shapes"]
+__all__ = ["MODEL_NAMES", "Group", "layer_groups", "group_counts", "granularity", "group_specs", "fsdp2_padding",
+           "zero3_padding", "megatron_fsdp_padding", "load_shapes"]
 
 Shape = Tuple[int, ...]
 Group = List[Tuple[str, Shape]]
@@ -155,6 +155,21 @@ def layer_groups(model: str) -> Dict[str, Group]:
         raise KeyError(f"unknown model {model!r}; known models: {', '.join(MODEL_NAMES)}") from None
 
 
+_COUNTS = {  # instances of each group in the model (the decoder layers of the published configurations)
+    "llama3-8b": {"decoder_layer": 32},
+    "llama3-70b": {"decoder_layer": 80},
+    "deepseek-v3-671b": {"dense_layer": 3, "moe_layer": 58},
+    "gpt-oss-120b": {"decoder_layer": 36},
+    "qwen3-30b-a3b": {"decoder_layer": 48},
+}
+
+
+def group_counts(model: str) -> Dict[str, int]:
+    """``{group name: instances in the model}`` for ``model`` (1 for embedding and head)."""
+    groups = layer_groups(model)
+    return {name: _COUNTS[model.lower()].get(name, 1) for name in groups}
+
+
 def granularity(shape: Sequence[int], policy: str) -> int:
     """Block size in elements of a tensor of ``shape`` under a preset: ``"element"`` (1),
     ``"row"`` (``numel // shape[0]``; 1 for 1-D) or ``"<N>rows"`` (N rows; if N does not
@@ -203,8 +218,11 @@ def megatron_fsdp_padding(group: Group, world_size: int, keep_rows: bool) -> int
     return -(-laid // unit) * unit - sum(_numel(s) for _, s in group)
 
 
-def load_shapes(path: str) -> Dict[str, Group]:
-    """A user's own model description: JSON ``{"group": [["param name", [dims...]], ...], ...}``."""
+def load_shapes(path: str) -> Tuple[Dict[str, Group], Dict[str, int]]:
+    """A user's own model description, ``(groups, counts)`` as :func:`layer_groups` and
+    :func:`group_counts` give them for a preset. JSON: ``{"group": [["param name", [dims...]],
+    ...], ...}``; a group repeated in the model (its layers) may say how often:
+    ``{"layer": {"count": 32, "params": [["w1", [4096, 1024]], ...]}}`` (default 1)."""
     import json
 
     with open(path) as f:
@@ -212,11 +230,19 @@ def load_shapes(path: str) -> Dict[str, Group]:
     if not isinstance(raw, dict) or not raw:
         raise ValueError(f"{path}: expected a JSON object {{group name: [[parameter name, shape], ...]}}")
     groups: Dict[str, Group] = {}
+    counts: Dict[str, int] = {}
     for gname, params in raw.items():
+        counts[gname] = 1
+        if isinstance(params, dict):
+            count = params.get("count", 1)
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1 or set(params) - {"count", "params"}:
+                raise ValueError(f"{path}: group {gname!r} must be [[parameter name, [dims...]], ...] or "
+                                 '{"count": N >= 1, "params": [[parameter name, [dims...]], ...]}')
+            counts[gname], params = count, params.get("params")
         try:
             groups[gname] = [(str(n), tuple(int(d) for d in shape)) for n, shape in params]
         except (TypeError, ValueError):
             raise ValueError(f"{path}: group {gname!r} must be a list of [parameter name, [dims...]] pairs") from None
         if any(not shape or min(shape) < 1 for _, shape in groups[gname]):
             raise ValueError(f"{path}: group {gname!r} has an empty or non-positive shape")
-    return groups
+    return groups, counts

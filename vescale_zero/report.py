@@ -44,6 +44,30 @@ class ShardingReport:
     def as_dict(self) -> Dict[str, object]:
         return asdict(self)
 
+    def __str__(self) -> str:
+        """A table for people (``print(vz.sharding_report(model))``); ``repr`` keeps the fields."""
+        def plural(n: int, word: str) -> str:
+            return f"{n:,d} {word}{'' if n == 1 else 's'}"
+
+        orders = "; ".join(f"{name}: {plural(n, 'group')}" for name, n in self.orders) or "-"
+        rows = [
+            ("groups", f"{plural(self.num_groups, 'group')}, {plural(self.num_params, 'parameter')}"),
+            ("elements", f"{self.numel:,d} + {self.padding:,d} padding ({100 * self.padding_ratio:.3f}% of buffers)"),
+            ("shard / rank", f"{self.shard_numel:,d} elements"),
+            ("layout order", f"{orders} ({self.reordered_groups:,d} reordered to pad less)"),
+            ("all-gathered", f"{_mib(self.bytes_all_gathered)} in {plural(self.all_gathers, 'all-gather')}"),
+            ("reduce-scattered",
+             f"{_mib(self.bytes_reduce_scattered)} in {plural(self.reduce_scatters, 'reduce-scatter')}"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        lines = ["sharding report (this rank; traffic since the last reset_comm_stats)"]
+        lines += [f"  {k:<{width}s}  {v}" for k, v in rows]
+        return "\n".join(lines)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB ({n:,d} bytes)"
+
 
 def sharding_report(module: nn.Module) -> ShardingReport:
     groups = groups_of(module)

@@ -11,13 +11,18 @@ are megatron-core's; only the data-parallel wrapper and the optimizer change wit
 repeated phrases, so the loss falls quickly.
 
 Runs on GPUs (NCCL). megatron-core itself calls CUDA unconditionally, so on CPU it runs
-only inside our tests, behind a test-only shim (``tests/megatron_cpu.py``).
+only inside our tests, behind a test-only shim (``tests/megatron_shim.py``).
+
+An argument file (``@FILE``) may hold one flag and its value per line, as
+``configs/megatron/gpt_vescale.args`` does; ``#`` starts a comment. Flags after it on the
+command line override it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -47,9 +52,17 @@ from vescale_zero.integrations.megatron import (
 from vescale_zero.testing import SyntheticCorpus
 
 
+def argument_file_line(line: str) -> List[str]:
+    """The arguments on one line of an ``@FILE``: split as a shell would (``--lr 3e-4`` is two
+    arguments, quotes group), ``#`` to the end of the line ignored. argparse's default reads
+    one argument per line, which turns ``--num-layers 8`` into a single unknown argument."""
+    return shlex.split(line, comments=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 fromfile_prefix_chars="@")
+    p.convert_arg_line_to_args = argument_file_line
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=4)
     g.add_argument("--hidden-size", type=int, default=128)

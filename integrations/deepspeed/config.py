@@ -17,6 +17,7 @@ Our options, and the ZeRO-3 keys a user's existing config already has::
 
 from __future__ import annotations
 
+import difflib
 import warnings
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
@@ -41,6 +42,12 @@ _NOTED = {  # meaningful for ZeRO-3's bucketed, per-parameter machinery; not for
     "stage3_gather_fp16_weights_on_model_save", "contiguous_gradients", "leaf_module",
     "save_muon_momentum_buffer_in_memory",
 }
+
+
+_REJECTED = ("offload_param", "offload_optimizer", "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory",
+             "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+             "zero_quantized_gradients", "zenflow", "reduce_scatter")
+"""ZeRO keys that are known here: refused with a reason when set (see :func:`_rejection`)."""
 
 
 def _rejection(key: str, value: Any) -> Optional[str]:
@@ -94,6 +101,20 @@ class RaggedOptions(BaseModel):
         return _DTYPES[self.reduce_dtype] if self.reduce_dtype else None
 
 
+def _unknown_key(key: str, ours: set) -> str:
+    """The error for an unknown key: the closest valid key first, then ours (the ZeRO-3 tuning
+    keys, accepted and ignored, are too many to list)."""
+    known = ours | {"stage", "overlap_comm"} | _NOTED | set(_REJECTED)
+    close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
+    if not close:  # a prefix or a different separator ("granular", "sharded-modules")
+        folded = str(key).lower().replace("-", "_")
+        close = [k for k in sorted(known) if k.startswith(folded) or k == folded][:1]
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return (f"zero_optimization: unknown key {key!r} for stage 'ragged'.{hint} Our keys: "
+            f"{', '.join(sorted(ours))}; also accepted: stage, overlap_comm and ZeRO-3's tuning keys "
+            "(reduce_bucket_size, stage3_prefetch_bucket_size, ...; no effect with one collective per group)")
+
+
 def parse_ragged_section(section: Dict[str, Any]) -> Tuple[RaggedOptions, List[str]]:
     """Validate a ragged ``zero_optimization`` section: ``(options, warnings issued)``."""
     ours = set(RaggedOptions.model_fields)
@@ -111,10 +132,7 @@ def parse_ragged_section(section: Dict[str, Any]) -> Tuple[RaggedOptions, List[s
         else:
             why = _rejection(key, value)
             if why == "unknown":
-                valid = sorted(ours | {"stage", "overlap_comm"} | _NOTED)
-                raise ValueError(
-                    f"zero_optimization: unknown key {key!r} for stage 'ragged'. Valid keys: {', '.join(valid)}"
-                )
+                raise ValueError(_unknown_key(key, ours))
             if why is not None:
                 raise ValueError(f"zero_optimization: {why}")
     for key in noted:

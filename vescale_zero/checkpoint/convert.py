@@ -170,6 +170,22 @@ DS_ENGINE_KEYS = {
 """What DeepSpeed's engine writes into its model-states file; the rest is client state."""
 
 
+def _no_latest(load_dir: str) -> str:
+    """Why ``load_dir`` (with no ``latest`` file) cannot be converted, and what to pass instead."""
+    if not os.path.isdir(load_dir):
+        return f"no directory {load_dir!r}"
+    if deepspeed_model_states(load_dir) is not None:
+        parent, tag = os.path.split(os.path.normpath(load_dir))
+        return (f"{load_dir!r} is one DeepSpeed tag directory: pass the save directory and the tag, "
+                f"`--from deepspeed {parent or '.'} DST --tag {tag}`")
+    tags = sorted(n for n in os.listdir(load_dir) if deepspeed_model_states(os.path.join(load_dir, n)) is not None)
+    if tags:
+        return (f"{os.path.join(load_dir, 'latest')} is missing: pass one of its tags, "
+                f"e.g. --tag {tags[-1]} (tags: {', '.join(tags[:8])}{' ...' if len(tags) > 8 else ''})")
+    return (f"{load_dir!r} is not a DeepSpeed checkpoint: it has no 'latest' file and no tag directory holding "
+            f"{_DS_MODEL_STATES} (give the save_dir passed to engine.save_checkpoint)")
+
+
 def from_deepspeed(load_dir: str, tag: Optional[str], dst: str, weights_only: bool = False) -> None:
     """Convert DeepSpeed checkpoint ``load_dir/tag`` (``tag`` from ``latest`` if ``None``).
 
@@ -179,7 +195,7 @@ def from_deepspeed(load_dir: str, tag: Optional[str], dst: str, weights_only: bo
     if tag is None:
         latest = os.path.join(load_dir, "latest")
         if not os.path.exists(latest):
-            raise CheckpointError(f"{latest} is missing: pass the tag (e.g. --tag global_step100)")
+            raise CheckpointError(_no_latest(load_dir))
         with open(latest) as f:
             tag = f.read().strip()
     path = os.path.join(load_dir, tag)

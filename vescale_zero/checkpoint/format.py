@@ -57,7 +57,7 @@ __all__ = [
     "FORMAT", "METADATA_FILE", "COMMON_FILE", "CHECKPOINT_DOMAIN", "Piece", "CheckpointError",
     "rank_file", "sha256_file", "write_rank_file", "write_common", "write_metadata", "write_whole",
     "read_metadata", "read_checked", "read_rank_file", "read_common", "fill", "entries",
-    "write_latest", "read_latest", "is_dcp_checkpoint", "read_dcp",
+    "write_latest", "read_latest", "is_dcp_checkpoint", "other_checkpoint", "read_dcp",
 ]
 
 FORMAT = "vescale-zero/ragged-v1"
@@ -184,6 +184,9 @@ def read_metadata(path: str) -> Dict[str, Any]:
     meta_path = os.path.join(path, METADATA_FILE)
     if not os.path.isdir(path):
         raise CheckpointError(f"no checkpoint at {path!r}")
+    other = other_checkpoint(path)
+    if other is not None:
+        raise CheckpointError(other)
     if not os.path.exists(meta_path):
         raise CheckpointError(f"{meta_path} is missing: {path!r} is a partial checkpoint (its save did not finish)")
     try:
@@ -256,6 +259,53 @@ def entries(first: int, last: int, pieces: List[Piece], what: str) -> Any:
 
 
 # ---- other frameworks' directories -------------------------------------------------------------
+
+
+def _deepspeed_tag_dir(path: str) -> bool:
+    """Whether ``path`` holds a DeepSpeed model-states file (a ``save_checkpoint`` tag directory)."""
+    return os.path.isdir(path) and any(n.endswith("model_states.pt") for n in os.listdir(path))
+
+
+def _latest_tag(path: str) -> Optional[str]:
+    file = os.path.join(path, "latest")
+    if not os.path.isfile(file):
+        return None
+    with open(file) as f:
+        return f.read().strip() or None
+
+
+def other_checkpoint(path: str) -> Optional[str]:
+    """If ``path`` is not itself a vescale-zero checkpoint but something a user may take for
+    one -- a DeepSpeed, FSDP2 (DCP) or Megatron checkpoint, or a directory of our own
+    checkpoints -- what it is and the command to use instead; ``None`` otherwise."""
+    if os.path.exists(os.path.join(path, METADATA_FILE)):
+        try:
+            with open(os.path.join(path, METADATA_FILE)) as f:
+                meta = json.load(f)
+        except ValueError:
+            return None  # ours or not, read_metadata names the corrupt file
+        if isinstance(meta, dict) and "sharded_backend" in meta:
+            return (f"{path!r} is a Megatron torch_dist checkpoint, not a vescale-zero one: convert it first with "
+                    f"`vescale-zero convert --from megatron {path} DST`, then use DST")
+        return None
+    if is_dcp_checkpoint(path):
+        return (f"{path!r} is a DCP (PyTorch FSDP2) checkpoint, not a vescale-zero one: convert it first with "
+                f"`vescale-zero convert --from fsdp2 {path} DST`, then use DST")
+    if _deepspeed_tag_dir(path):
+        parent, tag = os.path.split(os.path.normpath(path))
+        return (f"{path!r} is a DeepSpeed checkpoint (tag {tag!r}), not a vescale-zero one: convert it first with "
+                f"`vescale-zero convert --from deepspeed {parent or '.'} DST --tag {tag}`, then use DST")
+    tag = _latest_tag(path)
+    if tag is not None and _deepspeed_tag_dir(os.path.join(path, tag)):
+        return (f"{path!r} is a DeepSpeed save directory (latest tag {tag!r}), not a vescale-zero checkpoint: "
+                f"convert it first with `vescale-zero convert --from deepspeed {path} DST`, then use DST")
+    if tag is not None and os.path.exists(os.path.join(path, tag, METADATA_FILE)):
+        return (f"{path!r} is a directory of checkpoints, not one checkpoint: its latest is "
+                f"{os.path.join(path, tag)!r}")
+    if os.path.isfile(os.path.join(path, "latest_checkpointed_iteration.txt")):
+        return (f"{path!r} is a Megatron save directory, not a vescale-zero checkpoint: convert it first with "
+                f"`vescale-zero convert --from megatron {path} DST`, then use DST")
+    return None
 
 
 def is_dcp_checkpoint(path: str) -> bool:
