@@ -102,8 +102,8 @@ def materialize(model: nn.Module, init_fn: Optional[InitFn] = None,
             in registration order (like ``model.apply``); it must initialise that module's own
             parameters and buffers (``recurse=False``), e.g. a Hugging Face model's
             ``_init_weights``. Default: ``module.reset_parameters()``.
-        device: where the shards go (groups still on meta); default: the current accelerator,
-            else the CPU. Groups allocated by ``to_empty`` stay where they are.
+        device: where the shards go (groups still on meta); default: where ``to_empty`` put
+            the others, else the current accelerator, else the CPU.
 
     Returns:
         ``model``.
@@ -136,9 +136,17 @@ def materialize(model: nn.Module, init_fn: Optional[InitFn] = None,
                 "(e.g. a Hugging Face model's _init_weights), or load weights instead: model.to_empty(device=...) "
                 "then vescale_zero.load_full_state_dict(model, full_sd)"
             )
-    device = torch.device(device) if device is not None else _default_device()
+    given = device
+    placed = [g.device for g in groups if g.device.type != "meta"]  # by to_empty
+    device = torch.device(device) if device is not None else (placed[0] if placed else _default_device())
     if device.type == "meta":
         raise ValueError("materialize needs a real device for the shards (e.g. 'cuda' or 'cpu'), got 'meta'")
+    for group in groups:
+        placed = group.device
+        if given is not None and placed.type != "meta" and (
+                placed.type != device.type or device.index not in (None, placed.index)):
+            raise ValueError(f"materialize: device={device} but to_empty already put the shards on {placed}; "
+                             "leave device unset (or pass the same one)")
     for group in groups:
         if group.device.type == "meta":
             group.leave_meta(device)
@@ -181,15 +189,17 @@ def _init_module(module: nn.Module, params: List[str], buffers: List[str], owned
         module._parameters[attr] = _new_param(full, unsharded)
         if (id(group), i) not in done:  # the first owner's values are kept; a later one's are scratch
             keep[attr] = (group, i)
-    init(module)
-    for attr in buffers:
-        if hasattr(module._buffers[attr], BUFFER_NEEDS_INIT):
-            delattr(module._buffers[attr], BUFFER_NEEDS_INIT)
-    for attr, (group, i) in keep.items():
-        start, end = group.master.local_range(i)
-        group.master.local_view(i).copy_(module._parameters[attr].detach().reshape(-1)[start:end])
-        done.add((id(group), i))
-    for attr in params:
-        hit = owned.get((id(module), attr))
-        if hit is not None:
-            module._parameters[attr] = hit[0].params[hit[1]].sharded
+    try:
+        init(module)
+        for attr in buffers:
+            if hasattr(module._buffers[attr], BUFFER_NEEDS_INIT):
+                delattr(module._buffers[attr], BUFFER_NEEDS_INIT)
+        for attr, (group, i) in keep.items():
+            start, end = group.master.local_range(i)
+            group.master.local_view(i).copy_(module._parameters[attr].detach().reshape(-1)[start:end])
+            done.add((id(group), i))
+    finally:  # the module holds its sharded parameters again, also when the initialiser raised
+        for attr in params:
+            hit = owned.get((id(module), attr))
+            if hit is not None:
+                module._parameters[attr] = hit[0].params[hit[1]].sharded
