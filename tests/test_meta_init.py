@@ -164,9 +164,6 @@ def _meta_equals_eager(rank: int, world_size: int, kinds) -> None:
         _assert_same_state(vz.full_state_dict(meta), vz.full_state_dict(eager), f"{kind}: after training")
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_materialize_equals_eager_init_and_training(world_size):
-    run_on_ranks(_meta_equals_eager, world_size, ("leaf", "gpt", "awkward"))
 
 
 def _llama(rank: int, world_size: int) -> None:
@@ -184,11 +181,6 @@ def _llama(rank: int, world_size: int) -> None:
     _assert_same_state(vz.full_state_dict(meta), eager.state_dict(), "llama: to_empty + load")
     for (name, got), want in zip(meta.named_buffers(), eager.buffers()):
         assert torch.equal(got, want), f"llama: buffer {name} after to_empty + load + materialize"
-
-
-def test_materialize_llama_equals_eager_init_and_training():
-    pytest.importorskip("transformers")
-    run_on_ranks(_llama, 3)
 
 
 def _largest_group_bytes(model: nn.Module) -> int:
@@ -240,10 +232,6 @@ def _fsdp2_recipe(rank: int, world_size: int) -> None:
     _assert_same_state(vz.full_state_dict(meta), eager.state_dict(), "to_empty + materialize")
 
 
-def test_fsdp2_recipe_to_empty_then_load_or_init():
-    run_on_ranks(_fsdp2_recipe, 3)
-
-
 def _peak_memory(rank: int, world_size: int) -> None:
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -263,10 +251,6 @@ def _peak_memory(rank: int, world_size: int) -> None:
     assert group_bytes < full_model / 2
     assert peak <= shards + group_bytes, f"peak {peak} B > shards {shards} B + one group's full buffer {group_bytes} B"
     assert peak - shards < full_model
-
-
-def test_materialize_peak_memory_is_shards_plus_one_group():
-    run_on_ranks(_peak_memory, 2)
 
 
 def _bad_input(rank: int, world_size: int) -> None:
@@ -291,5 +275,21 @@ def _bad_input(rank: int, world_size: int) -> None:
         vz.materialize(eager)
 
 
-def test_bad_input_is_refused_clearly():
-    run_on_ranks(_bad_input, 1)
+def _rank(rank: int, world_size: int) -> None:
+    _meta_equals_eager(rank, world_size, ("leaf", "gpt", "awkward"))
+    {1: _bad_input, 2: _peak_memory, 3: _fsdp2_recipe}[world_size](rank, world_size)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_meta_init(world_size):
+    """Every world size: materialize equals the eager values and training (1.). One spawn per
+    world size also runs: 1 rank the bad input (4.), 2 ranks the peak memory (3.), 3 ranks
+    FSDP2's recipe (2.)."""
+    run_on_ranks(_rank, world_size)
+
+
+@pytest.mark.slow
+def test_meta_init_llama():
+    """A tiny LlamaForCausalLM: materialize with its _init_weights (1.), and to_empty + load (2.)."""
+    pytest.importorskip("transformers")
+    run_on_ranks(_llama, 2)

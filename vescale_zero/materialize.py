@@ -25,8 +25,10 @@ allocated but not filled by ``to_empty``), or parameters / buffers left on meta 
   2. runs ``init_fn(module)``, or ``module.reset_parameters()``;
   3. copies this rank's range of each full tensor into the group's shard and drops it.
 
-So at most one module's full parameters exist beside the shards: the peak is all shards
-plus the largest module's parameters, never more than one group's full buffer. Every rank
+Before that each group leaves the meta device (``ParamGroup.leave_meta``): its persistent
+shards are allocated, its full buffers only for a moment, one at a time (they start freed).
+So at most one module's full parameters, or one group's full buffer, exist beside the
+shards: the peak is all shards plus one group's full buffer. Every rank
 runs the same initialisation with the same RNG state, so the ranks agree on every value
 without communicating (each keeps its own range).
 
