@@ -5,6 +5,7 @@ from .clip_grad import clip_grad_norm_, sharded_grad_norm
 from .dbuffer import DBuffer
 from .fully_shard import MixedPrecisionPolicy, RaggedFSDPModule, fully_shard, fully_shard_layers, sharded_counterpart
 from .granularity import preset_granularity, resolve_granularities
+from .materialize import materialize
 from .placement import RaggedShard
 from .planner import ShardPlan, TensorSpec, plan
 from .report import ShardingReport, reset_comm_stats, sharding_report
@@ -18,6 +19,7 @@ __all__ = [
     "sharded_counterpart",
     "full_state_dict",
     "load_full_state_dict",
+    "materialize",
     "RaggedFSDPModule",
     "MixedPrecisionPolicy",
     "RaggedShard",

@@ -29,7 +29,7 @@ from .param_group import GroupState, ManagedParam, ParamGroup
 from .runtime import STATE_ATTR, FSDPState, in_backward_pass
 
 __all__ = ["fully_shard", "fully_shard_layers", "RaggedFSDPModule", "MixedPrecisionPolicy", "DEFAULT_ALIGN_BYTES",
-           "groups_of", "sharded_counterpart"]
+           "groups_of", "sharded_counterpart", "BUFFER_NEEDS_INIT"]
 
 DEFAULT_ALIGN_BYTES = 16
 """Each rank's shard starts on this many bytes in every role's buffer (NCCL likes 16)."""
@@ -37,6 +37,8 @@ DEFAULT_ALIGN_BYTES = 16
 _STATE = STATE_ATTR
 _SHARDED_AS = "_vescale_sharded_as"  # on an original parameter: the sharded parameter replacing it
 _CLAIMED = "_vescale_fsdp_group_of"  # set on every parameter object a group manages
+BUFFER_NEEDS_INIT = "_vescale_needs_init"
+"""Set on a buffer ``to_empty`` emptied while moving a meta group; materialize and loading clear it."""
 
 
 class RaggedFSDPModule:
@@ -97,6 +99,21 @@ class RaggedFSDPModule:
             st = getattr(m, _STATE, None)
             if st is not None and st.group is not None:
                 st.group.unused_grads = policy
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> nn.Module:
+        """``nn.Module._apply`` (``to_empty``, ``to``) also moves a group built on the meta
+        device: ``model.to_empty(device=d)`` gives each group its persistent shards on ``d``
+        (uninitialised, as ``to_empty`` leaves every tensor), never a full parameter."""
+        module = super()._apply(fn, *args, **kwargs)
+        group = self.vescale_group
+        if group is not None and group.device.type == "meta":
+            owner, attr = group.managed[0].owners[0]
+            device = owner._parameters[attr].device  # where fn put the (shard-sized) meta parameter
+            if device.type != "meta":
+                group.leave_meta(device)
+                for buffer in self.buffers():  # empty now: vescale_zero.materialize must fill them
+                    setattr(buffer, BUFFER_NEEDS_INIT, True)
+        return module
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         for m in self.modules() if recurse else [self]:
@@ -209,9 +226,10 @@ def fully_shard(
         )
     named = _collect_params(module)
     devices = {p.device for _, p, _ in named}
-    if any(d.type == "meta" for d in devices):
-        raise ValueError("fully_shard needs materialised parameters; call module.to_empty(device=...) and init first")
-    pg = _process_group(mesh, next(iter(devices)) if devices else None)
+    # A meta module is sharded as planned; vescale_zero.materialize (or to_empty) gives it
+    # its shards later: materialize [Note: deferred initialisation].
+    device = next(iter(devices)) if len(devices) == 1 else None
+    pg = _process_group(mesh, None if device is not None and device.type == "meta" else device)
 
     group = None
     if named:

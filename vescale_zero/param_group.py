@@ -144,29 +144,16 @@ class ParamGroup:
         specs = [TensorSpec(p.numel(), g, m.fqn) for m, p, g in zip(managed, originals, granularities)]
         self.plan: ShardPlan = plan(specs, self.world_size, align=align)
         self.stats = CommStats()
-
-        shapes = [m.shape for m in managed]
-        self.master = DBuffer(self.plan, self.rank, self.orig_dtype, self.device, shapes=shapes, with_full=False)
-        direct = self.param_dtype == self.orig_dtype and not fp8_tile
-        self.compute = DBuffer(self.plan, self.rank, self.param_dtype, self.device, shapes=shapes,
-                               local=self.master.local if direct else None, with_local=direct)
-        self.gather = make_param_gather(self.master, self.compute, process_group, self.stats, shapes, fp8_tile)
-        self.grads = GradReducer(self.plan, self.rank, process_group, self.stats, grad_dtype=self.param_dtype,
-                                 reduce_dtype=self.reduce_dtype, shard_dtype=self.orig_dtype, device=self.device,
-                                 shapes=shapes)
-
+        self._granularities = list(granularities)
+        self._fp8_tile = fp8_tile
+        self._build(self.device, originals)
         with torch.no_grad():
             for i, p in enumerate(originals):
                 start, end = self.master.local_range(i)
                 self.master.local_view(i).copy_(p.detach().reshape(-1)[start:end])
-        self.params: List[RaggedParam] = []
-        for i, (m, p) in enumerate(zip(managed, originals)):
-            start, end = self.master.local_range(i)
-            rng = ShardedRange(start, end, tuple(m.shape), granularities[i])
-            self.params.append(RaggedParam(m, p, self.master.local_view(i), self.compute.full_view(i), rng))
-        self._grad_indices = [i for i, m in enumerate(managed) if m.requires_grad]
-        for i in self._grad_indices:
-            self.params[i].unsharded.register_post_accumulate_grad_hook(functools.partial(self._on_grad_accumulated, i))
+        # vescale_zero.materialize [Note: deferred initialisation]: built from meta parameters,
+        # the shards hold no values until materialize() or load_full_state_dict() fills them.
+        self.needs_init = self.device.type == "meta"
 
         self.state = GroupState.SHARDED
         self.progress = BackwardProgress()
@@ -178,6 +165,45 @@ class ParamGroup:
         self.unused_grads = "none"  # see [Note: unused everywhere]
         self._used: Set[int] = set()  # indices with a gradient since the last synced backward
         self._usage: Optional[tuple] = None  # (used here, had a sharded .grad before) of the synced backward
+        self.to_sharded_params()
+
+    def _build(self, device: torch.device, templates: Sequence[nn.Parameter],
+               unsharded_templates: Optional[Sequence[nn.Parameter]] = None) -> None:
+        """Every buffer of the group on ``device`` (the full ones freed) and the parameter
+        objects viewing them, carrying the attributes of ``templates`` (the unsharded ones
+        of ``unsharded_templates`` if given)."""
+        self.device = torch.device(device)
+        shapes = [m.shape for m in self.managed]
+        self.master = DBuffer(self.plan, self.rank, self.orig_dtype, self.device, shapes=shapes, with_full=False)
+        direct = self.param_dtype == self.orig_dtype and not self._fp8_tile
+        self.compute = DBuffer(self.plan, self.rank, self.param_dtype, self.device, shapes=shapes,
+                               local=self.master.local if direct else None, with_local=direct)
+        self.gather = make_param_gather(self.master, self.compute, self.process_group, self.stats, shapes,
+                                        self._fp8_tile)
+        self.grads = GradReducer(self.plan, self.rank, self.process_group, self.stats, grad_dtype=self.param_dtype,
+                                 reduce_dtype=self.reduce_dtype, shard_dtype=self.orig_dtype, device=self.device,
+                                 shapes=shapes)
+        self.params: List[RaggedParam] = []
+        for i, (m, p) in enumerate(zip(self.managed, templates)):
+            start, end = self.master.local_range(i)
+            rng = ShardedRange(start, end, tuple(m.shape), self._granularities[i])
+            like = unsharded_templates[i] if unsharded_templates is not None else None
+            self.params.append(RaggedParam(m, p, self.master.local_view(i), self.compute.full_view(i), rng,
+                                           unsharded_like=like))
+        self._grad_indices = [i for i, m in enumerate(self.managed) if m.requires_grad]
+        for i in self._grad_indices:
+            self.params[i].unsharded.register_post_accumulate_grad_hook(functools.partial(self._on_grad_accumulated, i))
+
+    def leave_meta(self, device: torch.device) -> None:
+        """Rebuild the group, built on the meta device, on ``device``: only the persistent
+        shards get storage (values unset: ``needs_init`` stays true), and new parameter
+        objects (meta tensors cannot turn into real ones in place) replace the old in every
+        owner."""
+        if self.device.type != "meta":
+            raise RuntimeError(f"this fully_shard group is already on {self.device}, not on the meta device")
+        if torch.device(device).type == "meta":
+            raise ValueError("leave_meta needs a real device (e.g. 'cuda' or 'cpu'), got the meta device")
+        self._build(device, self.sharded_params, self.unsharded_params)
         self.to_sharded_params()
 
     # ---- parameter objects and buffers -----------------------------------------------

@@ -19,7 +19,7 @@ original (a tied weight has several owners), so a module always reads the right 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
@@ -65,14 +65,16 @@ class RaggedParam:
         sharded_data: this rank's piece, a view into the group's master shard.
         unsharded_data: the whole tensor, a view into the group's full compute buffer.
         sharded_range: what the piece is, set as ``sharded.sharded_range``.
+        unsharded_like: whose attributes the unsharded object copies (default ``original``).
     """
 
     def __init__(self, managed: ManagedParam, original: nn.Parameter, sharded_data: torch.Tensor,
-                 unsharded_data: torch.Tensor, sharded_range: ShardedRange) -> None:
+                 unsharded_data: torch.Tensor, sharded_range: ShardedRange,
+                 unsharded_like: Optional[nn.Parameter] = None) -> None:
         self.managed = managed
         self.sharded = _new_param(sharded_data, original)
         self.sharded.sharded_range = sharded_range
-        self.unsharded = _new_param(unsharded_data, original)
+        self.unsharded = _new_param(unsharded_data, original if unsharded_like is None else unsharded_like)
 
     @property
     def requires_grad(self) -> bool:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .collectives import all_gather
-from .fully_shard import groups_of
+from .fully_shard import BUFFER_NEEDS_INIT, groups_of
 from .param_group import GroupState, ParamGroup
 
 __all__ = ["full_state_dict", "load_full_state_dict", "full_optimizer_state", "load_full_optimizer_state",
@@ -135,6 +135,11 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tenso
     them; a tensor of the wrong shape always raises ``ValueError``.
     """
     for group in groups_of(module):
+        if group.device.type == "meta":
+            raise RuntimeError(
+                "load_full_state_dict: the model's shards are still on the meta device; allocate them first with "
+                "model.to_empty(device=...) (FSDP2's recipe), then load"
+            )
         if group.state is not GroupState.SHARDED:
             group.reshard()  # full parameters gathered before the load must not outlive it
     current = module.state_dict(keep_vars=True)
@@ -171,8 +176,15 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tenso
             start, end = group.master.local_range(i)
             group.master.local_view(i).copy_(value.detach().reshape(-1)[start:end])
             done.append((group, i))
+    loaded = set(done)  # materialize [Note: deferred initialisation]: what is loaded is initialised
+    for group in {g for g, _ in done}:
+        if all((group, i) in loaded for i in range(len(group.managed))):
+            group.needs_init = False
     if rest:
         module.load_state_dict(rest, strict=False)
+        for key in rest:
+            if torch.is_tensor(current[key]) and hasattr(current[key], BUFFER_NEEDS_INIT):
+                delattr(current[key], BUFFER_NEEDS_INIT)
 
 
 def full_optimizer_state(
