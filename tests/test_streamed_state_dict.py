@@ -178,3 +178,19 @@ def test_full_state_dict_holds_one_group_buffer_at_a_time(fake_rank):
         with TransientBytes() as tracker:
             vz.load_full_state_dict(target, reference, broadcast_from_rank0=True)
         assert largest <= tracker.peak() < two and tracker.kept() == 0, (tracker.peak(), tracker.kept(), sizes)
+
+
+def test_broadcast_from_rank0_refuses_groups_narrower_than_the_world():
+    """Groups sharded over a sub-group (model parallelism, a sub-mesh) cannot take rank 0's
+    broadcast: a clear error names the sizes and the fix, before any collective."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        model = AwkwardLM(seed=0, n_blocks=N_BLOCKS)
+        vz.fully_shard(model, mesh=dist.new_group([0, 1]))
+        with pytest.raises(ValueError, match=r"sharded over all 4 ranks; 1 group\(s\) are sharded over 2 .*every rank"):
+            vz.load_full_state_dict(model, _reference(), broadcast_from_rank0=True)
+    finally:
+        dist.destroy_process_group()
