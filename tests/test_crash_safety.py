@@ -163,3 +163,18 @@ def test_a_rank_killed_in_deepspeed_save_checkpoint_leaves_latest(tmp_path):
     whole = torch.load(os.path.join(directory, "whole", "pytorch_model.bin"))
     pieces = assemble([torch.load(os.path.join(directory, f"pieces-A-{r}.pt")) for r in range(2)])
     assert pieces and all(torch.equal(whole[name], value) for name, value in pieces.items())
+
+
+def test_a_resave_killed_between_its_renames_names_the_previous_checkpoint(tmp_path):
+    """Re-saving a tag moves the old checkpoint to ``TAG.old-<id>`` and the new one in: a
+    kill between the two renames leaves no ``TAG``, and loading it names the old one and the
+    rename that restores it (offline: no process group)."""
+    from vescale_zero.checkpoint.format import write_whole
+
+    path = str(tmp_path / "A")
+    write_whole(path, {"w": torch.arange(6.0)})
+    os.replace(path, path + ".old-123")  # the first rename, then the kill
+    with pytest.raises(checkpoint.CheckpointError, match=r"no checkpoint at .*A\.old-123.* rename that back to 'A'"):
+        checkpoint.consolidate(path)
+    os.replace(path + ".old-123", path)
+    assert torch.equal(checkpoint.consolidate(path)["w"], torch.arange(6.0))

@@ -218,7 +218,7 @@ def read_metadata(path: str) -> Dict[str, Any]:
     """``metadata.json`` of checkpoint ``path``, refused if missing, corrupt or of another format."""
     meta_path = os.path.join(path, METADATA_FILE)
     if not os.path.isdir(path):
-        raise CheckpointError(f"no checkpoint at {path!r}")
+        raise CheckpointError(f"no checkpoint at {path!r}{_interrupted_resave(path)}")
     other = other_checkpoint(path)
     if other is not None:
         raise CheckpointError(other)
@@ -232,6 +232,21 @@ def read_metadata(path: str) -> Dict[str, Any]:
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{meta_path}: format {meta.get('format')!r} is not {FORMAT!r}")
     return meta
+
+
+def _interrupted_resave(path: str) -> str:
+    """A hint if ``path`` is missing because a save over it was killed between moving the
+    old checkpoint aside (``PATH.old-<id>``) and moving the new one in."""
+    parent, name = os.path.split(os.path.abspath(path))
+    try:
+        old = sorted(n for n in os.listdir(parent) if n.startswith(name + ".old-")
+                     and os.path.exists(os.path.join(parent, n, METADATA_FILE)))
+    except OSError:
+        return ""
+    if not old:
+        return ""
+    return (f"; a save over it was interrupted, and {os.path.join(parent, old[-1])!r} holds the checkpoint it was "
+            f"replacing: rename that back to {name!r} to load it")
 
 
 def read_checked(file: str, digest: str) -> Dict[str, Any]:
