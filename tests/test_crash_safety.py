@@ -87,8 +87,7 @@ def check_only_a_survives(directory: str, world_size: int) -> None:
         assert "partial checkpoint" in refusal or "is corrupt" in refusal, refusal
 
 
-@pytest.mark.parametrize("kill", [pytest.param(k, marks=pytest.mark.slow) if KILLS[k][0] == 1 else k
-                                  for k in sorted(KILLS)])
+@pytest.mark.parametrize("kill", sorted(KILLS))
 def test_a_rank_killed_mid_save_leaves_the_last_checkpoint(tmp_path, kill):
     """Killed half-way through its rank file (rank 1), or through the metadata that
     publishes the checkpoint (rank 0): the survivor raises at once (gloo: connection closed
@@ -144,7 +143,6 @@ def _ds_load_latest(rank, world_size, directory):
             "refusal": _refusal(lambda: engine.load_checkpoint(directory, tag="B"))}
 
 
-@pytest.mark.slow
 def test_a_rank_killed_in_deepspeed_save_checkpoint_leaves_latest(tmp_path):
     """DeepSpeed's ``engine.save_checkpoint`` (stage "ragged", 2 ranks): rank 1 killed
     half-way through its file of tag B. The survivor raises; ``latest`` still names A, which

@@ -98,7 +98,7 @@ def _streamed(rank, world_size):
     return out
 
 
-@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)], ids=lambda ws: f"{ws}ranks")
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda ws: f"{ws}ranks")
 def streamed(request):
     return request.param, run_on_ranks(_streamed, request.param)
 
