@@ -4,7 +4,8 @@
 ``fn(rank, world_size, *args)`` with the default process group initialised, and returns
 the list of per-rank return values. A rank that raises fails the test with its
 traceback; ranks that are still running after ``timeout`` seconds are killed, so a
-mismatched collective fails instead of hanging.
+mismatched collective fails instead of hanging. ``run_with_a_killed_rank`` runs ranks
+one of which is to die of SIGKILL (crash-safety tests).
 """
 
 from __future__ import annotations
@@ -12,17 +13,19 @@ from __future__ import annotations
 import gc
 import os
 import pickle
+import signal
 import socket
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, List
+from datetime import timedelta
+from typing import Any, Callable, Dict, List
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_on_ranks"]
+__all__ = ["run_on_ranks", "run_with_a_killed_rank"]
 
 
 def _free_port() -> int:
@@ -82,4 +85,61 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 240
             results.append(value)
         if errors or crash:
             raise AssertionError("\n".join(errors + ([f"({crash})"] if crash else [])))
+        return results
+
+
+def _entry_to_die(rank: int, world_size: int, port: int, out_dir: str, timeout_s: float, fn: Callable,
+                  args: tuple) -> None:
+    """Like :func:`_entry`, with a short collective timeout, and no teardown: a survivor's
+    process group has a dead peer, so it reports and leaves at once."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        result: Any = ("ok", fn(rank, world_size, *args))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        result = ("error", traceback.format_exc())
+    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    os._exit(0)
+
+
+def run_with_a_killed_rank(fn: Callable, world_size: int, victim: int, *args: Any, collective_timeout: float = 30.0,
+                           timeout: float = 240.0) -> Dict[int, Any]:
+    """Like :func:`run_on_ranks` for a run in which rank ``victim`` kills itself with SIGKILL
+    (``fn`` arranges that); returns ``{rank: result}`` of the survivors. Fails unless the
+    victim died of SIGKILL and every survivor returned (or raised: its traceback fails the
+    test) within ``timeout``; survivors' collectives give up after ``collective_timeout``."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as out_dir:
+        port = _free_port()
+        procs = [ctx.Process(target=_entry_to_die, args=(r, world_size, port, out_dir, collective_timeout, fn, args))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for r in hung:
+            procs[r].kill()
+        if hung:
+            raise TimeoutError(f"ranks {hung} still running after {timeout:.0f}s: a survivor hangs on its dead peer")
+        if procs[victim].exitcode != -signal.SIGKILL:
+            raise AssertionError(f"rank {victim} was to die of SIGKILL; its exit code is {procs[victim].exitcode}")
+        results, errors = {}, []
+        for rank in range(world_size):
+            if rank == victim:
+                continue
+            path = os.path.join(out_dir, f"{rank}.pkl")
+            if not os.path.exists(path):
+                errors.append(f"rank {rank} exited without a result (exit code {procs[rank].exitcode})")
+                continue
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status == "error":
+                errors.append(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+        if errors:
+            raise AssertionError("\n".join(errors))
         return results

@@ -8,7 +8,9 @@ so it is interchangeable with checkpoints of DDP, Megatron's DDP or an unsharded
     keys:     {"layer.a": a.view(shape_a), "layer.b": b.view(shape_b), ...}
 
 ``load_full_state_dict`` goes the other way without communication: each rank copies
-the flat range it owns of every tensor into its master shard.
+the flat range it owns of every tensor into its master shard. With
+``broadcast_from_rank0`` only rank 0 holds the dict, and each group's full buffer is
+broadcast in turn (see [Note: broadcast load]).
 
 ``full_optimizer_state`` / ``load_full_optimizer_state`` do the same for element-wise
 optimizer state (Adam's moments, SGD's momentum: one value per parameter element), keyed
@@ -22,13 +24,14 @@ and of ``torch.optim`` on an unsharded model::
 
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .collectives import all_gather
+from .comm_device import current_device
 from .fully_shard import BUFFER_NEEDS_INIT, groups_of
 from .param_group import GroupState, ParamGroup
 
@@ -66,6 +69,23 @@ def _gather_pieces(group: ParamGroup, pieces: List[Optional[torch.Tensor]], dtyp
         if piece is not None and end > start:
             local.narrow(0, shard_off, end - start).copy_(piece.reshape(-1))
     return _full_views(group, local)
+
+
+def _gather_group(group: ParamGroup, keep: bool, cpu_offload: bool, compute_dtype: bool) -> Dict[int, torch.Tensor]:
+    """id(sharded parameter) -> its full tensor, for one group (``{}`` unless ``keep``). Collective.
+
+    [Note: one group at a time] The group's full buffer is a local of this call: with
+    ``cpu_offload`` (or without ``keep``) nothing refers to it once the call returns, so the
+    device never holds two groups' buffers -- a loop variable over the views in the caller
+    would keep the last one alive into the next group's gather.
+    """
+    dtype = group.param_dtype if compute_dtype else group.master.local.dtype
+    out: Dict[int, torch.Tensor] = {}
+    for param, full in zip(group.sharded_params, _full_views(group, group.master.local)):
+        if keep:
+            # with cpu_offload each tensor gets its own storage (serialisers refuse views of one buffer)
+            out[id(param)] = full.to(device="cpu", dtype=dtype, copy=True) if cpu_offload else full.to(dtype)
+    return out
 
 
 def sharded_params_by_key(module: nn.Module) -> Dict[str, nn.Parameter]:
@@ -107,11 +127,7 @@ def full_state_dict(
     index = _managed_index(module)
     gathered: Dict[int, torch.Tensor] = {}
     for group in groups_of(module):
-        dtype = group.param_dtype if compute_dtype else group.master.local.dtype
-        for param, full in zip(group.sharded_params, _full_views(group, group.master.local)):
-            if keep:
-                # with cpu_offload each tensor gets its own storage (serialisers refuse views of one buffer)
-                gathered[id(param)] = full.to(device="cpu", dtype=dtype, copy=True) if cpu_offload else full.to(dtype)
+        gathered.update(_gather_group(group, keep, cpu_offload, compute_dtype))
     if not keep:
         return {}
     out: Dict[str, torch.Tensor] = {}
@@ -127,12 +143,63 @@ def full_state_dict(
     return out
 
 
-def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+def _load_problem(state_dict: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor],
+                  index: Dict[int, Tuple[ParamGroup, int]], strict: bool) -> Optional[Exception]:
+    """The error loading ``state_dict`` into a module whose ``state_dict(keep_vars=True)`` is
+    ``current`` must raise (missing / unexpected keys under ``strict``, a wrong shape), else ``None``."""
+    # A missing ``_extra_state`` is the module's business: its load hooks fill a default
+    # (Megatron's linear layers do; its GPTModel drops the tied output layer's).
+    missing = sorted(k for k in set(current) - set(state_dict) if not k.endswith("_extra_state"))
+    unexpected = sorted(set(state_dict) - set(current))
+    if strict and (missing or unexpected):
+        return KeyError(
+            f"state dict does not match the model: missing keys {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+            f"unexpected keys {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}; pass strict=False to load the "
+            "common keys only, or check that the checkpoint was saved from the same model"
+        )
+    for key, value in state_dict.items():
+        hit = index.get(id(current[key])) if key in current else None
+        if hit is not None and tuple(value.shape) != tuple(hit[0].managed[hit[1]].shape):
+            return ValueError(
+                f"{key!r}: the state dict holds shape {tuple(value.shape)}, the model "
+                f"{tuple(hit[0].managed[hit[1]].shape)}; a full state dict must come from the same model (same "
+                "tensor/pipeline-parallel layout)"
+            )
+    return None
+
+
+def _split(
+    state_dict: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor],
+    index: Dict[int, Tuple[ParamGroup, int]],
+) -> Tuple[Dict[Tuple[ParamGroup, int], torch.Tensor], Dict[str, Any]]:
+    """``({(group, index): full tensor}, {key: value})``: the sharded parameters ``state_dict``
+    holds (a tied one once) and the rest of its entries the module knows (buffers, ...)."""
+    sharded: Dict[Tuple[ParamGroup, int], torch.Tensor] = {}
+    rest: Dict[str, Any] = {}
+    for key, value in state_dict.items():
+        if key not in current:
+            continue
+        hit = index.get(id(current[key]))
+        if hit is None:
+            rest[key] = value
+        else:
+            sharded.setdefault(hit, value)
+    return sharded, rest
+
+
+def load_full_state_dict(
+    module: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]], strict: bool = True, *,
+    broadcast_from_rank0: bool = False,
+) -> None:
     """Load a full state dict (see :func:`full_state_dict`) into a sharded module.
 
-    Every rank needs the whole ``state_dict`` (it reads only its own ranges); no
-    communication. With ``strict``, missing or unexpected keys raise ``KeyError`` naming
-    them; a tensor of the wrong shape always raises ``ValueError``.
+    By default every rank needs the whole ``state_dict`` (it reads only its own ranges); no
+    communication. With ``broadcast_from_rank0`` (FSDP2's ``StateDictOptions`` name) only
+    global rank 0 needs it -- the others pass ``None`` or ``{}`` -- and it is broadcast one
+    group's full buffer at a time (see [Note: broadcast load]); collective, and every group
+    under ``module`` must be sharded over all ranks. With ``strict``, missing or unexpected
+    keys raise ``KeyError`` naming them; a tensor of the wrong shape always raises
+    ``ValueError`` (with ``broadcast_from_rank0``, on every rank).
     """
     for group in groups_of(module):
         if group.device.type == "meta":
@@ -144,40 +211,23 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tenso
             group.reshard()  # full parameters gathered before the load must not outlive it
     current = module.state_dict(keep_vars=True)
     index = _managed_index(module)
-    # A missing ``_extra_state`` is the module's business: its load hooks fill a default
-    # (Megatron's linear layers do; its GPTModel drops the tied output layer's).
-    missing = sorted(k for k in set(current) - set(state_dict) if not k.endswith("_extra_state"))
-    unexpected = sorted(set(state_dict) - set(current))
-    if strict and (missing or unexpected):
-        raise KeyError(
-            f"state dict does not match the model: missing keys {missing[:8]}{'...' if len(missing) > 8 else ''}, "
-            f"unexpected keys {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}; pass strict=False to load the "
-            "common keys only, or check that the checkpoint was saved from the same model"
-        )
-    rest: Dict[str, torch.Tensor] = {}
-    done: List[Tuple[ParamGroup, int]] = []
-    with torch.no_grad():
-        for key, value in state_dict.items():
-            if key not in current:
-                continue
-            hit = index.get(id(current[key]))
-            if hit is None:
-                rest[key] = value
-                continue
-            group, i = hit
-            shape = tuple(group.managed[i].shape)
-            if tuple(value.shape) != shape:
-                raise ValueError(
-                    f"{key!r}: the state dict holds shape {tuple(value.shape)}, the model {shape}; "
-                    "a full state dict must come from the same model (same tensor/pipeline-parallel layout)"
-                )
-            if (group, i) in done:  # a tied parameter under a second name
-                continue
-            start, end = group.master.local_range(i)
-            group.master.local_view(i).copy_(value.detach().reshape(-1)[start:end])
-            done.append((group, i))
-    loaded = set(done)  # materialize [Note: deferred initialisation]: what is loaded is initialised
-    for group in {g for g, _ in done}:
+    if broadcast_from_rank0:
+        loaded, rest = _broadcast_from_rank0(module, state_dict or {}, current, index, strict)
+    else:
+        if state_dict is None:
+            raise ValueError("load_full_state_dict: state_dict is None; pass the full state dict on every rank, or "
+                             "broadcast_from_rank0=True to pass it on rank 0 only")
+        problem = _load_problem(state_dict, current, index, strict)
+        if problem is not None:
+            raise problem
+        sharded, rest = _split(state_dict, current, index)
+        with torch.no_grad():
+            for (group, i), value in sharded.items():
+                start, end = group.master.local_range(i)
+                group.master.local_view(i).copy_(value.detach().reshape(-1)[start:end])
+        loaded = set(sharded)
+    # materialize [Note: deferred initialisation]: what is loaded is initialised
+    for group in {g for g, _ in loaded}:
         if all((group, i) in loaded for i in range(len(group.managed))):
             group.needs_init = False
     if rest:
@@ -185,6 +235,72 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tenso
         for key in rest:
             if torch.is_tensor(current[key]) and hasattr(current[key], BUFFER_NEEDS_INIT):
                 delattr(current[key], BUFFER_NEEDS_INIT)
+
+
+def _broadcast_from_rank0(
+    module: nn.Module, state_dict: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor],
+    index: Dict[int, Tuple[ParamGroup, int]], strict: bool,
+) -> Tuple[Set[Tuple[ParamGroup, int]], Dict[str, Any]]:
+    """Rank 0's ``state_dict`` loaded into every rank's shards, one group at a time;
+    returns ``(loaded, rest)``: the ``(group, index)`` of every tensor filled here, and the
+    entries left to load locally (buffers, extra state).
+
+    [Note: broadcast load] Rank 0 first broadcasts a header -- the error to raise (so every
+    rank raises it, none hangs in the next broadcast), which tensors it holds and the small
+    rest (buffers, extra state) -- then, per group, the group's full buffer (master dtype,
+    the group's device) filled by rank 0; each rank copies its own ranges out of it before
+    the next group's buffer exists::
+
+        rank 0:  state_dict (any device) -> [ a | b | pad ] --broadcast--> every rank
+        rank k:  master.local[a's range] <- buffer[a's range], ...; buffer freed
+    """
+    groups = groups_of(module)
+    world = dist.get_world_size()
+    narrow = [g for g in groups if dist.get_world_size(g.process_group) != world]
+    if narrow:
+        raise ValueError(
+            f"load_full_state_dict(broadcast_from_rank0=True) needs every group sharded over all {world} ranks; "
+            f"{len(narrow)} group(s) are sharded over {dist.get_world_size(narrow[0].process_group)} (model or "
+            "expert parallelism, or a sub-mesh): pass the full state dict on every rank instead"
+        )
+    position = {id(g): n for n, g in enumerate(groups)}
+    header: List[Any] = [None]
+    if dist.get_rank() == 0:
+        problem = _load_problem(state_dict, current, index, strict)
+        sharded, rest = _split(state_dict, current, index) if problem is None else ({}, {})
+        header[0] = {
+            "problem": None if problem is None else (type(problem), problem.args[0]),
+            "present": sorted((position[id(g)], i) for g, i in sharded),
+            "rest": {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in rest.items()},
+        }
+    with current_device(groups[0].device if groups else None):
+        dist.broadcast_object_list(header, src=0)
+    if header[0]["problem"] is not None:
+        kind, message = header[0]["problem"]
+        raise kind(message)
+    present: Dict[int, List[int]] = {}
+    for n, i in header[0]["present"]:
+        present.setdefault(n, []).append(i)
+    with torch.no_grad():
+        for n, group in enumerate(groups):
+            if n in present:
+                _broadcast_group(group, present[n], sharded if dist.get_rank() == 0 else None)
+    return {(groups[n], i) for n, i in header[0]["present"]}, header[0]["rest"]
+
+
+def _broadcast_group(group: ParamGroup, indices: List[int],
+                     source: Optional[Dict[Tuple[ParamGroup, int], torch.Tensor]]) -> None:
+    """One broadcast of ``group``'s full buffer from rank 0 (which fills tensors ``indices``
+    from ``source``); every rank copies its ranges of them into its master shard."""
+    flat = torch.zeros(group.plan.global_size, dtype=group.master.local.dtype, device=group.device)
+    offsets = group.plan.offsets
+    if source is not None:
+        for i in indices:
+            flat.narrow(0, offsets[i], group.plan.specs[i].numel).copy_(source[group, i].detach().reshape(-1))
+    dist.broadcast(flat, src=0)
+    for i in indices:
+        start, end = group.master.local_range(i)
+        group.master.local_view(i).copy_(flat.narrow(0, offsets[i] + start, end - start))
 
 
 def full_optimizer_state(

@@ -306,7 +306,13 @@ class VeScaleFSDP(_BaseDataParallel):
     def full_parameters(self) -> Iterator[None]:
         """Collective. For the duration, the module holds plain full (TP-local) tensors,
         gathered, instead of its shards: what Megatron's ``sharded_state_dict`` describes
-        and its ``torch_dist`` load fills. Training must not run inside."""
+        and its ``torch_dist`` load fills. Training must not run inside.
+
+        The gather is :func:`~vescale_zero.state_dict.full_state_dict` (one all-gather per
+        group, in turn), but every group's full tensors stay installed for the duration:
+        Megatron's ``sharded_state_dict`` and ``dist_checkpointing.save`` take the whole
+        model at once, so inside, each rank holds its full TP-local parameters -- what
+        megatron-core's DDP holds all the time."""
         if self._installed is not None:  # nested: already full
             yield
             return

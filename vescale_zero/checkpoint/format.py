@@ -34,6 +34,9 @@ are qualified by it (``"tp1-pp0/decoder..."``), so pieces only meet pieces of th
 [Note: crash safety] Writers fill a temporary directory and publish it with one
 ``os.replace`` after the metadata (with every file's sha256) is written; readers check the
 metadata and the checksum of every file they read, and name the file when one is wrong.
+Every file is fsynced before the step that publishes it (the metadata, the rename, a
+``latest`` pointer), and the directory after, so a machine that goes down -- not only a
+killed process -- leaves the previous checkpoint and ``latest`` as they were.
 
 Other frameworks' directories are recognised here too (:func:`is_dcp_checkpoint`), and a
 DCP directory is read whole in one process (:func:`read_dcp`), for the converters and for
@@ -55,7 +58,8 @@ import torch
 
 __all__ = [
     "FORMAT", "METADATA_FILE", "COMMON_FILE", "CHECKPOINT_DOMAIN", "Piece", "CheckpointError",
-    "rank_file", "sha256_file", "write_rank_file", "write_common", "write_metadata", "write_whole",
+    "rank_file", "sha256_file", "save_synced", "fsync_dir", "write_rank_file", "write_common", "write_metadata",
+    "write_whole",
     "read_metadata", "read_checked", "read_rank_file", "read_common", "fill", "entries",
     "write_latest", "read_latest", "is_dcp_checkpoint", "other_checkpoint", "read_dcp",
 ]
@@ -83,6 +87,30 @@ def rank_file(ckpt: str, rank: int) -> str:
     return os.path.join(ckpt, f"rank{rank:05d}.pt")
 
 
+def save_synced(obj: Any, path: str) -> None:
+    """``torch.save(obj, path)`` and ``fsync``: the bytes are on disk before anything that
+    publishes them (a rename, the metadata) can be."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: str) -> None:
+    """Make the entries of directory ``path`` (files created or renamed into it) durable;
+    a no-op where the platform or file system cannot sync a directory."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def sha256_file(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -98,7 +126,7 @@ def write_rank_file(ckpt: str, rank: int, params: Dict[str, Piece], states: Dict
                     blocks: Dict[str, Piece], scalars: Dict[str, Tuple[int, int, Any]]) -> str:
     """Write rank ``rank``'s pieces (CPU tensors) into ``ckpt``; returns the file's path."""
     path = rank_file(ckpt, rank)
-    torch.save({"params": params, "optim_states": states, "optim_blocks": blocks, "optim_scalars": scalars}, path)
+    save_synced({"params": params, "optim_states": states, "optim_blocks": blocks, "optim_scalars": scalars}, path)
     return path
 
 
@@ -106,7 +134,7 @@ def write_common(ckpt: str, aliases: Dict[str, List[str]], optim_groups: Optiona
                  buffers: Dict[str, torch.Tensor], extra: Any) -> str:
     """Write ``common.pt`` into ``ckpt``; returns its path."""
     path = os.path.join(ckpt, COMMON_FILE)
-    torch.save({"aliases": aliases, "optim_groups": optim_groups, "buffers": buffers, "extra": extra}, path)
+    save_synced({"aliases": aliases, "optim_groups": optim_groups, "buffers": buffers, "extra": extra}, path)
     return path
 
 
@@ -119,6 +147,9 @@ def write_metadata(ckpt: str, world_size: int, sha256: List[str], index: List[Di
     meta.update(sha256=sha256, common_sha256=sha256_file(os.path.join(ckpt, COMMON_FILE)), index=index)
     with open(os.path.join(ckpt, METADATA_FILE), "w") as f:
         json.dump(meta, f)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(ckpt)
 
 
 def write_whole(dst: str, tensors: Dict[str, torch.Tensor], optim_state: Optional[Dict[str, Dict[str, Any]]] = None,
@@ -154,6 +185,7 @@ def write_whole(dst: str, tensors: Dict[str, torch.Tensor], optim_state: Optiona
         write_common(tmp, {}, optim_groups, {}, extra)
         write_metadata(tmp, 1, [sha256_file(file)], [{name: [0, p[2]] for name, p in params.items()}], whole=True)
         os.replace(tmp, dst)
+        fsync_dir(parent)
     finally:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp)
@@ -164,7 +196,10 @@ def write_latest(directory: str, tag: str) -> None:
     tmp = os.path.join(directory, f".latest-{uuid.uuid4().hex}")
     with open(tmp, "w") as f:
         f.write(tag)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, os.path.join(directory, "latest"))
+    fsync_dir(directory)
 
 
 # ---- reading -------------------------------------------------------------------------------
@@ -183,7 +218,7 @@ def read_metadata(path: str) -> Dict[str, Any]:
     """``metadata.json`` of checkpoint ``path``, refused if missing, corrupt or of another format."""
     meta_path = os.path.join(path, METADATA_FILE)
     if not os.path.isdir(path):
-        raise CheckpointError(f"no checkpoint at {path!r}")
+        raise CheckpointError(f"no checkpoint at {path!r}{_interrupted_resave(path)}")
     other = other_checkpoint(path)
     if other is not None:
         raise CheckpointError(other)
@@ -197,6 +232,21 @@ def read_metadata(path: str) -> Dict[str, Any]:
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{meta_path}: format {meta.get('format')!r} is not {FORMAT!r}")
     return meta
+
+
+def _interrupted_resave(path: str) -> str:
+    """A hint if ``path`` is missing because a save over it was killed between moving the
+    old checkpoint aside (``PATH.old-<id>``) and moving the new one in."""
+    parent, name = os.path.split(os.path.abspath(path))
+    try:
+        old = sorted(n for n in os.listdir(parent) if n.startswith(name + ".old-")
+                     and os.path.exists(os.path.join(parent, n, METADATA_FILE)))
+    except OSError:
+        return ""
+    if not old:
+        return ""
+    return (f"; a save over it was interrupted, and {os.path.join(parent, old[-1])!r} holds the checkpoint it was "
+            f"replacing: rename that back to {name!r} to load it")
 
 
 def read_checked(file: str, digest: str) -> Dict[str, Any]:

@@ -23,8 +23,9 @@ whole (which the optimizer's granularity policy guarantees)::
     load   rank 0: elems [0, 4)  scales [0, 1)    rank 1: [4, 10) -> scales [1, 3)
 
 [Note: crash safety]
-Every rank writes into ``CKPT.tmp-<id>/``; after a barrier rank 0 writes the metadata
-(with the checksums) and renames the directory to ``CKPT`` in one ``os.replace``. A
+Every rank writes (and fsyncs) its file in ``CKPT.tmp-<id>/``; once every rank's checksum
+has reached it (an all-gather: a dead rank makes it raise, so nothing is published) rank 0
+writes the metadata and renames the directory to ``CKPT`` in one ``os.replace``. A
 crash before that leaves only the temporary directory; a ``latest`` pointer is moved
 (also by rename) only after the checkpoint is published. Loading verifies the metadata
 and the checksum of every file it reads, and names the file when one is wrong.
@@ -49,6 +50,7 @@ from .format import (
     Piece,
     entries,
     fill,
+    fsync_dir,
     read_common,
     read_metadata,
     read_rank_file,
@@ -167,9 +169,11 @@ def _save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer
             old = f"{path.rstrip(os.sep)}.old-{token[0]}"
             os.replace(path, old)
             os.replace(tmp, path)
+            fsync_dir(os.path.dirname(os.path.abspath(path)))
             shutil.rmtree(old)
         else:
             os.replace(tmp, path)
+            fsync_dir(os.path.dirname(os.path.abspath(path)))
     dist.barrier()
 
 
