@@ -19,7 +19,7 @@ import tempfile
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -72,20 +72,31 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 240
             crash = e
             for p in ctx.processes:
                 p.kill()
-        results, errors = [], []
-        for rank in range(world_size):
-            path = os.path.join(out_dir, f"{rank}.pkl")
-            if not os.path.exists(path):
-                errors.append(f"rank {rank} exited without a result")
-                continue
-            with open(path, "rb") as f:
-                status, value = pickle.load(f)
-            if status == "error":
-                errors.append(f"rank {rank} failed:\n{value}")
-            results.append(value)
+        reports, errors = _read_reports(out_dir, range(world_size))
+        results = list(reports.values())
         if errors or crash:
             raise AssertionError("\n".join(errors + ([f"({crash})"] if crash else [])))
         return results
+
+
+def _read_reports(
+    out_dir: str, ranks: Iterable[int], exit_codes: Optional[Dict[int, Any]] = None,
+) -> Tuple[Dict[int, Any], List[str]]:
+    """The ranks' pickled reports in ``out_dir``: ``({rank: value}, [error lines])``; a rank
+    without a report or whose function raised gives an error line (with its exit code if known)."""
+    results, errors = {}, []
+    for rank in ranks:
+        path = os.path.join(out_dir, f"{rank}.pkl")
+        if not os.path.exists(path):
+            code = f" (exit code {exit_codes[rank]})" if exit_codes else ""
+            errors.append(f"rank {rank} exited without a result{code}")
+            continue
+        with open(path, "rb") as f:
+            status, value = pickle.load(f)
+        if status == "error":
+            errors.append(f"rank {rank} failed:\n{value}")
+        results[rank] = value
+    return results, errors
 
 
 def _entry_to_die(rank: int, world_size: int, port: int, out_dir: str, timeout_s: float, fn: Callable,
@@ -127,19 +138,8 @@ def run_with_a_killed_rank(fn: Callable, world_size: int, victim: int, *args: An
             raise TimeoutError(f"ranks {hung} still running after {timeout:.0f}s: a survivor hangs on its dead peer")
         if procs[victim].exitcode != -signal.SIGKILL:
             raise AssertionError(f"rank {victim} was to die of SIGKILL; its exit code is {procs[victim].exitcode}")
-        results, errors = {}, []
-        for rank in range(world_size):
-            if rank == victim:
-                continue
-            path = os.path.join(out_dir, f"{rank}.pkl")
-            if not os.path.exists(path):
-                errors.append(f"rank {rank} exited without a result (exit code {procs[rank].exitcode})")
-                continue
-            with open(path, "rb") as f:
-                status, value = pickle.load(f)
-            if status == "error":
-                errors.append(f"rank {rank} failed:\n{value}")
-            results[rank] = value
+        survivors = [r for r in range(world_size) if r != victim]
+        results, errors = _read_reports(out_dir, survivors, {r: procs[r].exitcode for r in survivors})
         if errors:
             raise AssertionError("\n".join(errors))
         return results
