@@ -156,6 +156,13 @@ class DBuffer:
         start, end, _ = self._local_slices[index]
         return start, end
 
+    def copy_local_from_full(self, index: int, full: torch.Tensor) -> None:
+        """Fill this rank's piece of tensor ``index`` from the whole tensor ``full`` (any
+        shape with the tensor's number of elements; any device or dtype), as group creation,
+        full-state-dict loads and materialisation do."""
+        start, end = self.local_range(index)
+        self.local_view(index).copy_(full.detach().reshape(-1)[start:end])
+
     # ---- collectives ----------------------------------------------------------------
     def all_gather(
         self,

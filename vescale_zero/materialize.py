@@ -144,10 +144,10 @@ def materialize(model: nn.Module, init_fn: Optional[InitFn] = None,
     if device.type == "meta":
         raise ValueError("materialize needs a real device for the shards (e.g. 'cuda' or 'cpu'), got 'meta'")
     for group in groups:
-        placed = group.device
-        if given is not None and placed.type != "meta" and (
-                placed.type != device.type or device.index not in (None, placed.index)):
-            raise ValueError(f"materialize: device={device} but to_empty already put the shards on {placed}; "
+        shards_on = group.device
+        if given is not None and shards_on.type != "meta" and (
+                shards_on.type != device.type or device.index not in (None, shards_on.index)):
+            raise ValueError(f"materialize: device={device} but to_empty already put the shards on {shards_on}; "
                              "leave device unset (or pass the same one)")
     for group in groups:
         if group.device.type == "meta":
@@ -197,8 +197,7 @@ def _init_module(module: nn.Module, params: List[str], buffers: List[str], owned
             if hasattr(module._buffers[attr], BUFFER_NEEDS_INIT):
                 delattr(module._buffers[attr], BUFFER_NEEDS_INIT)
         for attr, (group, i) in keep.items():
-            start, end = group.master.local_range(i)
-            group.master.local_view(i).copy_(module._parameters[attr].detach().reshape(-1)[start:end])
+            group.master.copy_local_from_full(i, module._parameters[attr])
             done.add((id(group), i))
     finally:  # the module holds its sharded parameters again, also when the initialiser raised
         for attr in params:

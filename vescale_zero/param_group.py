@@ -149,8 +149,7 @@ class ParamGroup:
         self._build(self.device, originals)
         with torch.no_grad():
             for i, p in enumerate(originals):
-                start, end = self.master.local_range(i)
-                self.master.local_view(i).copy_(p.detach().reshape(-1)[start:end])
+                self.master.copy_local_from_full(i, p)
         # vescale_zero.materialize [Note: deferred initialisation]: built from meta parameters,
         # the shards hold no values until materialize() or load_full_state_dict() fills them.
         self.needs_init = self.device.type == "meta"

@@ -223,8 +223,7 @@ def load_full_state_dict(
         sharded, rest = _split(state_dict, current, index)
         with torch.no_grad():
             for (group, i), value in sharded.items():
-                start, end = group.master.local_range(i)
-                group.master.local_view(i).copy_(value.detach().reshape(-1)[start:end])
+                group.master.copy_local_from_full(i, value)
         loaded = set(sharded)
     # materialize [Note: deferred initialisation]: what is loaded is initialised
     for group in {g for g, _ in loaded}:
@@ -299,8 +298,7 @@ def _broadcast_group(group: ParamGroup, indices: List[int],
             flat.narrow(0, offsets[i], group.plan.specs[i].numel).copy_(source[group, i].detach().reshape(-1))
     dist.broadcast(flat, src=0)
     for i in indices:
-        start, end = group.master.local_range(i)
-        group.master.local_view(i).copy_(flat.narrow(0, offsets[i] + start, end - start))
+        group.master.copy_local_from_full(i, flat.narrow(0, offsets[i], group.plan.specs[i].numel))
 
 
 def full_optimizer_state(
