@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .format import CheckpointError, is_dcp_checkpoint, read_dcp, write_whole
+from .format import CheckpointError, is_dcp_checkpoint, latest_tag, read_dcp, write_whole
 
 __all__ = ["from_fsdp2", "from_deepspeed", "is_deepspeed_checkpoint", "deepspeed_model_states"]
 
@@ -193,11 +193,9 @@ def from_deepspeed(load_dir: str, tag: Optional[str], dst: str, weights_only: bo
     skipped_steps}, "client_state": ...}``.
     """
     if tag is None:
-        latest = os.path.join(load_dir, "latest")
-        if not os.path.exists(latest):
+        tag = latest_tag(load_dir)
+        if tag is None:
             raise CheckpointError(_no_latest(load_dir))
-        with open(latest) as f:
-            tag = f.read().strip()
     path = os.path.join(load_dir, tag)
     states_file = deepspeed_model_states(path)
     if states_file is None:

@@ -61,7 +61,7 @@ __all__ = [
     "rank_file", "sha256_file", "save_synced", "fsync_dir", "write_rank_file", "write_common", "write_metadata",
     "write_whole",
     "read_metadata", "read_checked", "read_rank_file", "read_common", "fill", "entries",
-    "write_latest", "read_latest", "is_dcp_checkpoint", "other_checkpoint", "read_dcp",
+    "write_latest", "read_latest", "latest_tag", "is_dcp_checkpoint", "other_checkpoint", "read_dcp",
 ]
 
 FORMAT = "vescale-zero/ragged-v1"
@@ -205,13 +205,23 @@ def write_latest(directory: str, tag: str) -> None:
 # ---- reading -------------------------------------------------------------------------------
 
 
+def latest_tag(directory: str) -> Optional[str]:
+    """The tag ``directory/latest`` points at (ours or DeepSpeed's: the same one-line file), or
+    ``None`` if there is no such file or it is empty."""
+    file = os.path.join(directory, "latest")
+    if not os.path.isfile(file):
+        return None
+    with open(file) as f:
+        return f.read().strip() or None
+
+
 def read_latest(directory: str) -> str:
-    """The tag ``directory/latest`` points at."""
-    path = os.path.join(directory, "latest")
-    if not os.path.exists(path):
-        raise CheckpointError(f"{path} is missing: pass a tag, or save a checkpoint with save_latest=True first")
-    with open(path) as f:
-        return f.read().strip()
+    """The tag ``directory/latest`` points at; refused if there is none."""
+    tag = latest_tag(directory)
+    if tag is None:
+        raise CheckpointError(f"{os.path.join(directory, 'latest')} is missing or empty: pass a tag, or save a "
+                              "checkpoint with save_latest=True first")
+    return tag
 
 
 def read_metadata(path: str) -> Dict[str, Any]:
@@ -316,14 +326,6 @@ def _deepspeed_tag_dir(path: str) -> bool:
     return os.path.isdir(path) and any(n.endswith("model_states.pt") for n in os.listdir(path))
 
 
-def _latest_tag(path: str) -> Optional[str]:
-    file = os.path.join(path, "latest")
-    if not os.path.isfile(file):
-        return None
-    with open(file) as f:
-        return f.read().strip() or None
-
-
 def other_checkpoint(path: str) -> Optional[str]:
     """If ``path`` is not itself a vescale-zero checkpoint but something a user may take for
     one -- a DeepSpeed, FSDP2 (DCP) or Megatron checkpoint, or a directory of our own
@@ -345,7 +347,7 @@ def other_checkpoint(path: str) -> Optional[str]:
         parent, tag = os.path.split(os.path.normpath(path))
         return (f"{path!r} is a DeepSpeed checkpoint (tag {tag!r}), not a vescale-zero one: convert it first with "
                 f"`vescale-zero convert --from deepspeed {parent or '.'} DST --tag {tag}`, then use DST")
-    tag = _latest_tag(path)
+    tag = latest_tag(path)
     if tag is not None and _deepspeed_tag_dir(os.path.join(path, tag)):
         return (f"{path!r} is a DeepSpeed save directory (latest tag {tag!r}), not a vescale-zero checkpoint: "
                 f"convert it first with `vescale-zero convert --from deepspeed {path} DST`, then use DST")

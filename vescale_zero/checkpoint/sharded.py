@@ -165,15 +165,14 @@ def _save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer
     dist.all_gather_object(gathered, mine)
     if rank == 0:
         write_metadata(tmp, world, [g[0] for g in gathered], [g[1] for g in gathered])
+        old = None
         if os.path.exists(path):  # re-saving a tag: the old one goes only once the new one is whole
             old = f"{path.rstrip(os.sep)}.old-{token[0]}"
             os.replace(path, old)
-            os.replace(tmp, path)
-            fsync_dir(os.path.dirname(os.path.abspath(path)))
+        os.replace(tmp, path)
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
+        if old is not None:
             shutil.rmtree(old)
-        else:
-            os.replace(tmp, path)
-            fsync_dir(os.path.dirname(os.path.abspath(path)))
     dist.barrier()
 
 
