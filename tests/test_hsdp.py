@@ -15,8 +15,9 @@ runs every check, each rank training on its own quarter of the global batch:
   same policy within 2e-2 (bf16 reductions in another order), and fp32 DDP within 5e-2.
 * Muon (communicates inside the group its parameters are sharded over) equals flat
   ``fully_shard`` with Muon within 1e-6.
+* a full state dict loads bit-exactly (each rank its shard group's ranges) and gathers back.
 * bad meshes (3-D, unknown names, not covering the world) and a sharded checkpoint raise
-  clear errors.
+  clear errors; FSDP2's dimension names are accepted.
 """
 
 from __future__ import annotations
@@ -157,6 +158,10 @@ def _all_checks(rank, world):
     out["norms"] = (hsdp_norms, ddp_norms, flat_norms)
     out["clipped"] = all(n > CLIP for n in ddp_norms)
 
+    fresh = _shard(mesh)  # every rank loads its shard group's ranges of a full state dict
+    vz.load_full_state_dict(fresh, ddp_state)
+    out["load_full"] = _close(vz.full_state_dict(fresh), ddp_state, 0.0)
+
     groups = groups_of(hsdp)
     replicate_ranks = dist.get_process_group_ranks(groups[0].replicate_group)
     shard_ranks = dist.get_process_group_ranks(groups[0].process_group)
@@ -217,6 +222,7 @@ def test_hsdp_2x2_equals_ddp_and_flat_fully_shard():
         assert out["clipped"], "CLIP must be below the gradient norm, or clipping is not exercised"
         assert out["vs_ddp"] == {}, (rank, out["vs_ddp"])
         assert out["vs_flat"] == {}, (rank, out["vs_flat"])
+        assert out["load_full"] == {}, (rank, out["load_full"])
         hsdp, ddp, flat = out["norms"]
         assert max(abs(a - b) for a, b in zip(hsdp, ddp)) <= 1e-6, (hsdp, ddp)
         assert max(abs(a - b) for a, b in zip(hsdp, flat)) <= 1e-6, (hsdp, flat)
