@@ -281,7 +281,8 @@ def _bad_inputs(rank, world_size):
 
     if world_size % 2 == 0:
         mesh2d = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("a", "b"))
-        expect("2-D mesh", lambda: vz.fully_shard(AwkwardLM().blocks[0], mesh=mesh2d), "1-D mesh", "mesh[dim_name]")
+        expect("2-D mesh, unknown names", lambda: vz.fully_shard(AwkwardLM().blocks[0], mesh=mesh2d),
+               "('a', 'b')", "('replicate', 'shard')", "HSDP")
     # a parameter tied across two groups
     tied = AwkwardLM()
     tied.blocks[1].fc1.weight = tied.blocks[0].fc1.weight

@@ -26,8 +26,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommStats", "all_gather", "reduce_scatter", "AllToAllReduceScatter", "set_reduce_scatter_impl",
-           "get_reduce_scatter_impl", "REDUCE_SCATTER_IMPLS"]
+__all__ = ["CommStats", "all_gather", "reduce_scatter", "all_reduce", "AllToAllReduceScatter",
+           "set_reduce_scatter_impl", "get_reduce_scatter_impl", "REDUCE_SCATTER_IMPLS"]
 
 REDUCE_SCATTER_IMPLS = ("auto", "native", "all_to_all")
 """``auto``: ``all_to_all`` on gloo for SUM/AVG, the backend's own otherwise; ``native``: always
@@ -66,9 +66,12 @@ class CommStats:
     reduce_scatter_bytes: int = 0
     all_gathers: int = 0
     reduce_scatters: int = 0
+    all_reduce_bytes: int = 0  # HSDP: the reduced shard, across replicas
+    all_reduces: int = 0
 
     def reset(self) -> None:
         self.all_gather_bytes = self.reduce_scatter_bytes = self.all_gathers = self.reduce_scatters = 0
+        self.all_reduce_bytes = self.all_reduces = 0
 
 
 def all_gather(
@@ -141,3 +144,19 @@ def reduce_scatter(
         handle.wait()
         return None
     return handle
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    group: Optional[dist.ProcessGroup],
+    average: bool,
+    stats: Optional[CommStats] = None,
+) -> None:
+    """``tensor = sum (or mean) over ranks of tensor``, in place; one collective. The mean is
+    a SUM then one division (gloo has no AVG)."""
+    if stats is not None:
+        stats.all_reduce_bytes += tensor.numel() * tensor.element_size()
+        stats.all_reduces += 1
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    if average:
+        tensor.div_(dist.get_world_size(group))

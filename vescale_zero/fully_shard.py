@@ -29,7 +29,7 @@ from .param_group import GroupState, ManagedParam, ParamGroup
 from .runtime import STATE_ATTR, FSDPState, in_backward_pass
 
 __all__ = ["fully_shard", "fully_shard_layers", "RaggedFSDPModule", "MixedPrecisionPolicy", "DEFAULT_ALIGN_BYTES",
-           "groups_of", "sharded_counterpart", "BUFFER_NEEDS_INIT"]
+           "groups_of", "sharded_counterpart", "BUFFER_NEEDS_INIT", "HSDP_DIM_NAMES"]
 
 DEFAULT_ALIGN_BYTES = 16
 """Each rank's shard starts on this many bytes in every role's buffer (NCCL likes 16)."""
@@ -131,26 +131,51 @@ def groups_of(module: nn.Module) -> List[ParamGroup]:
             if isinstance(m, RaggedFSDPModule) and m.vescale_group is not None]
 
 
-def _process_group(mesh: Union[DeviceMesh, dist.ProcessGroup, None], device: Optional[torch.device]):
+HSDP_DIM_NAMES = (("replicate", "shard"), ("dp_replicate", "dp_shard"))
+"""The names a 2-D (HSDP) mesh's dimensions may have, outer (replicas) first: ours and FSDP2's."""
+
+
+def _mesh_groups(mesh: Union[DeviceMesh, dist.ProcessGroup, None], device: Optional[torch.device]):
+    """``(shard group, replicate group or None)`` of a ``mesh`` argument (see [Note: HSDP mesh])."""
     if not dist.is_initialized():
         raise RuntimeError("fully_shard needs torch.distributed to be initialised (dist.init_process_group) first")
     if mesh is None:
-        return dist.group.WORLD
+        return dist.group.WORLD, None
     if isinstance(mesh, dist.ProcessGroup):
-        return mesh
-    if isinstance(mesh, DeviceMesh):
-        if mesh.ndim != 1:
-            raise ValueError(
-                f"fully_shard takes a 1-D mesh (the data-parallel dimension), got a {mesh.ndim}-D mesh "
-                f"{tuple(mesh.shape)}; pass mesh[dim_name] for the dimension to shard over"
-            )
-        if device is not None and mesh.device_type != device.type:
-            raise ValueError(
-                f"mesh device type {mesh.device_type!r} does not match the parameters' device {device}; "
-                f"build the mesh with init_device_mesh({device.type!r}, ...) or move the module to {mesh.device_type}"
-            )
-        return mesh.get_group()
-    raise TypeError(f"mesh must be a DeviceMesh, a ProcessGroup or None, got {type(mesh).__name__}")
+        return mesh, None
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a DeviceMesh, a ProcessGroup or None, got {type(mesh).__name__}")
+    if device is not None and mesh.device_type != device.type:
+        raise ValueError(
+            f"mesh device type {mesh.device_type!r} does not match the parameters' device {device}; "
+            f"build the mesh with init_device_mesh({device.type!r}, ...) or move the module to {mesh.device_type}"
+        )
+    if mesh.ndim == 1:
+        return mesh.get_group(), None
+    accepted = " or ".join(repr(n) for n in HSDP_DIM_NAMES)
+    if mesh.ndim != 2:
+        raise ValueError(
+            f"fully_shard takes a 1-D mesh (shard) or a 2-D mesh (HSDP: replicate x shard), got a {mesh.ndim}-D mesh "
+            f"{tuple(mesh.shape)} named {mesh.mesh_dim_names}; pass the data-parallel sub-mesh, e.g. "
+            f"mesh[{HSDP_DIM_NAMES[0]!r}], with dimension names {accepted}"
+        )
+    names = tuple(mesh.mesh_dim_names or ())
+    if names not in HSDP_DIM_NAMES:
+        raise ValueError(
+            f"fully_shard: a 2-D (HSDP) mesh must name its dimensions {accepted} (replicas outer, shard inner), "
+            f"got {mesh.mesh_dim_names}; build it with init_device_mesh(device_type, (replicas, shard), "
+            f"mesh_dim_names={HSDP_DIM_NAMES[0]!r})"
+        )
+    world = dist.get_world_size()
+    if mesh.size() != world or sorted(mesh.mesh.flatten().tolist()) != list(range(world)):
+        raise ValueError(
+            f"fully_shard: the HSDP mesh {tuple(mesh.shape)} covers {mesh.size()} ranks "
+            f"{sorted(mesh.mesh.flatten().tolist())} but the default process group has {world}; its dimensions must "
+            f"multiply to the world size (replicas x shard = {world}), e.g. init_device_mesh(device_type, "
+            f"({max(1, world // 2)}, {min(2, world)}), mesh_dim_names={names!r})"
+        )
+    replicate, shard = names
+    return mesh[shard].get_group(), mesh[replicate].get_group()
 
 
 def _collect_params(module: nn.Module):
@@ -198,6 +223,11 @@ def fully_shard(
     Args:
         module: applied to each block first, then to the root (FSDP2 style).
         mesh: 1-D ``DeviceMesh`` or ``ProcessGroup`` to shard over; ``None`` = default group.
+            [Note: HSDP mesh] A 2-D mesh ``init_device_mesh(dev, (replicas, shard),
+            mesh_dim_names=("replicate", "shard"))`` (FSDP2's ``("dp_replicate", "dp_shard")``
+            too) covering the whole default group: the group is planned for, gathered and
+            reduce-scattered in the shard group, and its reduced shard all-reduced across
+            replicas (grad_reduce [Note: HSDP]), the mean over all ranks, as DDP gives.
         reshard_after_forward: free the full parameters after forward (re-gathered in
             backward); ``False`` keeps them until backward ends. The root never reshards
             after forward.
@@ -229,7 +259,7 @@ def fully_shard(
     # A meta module is sharded as planned; vescale_zero.materialize (or to_empty) gives it
     # its shards later: materialize [Note: deferred initialisation].
     device = next(iter(devices)) if len(devices) == 1 else None
-    pg = _process_group(mesh, None if device is not None and device.type == "meta" else device)
+    pg, replicate_pg = _mesh_groups(mesh, None if device is not None and device.type == "meta" else device)
 
     group = None
     if named:
@@ -259,6 +289,7 @@ def fully_shard(
             reduce_dtype=mp_policy.reduce_dtype if mp_policy else None,
             align=align,
             fp8_tile=fp8_all_gather_tile,
+            replicate_group=replicate_pg,
         )
         label = type(module).__name__
         for p in [p for _, p, _ in named] + group.sharded_params + group.unsharded_params:

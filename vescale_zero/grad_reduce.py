@@ -13,6 +13,13 @@
 ``finish`` waits, frees the full buffers and leaves the result in ``sharded.local``, added to
 what is there when gradients accumulate across synced backwards.
 
+[Note: HSDP] With a replicate group (``fully_shard`` on a 2-D ``("replicate", "shard")``
+mesh) the reduce-scatter runs inside the shard group and ``finish`` then all-reduces the
+reduced *shard* across the replicas (bytes across replicas = shard size), before it is
+cast or accumulated: the mean of a mean of equal-sized groups is the mean over the whole
+data-parallel world, as DDP over it gives. A divide factor divides once: SUM in both.
+Without gradient sync nothing is reduced, so the replicas are skipped too.
+
 [Note: the first gradient is copied in]
 Autograd hands a parameter its first gradient as a tensor of its own (``.grad`` is None:
 AccumulateGrad keeps the incoming tensor). :meth:`GradReducer.take` copies it into the
@@ -32,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import CommStats
+from .collectives import CommStats, all_reduce
 from .dbuffer import DBuffer
 from .planner import ShardPlan
 
@@ -43,7 +50,8 @@ class GradReducer:
     """Buffers and the reduce-scatter of one group's gradients (see module docstring).
 
     Args:
-        plan, rank, process_group: the group's layout and ranks.
+        plan, rank, process_group: the group's layout and ranks (the shard group).
+        replicate_group: HSDP's group of this rank's replicas, or ``None`` (see [Note: HSDP]).
         stats: where the reduce-scatter's bytes are counted.
         grad_dtype: of the full gradients (the compute dtype).
         reduce_dtype: of the collective.
@@ -53,11 +61,13 @@ class GradReducer:
 
     def __init__(self, plan: ShardPlan, rank: int, process_group: dist.ProcessGroup, stats: CommStats, *,
                  grad_dtype: torch.dtype, reduce_dtype: torch.dtype, shard_dtype: torch.dtype,
-                 device: torch.device, shapes: Sequence[Sequence[int]]) -> None:
+                 device: torch.device, shapes: Sequence[Sequence[int]],
+                 replicate_group: Optional[dist.ProcessGroup] = None) -> None:
         def new(dtype: torch.dtype, **kw) -> DBuffer:
             return DBuffer(plan, rank, dtype, device, shapes=shapes, **kw)
 
         self.plan, self.rank, self.process_group, self.stats = plan, rank, process_group, stats
+        self.replicate_group = replicate_group
         self.reduce_dtype, self.shard_dtype = reduce_dtype, shard_dtype
         self.full = new(grad_dtype, with_local=False)
         self.reduce = None if reduce_dtype == grad_dtype else new(reduce_dtype, with_local=False)
@@ -121,16 +131,19 @@ class GradReducer:
         out = self.sharded.local if direct else torch.empty(
             self.plan.shard_size, dtype=self.reduce_dtype, device=self.sharded.device)
         work = source.reduce_scatter(self.process_group, into=out, op=op, stats=self.stats, async_op=True)
-        self._pending = (work, source, out, accumulate)
+        self._pending = (work, source, out, accumulate, op == dist.ReduceOp.AVG)
 
     def finish(self, params: Sequence[Tuple[int, nn.Parameter]]) -> None:
         """Wait for the reduce-scatter; give each ``(index, sharded param)`` its ``.grad``."""
         if self._pending is None:
             return
-        work, source, out, accumulate = self._pending
+        work, source, out, accumulate, average = self._pending
         self._pending = None
         work.wait()
         source.free()
+        if self.replicate_group is not None:  # [Note: HSDP]
+            with torch.no_grad():
+                all_reduce(out, self.replicate_group, average, self.stats)
         local = self.sharded.local
         with torch.no_grad():
             if out is not local:

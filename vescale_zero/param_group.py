@@ -59,7 +59,7 @@ from .dbuffer import DBuffer
 from .grad_reduce import GradReducer
 from .param_gather import make_param_gather
 from .planner import ShardPlan, TensorSpec, plan
-from .ragged_param import ManagedParam, RaggedParam, ShardedRange
+from .ragged_param import SHARD_GROUP_OF, ManagedParam, RaggedParam, ShardedRange
 
 __all__ = ["ManagedParam", "ParamGroup", "GroupState", "ShardedRange", "BackwardProgress", "InputGradTrigger", "Part"]
 
@@ -123,6 +123,7 @@ class ParamGroup:
         reduce_dtype: Optional[torch.dtype] = None,
         align: int = 1,
         fp8_tile: Optional[int] = None,
+        replicate_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         dtypes = {p.dtype for p in originals}
         devices = {p.device for p in originals}
@@ -134,7 +135,8 @@ class ParamGroup:
                 "apply fully_shard to sub-modules so each group is uniform."
             )
         self.managed = list(managed)
-        self.process_group = process_group
+        self.process_group = process_group  # the shard group: plans, gathers, reduce-scatters
+        self.replicate_group = replicate_group  # HSDP: grad_reduce [Note: HSDP]
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.orig_dtype = originals[0].dtype
@@ -181,7 +183,7 @@ class ParamGroup:
                                         self._fp8_tile)
         self.grads = GradReducer(self.plan, self.rank, self.process_group, self.stats, grad_dtype=self.param_dtype,
                                  reduce_dtype=self.reduce_dtype, shard_dtype=self.orig_dtype, device=self.device,
-                                 shapes=shapes)
+                                 shapes=shapes, replicate_group=self.replicate_group)
         self.params: List[RaggedParam] = []
         for i, (m, p) in enumerate(zip(self.managed, templates)):
             start, end = self.master.local_range(i)
@@ -189,6 +191,7 @@ class ParamGroup:
             like = unsharded_templates[i] if unsharded_templates is not None else None
             self.params.append(RaggedParam(m, p, self.master.local_view(i), self.compute.full_view(i), rng,
                                            unsharded_like=like))
+            SHARD_GROUP_OF[self.params[-1].sharded] = self.process_group  # for optimizers that communicate
         self._grad_indices = [i for i, m in enumerate(self.managed) if m.requires_grad]
         for i in self._grad_indices:
             self.params[i].unsharded.register_post_accumulate_grad_hook(functools.partial(self._on_grad_accumulated, i))

@@ -23,8 +23,13 @@ from typing import Optional, Tuple
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["ManagedParam", "ShardedRange", "RaggedParam"]
+__all__ = ["ManagedParam", "ShardedRange", "RaggedParam", "SHARD_GROUP_OF"]
+
+SHARD_GROUP_OF = WeakIdKeyDictionary()
+"""Sharded parameter -> the process group it is sharded over (the shard group under HSDP):
+what structure-aware optimizers that communicate (Muon) talk over by default."""
 
 
 @dataclass(frozen=True)

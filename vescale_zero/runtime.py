@@ -199,12 +199,14 @@ class RootContext:
         for group in self.reduce_order():
             flags = group.local_usage()
             if flags is not None:
-                buckets.setdefault(id(group.process_group), []).append((group, flags))
+                buckets.setdefault((id(group.process_group), id(group.replicate_group)), []).append((group, flags))
         out = []
         for entries in buckets.values():
             first = entries[0][0]
             flat = torch.tensor([f for _, flags in entries for f in flags], dtype=torch.int32, device=first.device)
             dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=first.process_group)
+            if first.replicate_group is not None:  # HSDP: used on any replica is used
+                dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=first.replicate_group)
             for (group, _), part in zip(entries, flat.split([len(f) for _, f in entries])):
                 out.append((group, part.tolist()))
         return out

@@ -123,8 +123,20 @@ def model_device(model: nn.Module) -> Optional[torch.device]:
     return next((p.device for p in model.parameters()), None)
 
 
+def refuse_hsdp(model: nn.Module, what: str) -> None:
+    """Raise if ``model`` is sharded on an HSDP (replicate x shard) mesh: the format keeps one
+    file per rank of a flat world, and every replica would write (or expect) its own copy.
+    Every rank raises alike (same model), so none waits in a collective."""
+    if any(group.replicate_group is not None for group in groups_of(model)):
+        raise NotImplementedError(
+            f"vescale_zero.checkpoint.{what} does not support HSDP (fully_shard on a 2-D replicate x shard mesh) "
+            "yet; save/load the full state dict instead (vescale_zero.state_dict), or shard on a 1-D mesh"
+        )
+
+
 def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, extra: Any = None) -> None:
     """Write ``model``'s (and ``optimizer``'s) shards of this rank under ``path``; collective."""
+    refuse_hsdp(model, "save")
     with current_device(model_device(model)):  # the object collectives' device on NCCL
         _save(path, model, optimizer, extra)
 
@@ -229,6 +241,7 @@ def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     the loaded shards; and the shards are written in place (their version counter moves),
     so a group computing in another precision casts them again.
     """
+    refuse_hsdp(model, "load")
     for group in groups_of(model):
         group.reshard()
     error: Optional[CheckpointError] = None

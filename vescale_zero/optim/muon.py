@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm_device import current_device
+from ..ragged_param import SHARD_GROUP_OF
 
 __all__ = ["Muon", "newton_schulz", "assign_roots"]
 
@@ -124,25 +125,45 @@ class Muon(torch.optim.Optimizer):
                     out.append((p, group))
         return out
 
+    def _group_of(self, params: List[torch.Tensor]) -> Optional[dist.ProcessGroup]:
+        """The process group the sharded parameters are sharded over (the shard group under
+        HSDP: replicas hold equal shards and step alike), checked against ``process_group``."""
+        groups = {id(g): g for g in (SHARD_GROUP_OF.get(p) for p in params) if g is not None}
+        if len(groups) > 1:
+            raise ValueError("Muon: the parameters are sharded over different process groups; make one Muon "
+                             "per process group (pass process_group=...) with that group's parameters")
+        sharded_over = next(iter(groups.values()), None)
+        if self.process_group is None:
+            return sharded_over
+        if sharded_over is not None and dist.get_process_group_ranks(self.process_group) != \
+                dist.get_process_group_ranks(sharded_over):
+            raise ValueError(
+                f"Muon: process_group has ranks {dist.get_process_group_ranks(self.process_group)} but the "
+                f"parameters are sharded over ranks {dist.get_process_group_ranks(sharded_over)} (under HSDP: the "
+                "shard group); leave process_group unset to use the parameters' group")
+        return self.process_group
+
     def _plan(self, params: List[torch.Tensor]) -> dict:
         """Every rank's flat range of every Muon matrix, and each matrix's root (cached)."""
         key = [id(p) for p in params]
         if self._layout is not None and self._layout["key"] == key:
             return self._layout
         distributed = dist.is_initialized() and any(hasattr(p, "sharded_range") for p in params)
-        world = dist.get_world_size(self.process_group) if distributed else 1
-        rank = dist.get_rank(self.process_group) if distributed else 0
+        pg = self._group_of(params) if distributed else None
+        world = dist.get_world_size(pg) if distributed else 1
+        rank = dist.get_rank(pg) if distributed else 0
         mine = [(p.sharded_range.start, p.sharded_range.end) if hasattr(p, "sharded_range") else (0, p.numel())
                 for p in params]
         ranges = [mine]
         if distributed:
             ranges = [None] * world
             with current_device(params[0].device):  # the object collective's device on NCCL
-                dist.all_gather_object(ranges, mine, group=self.process_group)
+                dist.all_gather_object(ranges, mine, group=pg)
         shapes = [_matrix_shape(self._full_shape(p)) for p in params]
         costs = [m * n * min(m, n) for m, n in shapes]
         roots = assign_roots(costs, world)
-        self._layout = dict(key=key, world=world, rank=rank, ranges=ranges, shapes=shapes, costs=costs, roots=roots)
+        self._layout = dict(key=key, group=pg, world=world, rank=rank, ranges=ranges, shapes=shapes, costs=costs,
+                            roots=roots)
         return self._layout
 
     # ---- the step ----------------------------------------------------------------------
@@ -238,7 +259,7 @@ class Muon(torch.optim.Optimizer):
             return send[0], None
         out = torch.empty(sum(recv_sizes), dtype=torch.float32, device=device)
         work = dist.all_to_all_single(out, torch.cat(send), output_split_sizes=recv_sizes,
-                                      input_split_sizes=[t.numel() for t in send], group=self.process_group,
+                                      input_split_sizes=[t.numel() for t in send], group=self._layout["group"],
                                       async_op=async_op)
         return out, work
 

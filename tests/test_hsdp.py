@@ -1,0 +1,240 @@
+"""HSDP: ``fully_shard`` on a 2-D ``("replicate", "shard")`` mesh.
+
+One spawn of 4 gloo ranks (a 2 x 2 mesh: shard groups {0,1} {2,3}, replicas {0,2} {1,3})
+runs every check, each rank training on its own quarter of the global batch:
+
+* fp32 AdamW with gradient accumulation (``set_requires_gradient_sync(False)`` on the first
+  micro-batch) and clipping equals DDP over the 4 ranks (``no_sync``, torch's clip) and flat
+  ``fully_shard`` over the 4 ranks within 1e-6 (not bit-exact: HSDP sums each gradient as
+  ``(a + b)/2`` then ``(. + .)/2``, DDP and the flat reduce-scatter as one sum of four);
+  the clip's total norm equals DDP's at every step.
+* a communication spy: all-gathers and reduce-scatters run on groups of 2 (the shard
+  group), and a synced step runs exactly one all-reduce per FSDP group, on the replicate
+  group, of the group's shard size; the accumulating micro-batch runs none.
+* bf16 compute and reduce (``MixedPrecisionPolicy``) equals flat ``fully_shard`` with the
+  same policy within 2e-2 (bf16 reductions in another order), and fp32 DDP within 5e-2.
+* Muon (communicates inside the group its parameters are sharded over) equals flat
+  ``fully_shard`` with Muon within 1e-6.
+* a full state dict loads bit-exactly (each rank its shard group's ranges) and gathers back.
+* bad meshes (3-D, unknown names, not covering the world) and a sharded checkpoint raise
+  clear errors; FSDP2's dimension names are accepted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import vescale_zero as vz
+import vescale_zero.dbuffer as dbuffer_module
+import vescale_zero.grad_reduce as grad_reduce_module
+from vescale_zero.fully_shard import groups_of
+from vescale_zero.optim import Muon
+
+from .distributed import run_on_ranks
+from .models import AwkwardLM, make_batches, rank_slice
+
+WORLD, REPLICAS, SHARD = 4, 2, 2
+STEPS, ACCUM, CLIP, LR = 3, 2, 0.05, 1e-2
+
+
+def _hsdp_mesh():
+    return init_device_mesh("cpu", (REPLICAS, SHARD), mesh_dim_names=("replicate", "shard"))
+
+
+def _shard(mesh, mp_policy=None):
+    model = AwkwardLM(seed=3)
+    for block in model.blocks:
+        vz.fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+    return vz.fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+
+
+def _micro(rank):
+    """This rank's micro-batches of every step (its quarter of the global batch, in ACCUM)."""
+    return [[tuple(t.chunk(ACCUM)[i] for t in rank_slice(b, rank, WORLD)) for i in range(ACCUM)]
+            for b in make_batches(STEPS, global_batch=16, seed=5)]
+
+
+def _train_fsdp(model, opt, rank, clip=True, spy=None):
+    norms = []
+    for step, micro in enumerate(_micro(rank)):
+        for i, (x, y) in enumerate(micro):
+            model.set_requires_gradient_sync(i == ACCUM - 1)
+            with spy.window(step, i) if spy is not None else contextlib.nullcontext():
+                (model(x, y) / ACCUM).backward()
+        if clip:
+            norms.append(vz.clip_grad_norm_(model, CLIP).item())
+        opt.step()
+        opt.zero_grad()
+    return vz.full_state_dict(model), norms
+
+
+def _train_ddp(rank):
+    model = DDP(AwkwardLM(seed=3))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.1)
+    norms = []
+    for micro in _micro(rank):
+        for i, (x, y) in enumerate(micro):
+            with model.no_sync() if i < ACCUM - 1 else contextlib.nullcontext():
+                (model(x, y) / ACCUM).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.module.state_dict().items()}, norms
+
+
+class _Spy:
+    """Records ``(kind, group size, numel, step, micro-batch)`` of every collective a DBuffer
+    or a gradient reducer runs (the core's collectives, as those modules call them)."""
+
+    def __init__(self) -> None:
+        self.calls, self._at = [], (None, None)
+
+    def _wrap(self, kind, real, group_pos):
+        def spy(*args, **kwargs):
+            tensor, group = args[0], args[group_pos] if len(args) > group_pos else kwargs.get("group")
+            self.calls.append((kind, dist.get_world_size(group), tensor.numel(), group) + self._at)
+            return real(*args, **kwargs)
+        return spy
+
+    @contextlib.contextmanager
+    def installed(self):
+        saved = (dbuffer_module.all_gather, dbuffer_module.reduce_scatter, grad_reduce_module.all_reduce)
+        dbuffer_module.all_gather = self._wrap("all_gather", saved[0], 2)
+        dbuffer_module.reduce_scatter = self._wrap("reduce_scatter", saved[1], 2)
+        grad_reduce_module.all_reduce = self._wrap("all_reduce", saved[2], 1)
+        try:
+            yield self
+        finally:
+            dbuffer_module.all_gather, dbuffer_module.reduce_scatter, grad_reduce_module.all_reduce = saved
+
+    @contextlib.contextmanager
+    def window(self, step, micro):
+        self._at = (step, micro)
+        try:
+            yield
+        finally:
+            self._at = (None, None)
+
+
+def _close(a, b, tol):
+    return {k: (a[k].float() - b[k].float()).abs().max().item() for k in b if k in a and (a[k].float() - b[k].float())
+            .abs().max().item() > tol}
+
+
+def _expect_error(fn, *needles):
+    try:
+        fn()
+    except (ValueError, NotImplementedError) as e:
+        missing = [n for n in needles if n not in str(e)]
+        assert not missing, f"error {e!r} lacks {missing}"
+        return
+    raise AssertionError(f"no error; expected one naming {needles}")
+
+
+def _all_checks(rank, world):
+    torch.manual_seed(0)
+    mesh = _hsdp_mesh()
+    out = {}
+
+    # 1. fp32: HSDP vs DDP vs flat, accumulation + clipping, with the communication spy.
+    spy = _Spy()
+    with spy.installed():
+        hsdp = _shard(mesh)
+        opt = torch.optim.AdamW([p for p in hsdp.parameters() if p.requires_grad], lr=LR, weight_decay=0.1)
+        hsdp_state, hsdp_norms = _train_fsdp(hsdp, opt, rank, spy=spy)
+    flat = _shard(None)
+    opt = torch.optim.AdamW([p for p in flat.parameters() if p.requires_grad], lr=LR, weight_decay=0.1)
+    flat_state, flat_norms = _train_fsdp(flat, opt, rank)
+    ddp_state, ddp_norms = _train_ddp(rank)
+    out["vs_ddp"] = _close(hsdp_state, ddp_state, 1e-6)
+    out["vs_flat"] = _close(hsdp_state, flat_state, 1e-6)
+    out["bit_exact_vs_flat"] = all(torch.equal(hsdp_state[k], flat_state[k]) for k in flat_state)
+    out["norms"] = (hsdp_norms, ddp_norms, flat_norms)
+    out["clipped"] = all(n > CLIP for n in ddp_norms)
+
+    fresh = _shard(mesh)  # every rank loads its shard group's ranges of a full state dict
+    vz.load_full_state_dict(fresh, ddp_state)
+    out["load_full"] = _close(vz.full_state_dict(fresh), ddp_state, 0.0)
+
+    groups = groups_of(hsdp)
+    replicate_ranks = dist.get_process_group_ranks(groups[0].replicate_group)
+    shard_ranks = dist.get_process_group_ranks(groups[0].process_group)
+    out["groups"] = (shard_ranks, replicate_ranks)
+    calls = spy.calls
+    bad_group = [c[:3] for c in calls if c[0] in ("all_gather", "reduce_scatter")
+                 and dist.get_process_group_ranks(c[3]) != shard_ranks]
+    bad_group += [c[:3] for c in calls
+                  if c[0] == "all_reduce" and dist.get_process_group_ranks(c[3]) != replicate_ranks]
+    out["bad_group"] = bad_group
+    shard_sizes = sorted(g.plan.shard_size for g in groups)
+    out["all_reduces_per_step"] = [
+        sorted(c[2] for c in calls if c[0] == "all_reduce" and c[4] == step and c[5] == ACCUM - 1)
+        for step in range(STEPS)]
+    out["shard_sizes"] = shard_sizes
+    out["accumulating_reductions"] = sum(1 for c in calls
+                                         if c[0] != "all_gather" and c[5] is not None and c[5] < ACCUM - 1)
+    out["reduce_scatters_per_step"] = len([c for c in calls if c[0] == "reduce_scatter"]) // STEPS
+    out["stats"] = sum(g.stats.all_reduce_bytes for g in groups) == STEPS * 4 * sum(shard_sizes)
+
+    # 2. bf16 compute and reduce.
+    mp = vz.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    states = []
+    for m in (mesh, None):
+        model = _shard(m, mp)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.1)
+        states.append(_train_fsdp(model, opt, rank)[0])
+    out["bf16_vs_flat"] = _close(states[0], states[1], 2e-2)
+    out["bf16_vs_ddp"] = _close(states[0], ddp_state, 5e-2)
+
+    # 3. Muon.
+    states = []
+    for m in (mesh, None):
+        model = _shard(m)
+        opt = Muon([p for p in model.parameters() if p.requires_grad], lr=0.02, weight_decay=0.1, adamw_lr=1e-3)
+        states.append(_train_fsdp(model, opt, rank, clip=False)[0])
+    out["muon_vs_flat"] = _close(states[0], states[1], 1e-6)
+
+    # 4. bad input.
+    _expect_error(lambda: _shard(init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("pp", "replicate", "shard"))),
+                  "3-D", "replicate")
+    _expect_error(lambda: _shard(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))),
+                  "('dp', 'tp')", "'replicate', 'shard'", "'dp_replicate', 'dp_shard'")
+    _expect_error(lambda: _shard(DeviceMesh("cpu", [[0], [1]], mesh_dim_names=("replicate", "shard"))),
+                  "covers 2 ranks", "multiply to the world size")
+    _expect_error(lambda: vz.checkpoint.save("/nonexistent/hsdp", hsdp), "HSDP", "full state dict")
+    _expect_error(lambda: vz.checkpoint.load("/nonexistent/hsdp", hsdp), "HSDP", "full state dict")
+    # FSDP2's names are accepted too.
+    fsdp2_named = _shard(init_device_mesh("cpu", (REPLICAS, SHARD), mesh_dim_names=("dp_replicate", "dp_shard")))
+    out["fsdp2_names"] = dist.get_world_size(groups_of(fsdp2_named)[0].process_group)
+    return out
+
+
+@pytest.mark.slow
+def test_hsdp_2x2_equals_ddp_and_flat_fully_shard():
+    results = run_on_ranks(_all_checks, WORLD, timeout=240)
+    for rank, out in enumerate(results):
+        assert out["clipped"], "CLIP must be below the gradient norm, or clipping is not exercised"
+        assert out["vs_ddp"] == {}, (rank, out["vs_ddp"])
+        assert out["vs_flat"] == {}, (rank, out["vs_flat"])
+        assert out["load_full"] == {}, (rank, out["load_full"])
+        hsdp, ddp, flat = out["norms"]
+        assert max(abs(a - b) for a, b in zip(hsdp, ddp)) <= 1e-6, (hsdp, ddp)
+        assert max(abs(a - b) for a, b in zip(hsdp, flat)) <= 1e-6, (hsdp, flat)
+        shard, replicate = out["groups"]
+        assert shard == [rank // SHARD * SHARD + i for i in range(SHARD)], shard
+        assert replicate == [rank % SHARD, rank % SHARD + SHARD], replicate
+        assert out["bad_group"] == [], out["bad_group"]
+        assert out["all_reduces_per_step"] == [out["shard_sizes"]] * STEPS, out
+        assert out["accumulating_reductions"] == 0
+        assert out["reduce_scatters_per_step"] == len(out["shard_sizes"])
+        assert out["stats"]
+        assert out["bf16_vs_flat"] == {}, out["bf16_vs_flat"]
+        assert out["bf16_vs_ddp"] == {}, out["bf16_vs_ddp"]
+        assert out["muon_vs_flat"] == {}, out["muon_vs_flat"]
+        assert out["fsdp2_names"] == SHARD
