@@ -118,7 +118,7 @@ def _error_checks(deepspeed, cfg):
     return messages
 
 
-def _checks(rank, world_size):
+def _checks(rank, world_size, everything):
     os.environ["LOCAL_RANK"] = str(rank)
     deepspeed = _deepspeed()
     deepspeed.init_distributed(dist_backend="gloo")  # zero.Init parses the config (batch sizes) before its own
@@ -131,6 +131,7 @@ def _checks(rank, world_size):
     with deepspeed.zero.Init(config_dict_or_path=cfg3):
         model3 = _gpt()
     stage3, *_ = deepspeed.initialize(model=model3, model_parameters=model3.parameters(), config=cfg3)
+    out["stage3_built"] = _stage3_full(deepspeed, stage3.module)
     out["stage3_losses"] = _train(stage3, rank, world_size)
     out["stage3_params"] = _stage3_full(deepspeed, stage3.module)
 
@@ -142,16 +143,21 @@ def _checks(rank, world_size):
     with TransientBytes() as tracker:
         ragged, *_ = deepspeed.initialize(model=model, model_parameters=zero3_params, config=cfg)
     out["conversion_peak"] = tracker.peak()
+    print(f"rank {rank}/{world_size}: transient peak of deepspeed.initialize {tracker.peak()} bytes")
     out["largest_group_bytes"] = max(g.plan.global_size * 4 for g in groups_of(ragged.module))
     out["model_bytes"] = sum(p.numel() * 4 for p in _gpt().parameters())
     out["zero3_left"] = sorted({k for p in list(ragged.module.parameters()) + zero3_params for k in vars(p)
                                 if k.startswith(("ds_", "_ds_")) or k in ("all_gather", "partition")})
     out["zero3_storage_left"] = sum(p.untyped_storage().nbytes() for p in zero3_params)
+    out["ragged_built"] = local_pieces(ragged.module)
     out["ragged_losses"] = _train(ragged, rank, world_size)
     out["ragged_pieces"] = local_pieces(ragged.module)
 
     # 2. GatheredParameters.
     out.update(_gathered_checks(deepspeed, ragged, stage3, rank, world_size))
+
+    if not everything:
+        return out
 
     # 3. Meta + materialize by the core, then deepspeed.initialize; against the same weights unsharded.
     from tests.test_meta_init import gpt_init
@@ -176,23 +182,35 @@ def _checks(rank, world_size):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_zero_init_and_gathered_parameters_under_ragged(world_size):
-    results = run_on_ranks(_checks, world_size, timeout=300)
+    """Checks 1-2 at 2 and 3 ranks; 3-4 (rank-count independent) at 2 only, to keep the cost down."""
+    everything = world_size == 2
+    results = run_on_ranks(_checks, world_size, everything, timeout=300)
     r0 = results[0]
 
-    # 1. zero.Init + ragged == zero.Init + ZeRO-3 (fp32): losses bit-exact; parameters to 1e-6 (the
-    #    global-norm clip sums the squares in another order, as in test_deepspeed).
+    # 1. zero.Init + ragged == zero.Init + ZeRO-3 (fp32): the converted weights and the losses bit-exact;
+    #    trained parameters to 1e-6 (reductions sum in another order, as in test_deepspeed).
     assert all(r["built_zero3"] for r in results)
+    built = assemble([r["ragged_built"] for r in results])
+    assert set(built) == set(r0["stage3_built"])
+    for name, value in built.items():
+        torch.testing.assert_close(value, r0["stage3_built"][name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
     assert r0["ragged_losses"] == r0["stage3_losses"]
     params = assemble([r["ragged_pieces"] for r in results])
     assert set(params) == set(r0["stage3_params"])
     for name, value in params.items():
-        torch.testing.assert_close(value, r0["stage3_params"][name], rtol=1e-6, atol=1e-7,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+        ref = r0["stage3_params"][name]
+        if name.endswith("qkv.bias"):  # the key bias: zero gradient in exact math (softmax ignores a constant
+            keep = torch.ones_like(value, dtype=torch.bool)  # per query), so AdamW steps on rounding noise;
+            keep[GPT_KW["d_model"]:2 * GPT_KW["d_model"]] = False  # stage 0, 3 and ragged all disagree there
+            value, ref = value[keep], ref[keep]
+        torch.testing.assert_close(value, ref, rtol=1e-6, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
     for r in results:  # no rank held the whole model; nothing of ZeRO-3 remains
         assert r["conversion_peak"] < r["model_bytes"], (r["conversion_peak"], r["model_bytes"])
-        assert r["conversion_peak"] <= 2 * r["largest_group_bytes"], (r["conversion_peak"], r["largest_group_bytes"])
+        # one group's full tensors at a time (ZeRO-3's gather pads each partition a little)
+        assert r["conversion_peak"] <= 1.1 * r["largest_group_bytes"], (r["conversion_peak"], r["largest_group_bytes"])
         assert r["zero3_left"] == [] and r["zero3_storage_left"] == 0, (r["zero3_left"], r["zero3_storage_left"])
 
     # 2. GatheredParameters: full inside, rank 0's change on every rank after, same forward as ZeRO-3.
@@ -205,6 +223,9 @@ def test_zero_init_and_gathered_parameters_under_ragged(world_size):
     torch.testing.assert_close(after["blocks.1.fc.weight"], params["blocks.1.fc.weight"], rtol=0, atol=0)
     assert r0["ragged_loss_after"] == pytest.approx(r0["stage3_loss_after"], rel=1e-6)
     assert r0["loss_after_readonly"] == r0["ragged_loss_after"]  # modifier_rank=None changed nothing
+
+    if not everything:
+        return
 
     # 3. Meta + materialize, then deepspeed.initialize == the same weights unsharded.
     assert r0["meta_losses"] == r0["eager_losses"]

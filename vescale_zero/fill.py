@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .fully_shard import groups_of
+from .param_group import ParamGroup
 
 __all__ = ["fill_group_by_group", "Owner", "OpenGroup"]
 
@@ -63,13 +64,19 @@ def fill_group_by_group(model: nn.Module, open_group: OpenGroup, device: Union[t
     with torch.no_grad():
         for group in groups:
             group.leave_meta(device)
-            with open_group([m.owners[0] for m in group.managed]) as fulls:
-                if len(fulls) != len(group.managed):
-                    raise ValueError(f"open_group gave {len(fulls)} tensors for {len(group.managed)} parameters")
-                for i, (m, full) in enumerate(zip(group.managed, fulls)):
-                    if full.numel() != m.shape.numel():
-                        raise ValueError(f"the source of {m.fqn!r} has {full.numel()} elements, the parameter "
-                                         f"{tuple(m.shape)} ({m.shape.numel()})")
-                    group.master.copy_local_from_full(i, full)
+            _fill_one(group, open_group)
             group.needs_init = False
     return model
+
+
+def _fill_one(group: ParamGroup, open_group: OpenGroup) -> None:
+    """One group. Its own function so that nothing refers to this group's full tensors once
+    it returns, before the next group's are made (a loop variable in the caller would)."""
+    with open_group([m.owners[0] for m in group.managed]) as fulls:
+        if len(fulls) != len(group.managed):
+            raise ValueError(f"open_group gave {len(fulls)} tensors for {len(group.managed)} parameters")
+        for i, (m, full) in enumerate(zip(group.managed, fulls)):
+            if full.numel() != m.shape.numel():
+                raise ValueError(f"the source of {m.fqn!r} has {full.numel()} elements, the parameter "
+                                 f"{tuple(m.shape)} ({m.shape.numel()})")
+            group.master.copy_local_from_full(i, full)

@@ -18,8 +18,13 @@ section into ZeRO's pydantic model (``stage`` 0-3, unknown keys forbidden) in on
   DeepSpeed's as always, and ``_param_dict`` keeps the user's dict (stage "ragged"), which
   dict-reading libraries (Hugging Face's ``HfDeepSpeedConfig``: ``is_zero3()`` False) see;
 * a stage DeepSpeed refuses (a typo, 4) gets an error listing 0-3 and "ragged";
-* ``deepspeed.zero.Init`` with a ragged config would partition parameters ZeRO-3 style (it
-  does not look at the stage): refused with the way out, until it is supported;
+* ``deepspeed.zero.Init`` with a ragged config partitions parameters ZeRO-3 style (it does
+  not look at the stage, and reads only ZeRO's defaults from our stage-0 model), in fp32
+  (it sees the config without its bf16 / fp16 sections: our shards are master weights);
+  options contradicting ragged sharding (offload, pinned memory, quantized weights, hpZ)
+  are refused by name. ``deepspeed.initialize`` converts the partitions group by group
+  ([Note: zero.Init under ragged] in :mod:`.zero_init`). ``deepspeed.zero.GatheredParameters``
+  is widened to our sharded parameters (``vescale_zero.gathered``);
 * DeepSpeed's own engine given a ragged config (``deepspeed.initialize`` bound before our
   import, e.g. ``from deepspeed import initialize``) would train unsharded: refused.
 
