@@ -177,8 +177,10 @@ def _checks(rank, world_size, everything):
     out["eager_losses"] = _train(plain, rank, world_size)
     out["eager_pieces"] = local_pieces(plain.module)
 
-    # 4. Refused zero.Init options.
+    # 4. Refused zero.Init options; under a bf16 config zero.Init still builds fp32 (master weights).
     out["errors"] = _error_checks(deepspeed, cfg)
+    with deepspeed.zero.Init(config_dict_or_path={**cfg, "bf16": {"enabled": True}}):
+        out["bf16_cfg_dtype"] = torch.nn.Linear(2, 2).weight.dtype
     return out
 
 
@@ -239,3 +241,4 @@ def test_zero_init_and_gathered_parameters_under_ragged(world_size):
     assert "pin_memory=True" in errors["pin_memory"] and "remove pin_memory" in errors["pin_memory"]
     assert "zero_quantized_weights=True" in errors["zero_quantized_weights"]
     assert "remove zero_param_parallel_group" in errors["zero_param_parallel_group"]
+    assert r0["bf16_cfg_dtype"] == torch.float32
