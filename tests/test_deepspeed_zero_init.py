@@ -9,6 +9,8 @@ One spawn per world size runs every check on the same ranks:
 2. ``GatheredParameters(..., modifier_rank=0)`` over our sharded parameters: full tensors
    inside, rank 0's change in every rank's shard after, the same forward as ZeRO-3 with the
    same change; ``modifier_rank=None`` is read-only.
+   A tiny Hugging Face ``LlamaForCausalLM`` built under ragged ``zero.Init`` and loaded through
+   ``GatheredParameters`` from a saved state dict holds exactly those weights after ``initialize``.
 3. A model built on meta, ``fully_shard``-ed and ``materialize``-d by the core trains under
    ``deepspeed.initialize`` exactly as the same weights given unsharded.
 4. ``zero.Init`` options that contradict ragged sharding: a clear error naming each.
@@ -118,6 +120,32 @@ def _error_checks(deepspeed, cfg):
     return messages
 
 
+def _llama_checks(deepspeed, cfg, rank, world_size):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.test_meta_init import LLAMA
+
+    torch.manual_seed(11)
+    reference = LlamaForCausalLM(LlamaConfig(**LLAMA))
+    source = reference.state_dict()
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        llama = LlamaForCausalLM(LlamaConfig(**LLAMA))
+
+    def load(module, prefix=""):
+        with deepspeed.zero.GatheredParameters(list(module.parameters(recurse=False)), modifier_rank=0):
+            if rank == 0:
+                module._load_from_state_dict(source, prefix, {}, True, [], [], [])
+        for name, child in module._modules.items():
+            load(child, prefix + name + ".")
+
+    load(llama)
+    engine, *_ = deepspeed.initialize(model=llama, model_parameters=llama.parameters(), config=cfg)
+    x = rank_slice(make_batches(1, BATCH, seed=9)[0], rank, world_size)[0]
+    with torch.no_grad():
+        loss, ref_loss = engine(input_ids=x, labels=x).loss.item(), reference(input_ids=x, labels=x).loss.item()
+    return {"llama_pieces": local_pieces(engine.module), "llama_source": source, "llama_loss": (loss, ref_loss)}
+
+
 def _checks(rank, world_size, everything):
     os.environ["LOCAL_RANK"] = str(rank)
     deepspeed = _deepspeed()
@@ -177,6 +205,11 @@ def _checks(rank, world_size, everything):
     out["eager_losses"] = _train(plain, rank, world_size)
     out["eager_pieces"] = local_pieces(plain.module)
 
+    # 1b. A tiny Hugging Face Llama under ragged zero.Init, its weights loaded module by module through
+    #     GatheredParameters(modifier_rank=0) from a saved state dict (DeepSpeed's documented recipe, what
+    #     Hugging Face's ZeRO-3 loading does), then deepspeed.initialize: the checkpoint's weights and forward.
+    out.update(_llama_checks(deepspeed, cfg, rank, world_size))
+
     # 4. Refused zero.Init options; under a bf16 config zero.Init still builds fp32 (master weights).
     out["errors"] = _error_checks(deepspeed, cfg)
     with deepspeed.zero.Init(config_dict_or_path={**cfg, "bf16": {"enabled": True}}):
@@ -234,6 +267,14 @@ def test_zero_init_and_gathered_parameters_under_ragged(world_size):
     meta, eager = assemble([r["meta_pieces"] for r in results]), assemble([r["eager_pieces"] for r in results])
     for name in eager:
         torch.testing.assert_close(meta[name], eager[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+    # 1b. Hugging Face Llama: the saved weights exactly, and the unsharded model's forward.
+    llama = assemble([r["llama_pieces"] for r in results])
+    assert set(llama) == {k for k in r0["llama_source"] if not k.endswith("rotary_emb.inv_freq")}
+    for name, value in llama.items():
+        torch.testing.assert_close(value, r0["llama_source"][name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+    for r in results:
+        assert r["llama_loss"][0] == pytest.approx(r["llama_loss"][1], rel=1e-6)
 
     # 4. Refused options, each named with its fix.
     errors = r0["errors"]
