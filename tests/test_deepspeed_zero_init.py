@@ -99,6 +99,12 @@ def _gathered_checks(deepspeed, ragged, stage3, rank, world_size):
     fc = ragged.module.blocks[0].fc
     with deepspeed.zero.GatheredParameters(fc.weight, modifier_rank=None), torch.no_grad():  # read-only
         fc.weight.fill_(7.0)
+    try:
+        with deepspeed.zero.GatheredParameters(fc.weight, modifier_rank=world_size):
+            pass
+        out["bad_modifier"] = None
+    except ValueError as e:
+        out["bad_modifier"] = str(e)
     out["pieces_after"] = local_pieces(ragged.module)
     out["loss_after_readonly"] = _eval_loss(ragged, rank, world_size)
     out["new"] = new
@@ -258,6 +264,7 @@ def test_zero_init_and_gathered_parameters_under_ragged(world_size):
     torch.testing.assert_close(after["blocks.1.fc.weight"], params["blocks.1.fc.weight"], rtol=0, atol=0)
     assert r0["ragged_loss_after"] == pytest.approx(r0["stage3_loss_after"], rel=1e-6)
     assert r0["loss_after_readonly"] == r0["ragged_loss_after"]  # modifier_rank=None changed nothing
+    assert f"modifier_rank={world_size} is not a rank" in r0["bad_modifier"], r0["bad_modifier"]
 
     if not everything:
         return

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from .collectives import all_gather
 from .param_group import GroupState, ParamGroup, slot_of
+from .runtime import in_backward_pass
 
 __all__ = ["gathered_parameters", "is_sharded_param"]
 
@@ -60,6 +61,14 @@ def gathered_parameters(params: Union[torch.Tensor, Iterable[torch.Tensor]],
     write ``modifier_rank``'s changes back into every rank's shard on exit (see
     [Note: gathered parameters]). ``modifier_rank`` is a rank of the groups' process group."""
     groups = _by_group([params] if isinstance(params, torch.Tensor) else params)
+    for group, items in groups:
+        if modifier_rank is not None and not 0 <= modifier_rank < group.world_size:
+            name = group.managed[items[0][0]].fqn
+            raise ValueError(f"modifier_rank={modifier_rank} is not a rank of the group of {name!r} (ranks "
+                             f"0..{group.world_size - 1} of its process group); pass one of them, or None")
+        if group.state is not GroupState.SHARDED and in_backward_pass():
+            raise RuntimeError("gathered_parameters / GatheredParameters over sharded parameters runs outside "
+                               "backward (their group is gathered for backward now); call it before or after")
     saved: List[Tuple[torch.Tensor, torch.Tensor]] = []
     flats: List[torch.Tensor] = []
     try:
