@@ -78,6 +78,12 @@ class RaggedEngineMixin:
         if granularity is None and hasattr(self._structured_optimizer(), "granularity"):
             # the optimizer's blocks must stay whole on one rank: shard by them
             granularity = self._structured_optimizer().granularity(self._optimizer_block())
+        built_in = {p.dtype for p in self.module.parameters() if hasattr(p, "ds_id")}  # under deepspeed.zero.Init
+        if precision.dtype is not None and built_in - {torch.float32}:
+            raise ValueError(
+                f"the model was built under deepspeed.zero.Init in {sorted(map(str, built_in))}, which would become "
+                "the master weights: build it under zero.Init with this same \"stage\": \"ragged\" config (it "
+                "builds fp32; bf16 / fp16 then only set the compute dtype), not a stage 0-3 config with bf16 / fp16")
         zero3 = zero3_to_meta(self.module)  # built under deepspeed.zero.Init: [Note: zero.Init under ragged]
         if isinstance(self.module, vz.RaggedFSDPModule):
             self._check_presharded(mp, granularity)
