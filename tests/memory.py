@@ -37,6 +37,8 @@ class TransientBytes(TorchDispatchMode):
         self._next = 0
 
     def _track(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type == "meta":
+            return  # no memory behind it (a model planned on meta before its shards exist)
         storage = tensor.untyped_storage()
         if any(ref() is storage for ref in self._refs.values()):
             return  # a view (or an in-place result) of storage already tracked

@@ -2,7 +2,8 @@
 
 The entry points besides ``initialize`` that parse the same config: ``DeepSpeedConfig`` (what
 other libraries build), ``deepspeed.checkpointing.configure`` (it trains in
-test_deepspeed_checkpointing) and ``deepspeed.zero.Init`` (refused with "ragged" for now).
+test_deepspeed_checkpointing) and ``deepspeed.zero.Init`` (it trains in test_deepspeed_zero_init;
+here: its options that contradict ragged sharding are refused however the config is given).
 """
 
 from __future__ import annotations
@@ -97,9 +98,10 @@ def test_typo_in_stage_gets_a_clear_error(stage):
 
 
 @pytest.mark.parametrize("how", ["dict", "path", "module", "deprecated_config_kwarg"])
-def test_zero_init_refuses_ragged(tmp_path, how):
-    """zero.Init would partition parameters ZeRO-3 style whatever the stage says: refused,
-    naming the problem and the two ways out, before it touches the model."""
+def test_zero_init_refuses_offload_with_ragged(tmp_path, how):
+    """zero.Init with "ragged" partitions as for ZeRO-3 (test_deepspeed_zero_init), but parameter
+    offload contradicts ragged sharding: refused, naming the option and the fix, before it
+    touches the model, however the config reaches zero.Init."""
     deepspeed = _deepspeed()
     cfg = _ragged_config()
     path = tmp_path / "ds.json"
@@ -109,9 +111,9 @@ def test_zero_init_refuses_ragged(tmp_path, how):
     kwargs = {"dict": {"config_dict_or_path": cfg}, "path": {"config_dict_or_path": str(path)},
               "module": {"module": model, "config_dict_or_path": cfg}, "deprecated_config_kwarg": {"config": cfg}}[how]
     with pytest.raises(ValueError) as e:
-        deepspeed.zero.Init(**kwargs)
+        deepspeed.zero.Init(remote_device="cpu", **kwargs)
     message = str(e.value)
-    for fragment in ("deepspeed.zero.Init", '"ragged"', "not supported", "Build the model normally", "stage 3"):
+    for fragment in ("deepspeed.zero.Init(remote_device='cpu')", '"ragged"', "remove remote_device", "stage 3"):
         assert fragment in message, (fragment, message)
     for name, p in model.named_parameters():
         assert not hasattr(p, "ds_id") and torch.equal(p, before[name]), name

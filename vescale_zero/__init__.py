@@ -3,7 +3,9 @@
 from . import checkpoint  # the subpackage: vz.checkpoint.save(...)
 from .clip_grad import clip_grad_norm_, sharded_grad_norm
 from .dbuffer import DBuffer
+from .fill import fill_group_by_group
 from .fully_shard import MixedPrecisionPolicy, RaggedFSDPModule, fully_shard, fully_shard_layers, sharded_counterpart
+from .gathered import gathered_parameters
 from .granularity import preset_granularity, resolve_granularities
 from .materialize import materialize
 from .placement import RaggedShard
@@ -20,6 +22,8 @@ __all__ = [
     "full_state_dict",
     "load_full_state_dict",
     "materialize",
+    "fill_group_by_group",
+    "gathered_parameters",
     "RaggedFSDPModule",
     "MixedPrecisionPolicy",
     "RaggedShard",

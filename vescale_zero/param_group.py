@@ -48,7 +48,7 @@ import enum
 import functools
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Set
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -59,14 +59,34 @@ from .dbuffer import DBuffer
 from .grad_reduce import GradReducer
 from .param_gather import make_param_gather
 from .planner import ShardPlan, TensorSpec, plan
-from .ragged_param import SHARD_GROUP_OF, ManagedParam, RaggedParam, ShardedRange
+from .ragged_param import ManagedParam, RaggedParam, ShardedRange
 
-__all__ = ["ManagedParam", "ParamGroup", "GroupState", "ShardedRange", "BackwardProgress", "InputGradTrigger", "Part"]
+__all__ = ["slot_of", "ManagedParam", "ParamGroup", "GroupState", "ShardedRange", "BackwardProgress",
+           "InputGradTrigger", "Part"]
 
 
 _FORWARDS_KEPT = 1024
 """Forwards a group remembers while their backward has not run (pipeline micro-batches in
 flight); older ones were never differentiated (evaluation forwards with grad enabled)."""
+
+
+_SLOTS: Dict[int, Tuple["weakref.ref", "weakref.ref", int]] = {}  # id(sharded param) -> (param, group, index)
+
+
+def _register_slot(param: nn.Parameter, group: "ParamGroup", index: int) -> None:
+    """Remember which group and index a sharded parameter belongs to (weakly: neither is kept
+    alive, and nothing is attached to the parameter that pickling or deepcopy would follow)."""
+    _SLOTS[id(param)] = (weakref.ref(param), weakref.ref(group), index)
+    weakref.finalize(param, _SLOTS.pop, id(param), None)
+
+
+def slot_of(param: torch.Tensor) -> Optional[Tuple["ParamGroup", int]]:
+    """``(group, index)`` of a sharded parameter of a live ``fully_shard`` group, else ``None``."""
+    entry = _SLOTS.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    group = entry[1]()
+    return None if group is None else (group, entry[2])
 
 
 class GroupState(enum.Enum):
@@ -191,7 +211,7 @@ class ParamGroup:
             like = unsharded_templates[i] if unsharded_templates is not None else None
             self.params.append(RaggedParam(m, p, self.master.local_view(i), self.compute.full_view(i), rng,
                                            unsharded_like=like))
-            SHARD_GROUP_OF[self.params[-1].sharded] = self.process_group  # for optimizers that communicate
+            _register_slot(self.params[-1].sharded, self, i)
         self._grad_indices = [i for i, m in enumerate(self.managed) if m.requires_grad]
         for i in self._grad_indices:
             self.params[i].unsharded.register_post_accumulate_grad_hook(functools.partial(self._on_grad_accumulated, i))

@@ -23,13 +23,8 @@ from typing import Optional, Tuple
 
 import torch
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["ManagedParam", "ShardedRange", "RaggedParam", "SHARD_GROUP_OF"]
-
-SHARD_GROUP_OF = WeakIdKeyDictionary()
-"""Sharded parameter -> the process group it is sharded over (the shard group under HSDP):
-what structure-aware optimizers that communicate (Muon) talk over by default."""
+__all__ = ["ManagedParam", "ShardedRange", "RaggedParam"]
 
 
 @dataclass(frozen=True)

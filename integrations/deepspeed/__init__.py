@@ -10,8 +10,10 @@ own ``bf16`` / ``fp16`` sections, and the engine is a :class:`RaggedDeepSpeedEng
 other config goes to DeepSpeed untouched.
 
 The import also makes DeepSpeed's own config parser accept "ragged" everywhere it parses a
-config (``deepspeed.checkpointing.configure``, ``DeepSpeedConfig``, ...) and refuses
-``deepspeed.zero.Init`` with it: see :mod:`.parser`.
+config (``deepspeed.checkpointing.configure``, ``DeepSpeedConfig``, ...), lets
+``deepspeed.zero.Init`` build the model partitioned (converted to ragged shards by
+``deepspeed.initialize``) and ``GatheredParameters`` gather ragged parameters: see
+:mod:`.parser` and :mod:`.zero_init`.
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ from vescale_zero.optim import AdamW8bit, Muon, Shampoo
 from .accelerate_stage import present_ragged_stage_to_accelerate
 from .config import RaggedOptions
 from .saving import consolidated_state_dict, install_save_hooks
+from .zero_init import fill_from_zero3, zero3_to_meta
 
 __all__ = ["RaggedEngineMixin", "RaggedDeepSpeedEngine", "RaggedPipelineEngine", "RaggedPrecision"]
 
@@ -77,11 +78,23 @@ class RaggedEngineMixin:
         if granularity is None and hasattr(self._structured_optimizer(), "granularity"):
             # the optimizer's blocks must stay whole on one rank: shard by them
             granularity = self._structured_optimizer().granularity(self._optimizer_block())
-        vz.fully_shard_layers(
-            self.module, opts.sharded_modules, mesh=groups._get_data_parallel_group(),
-            reshard_after_forward=opts.reshard_after_forward, mp_policy=mp, granularity=granularity,
-            fp8_all_gather_tile=opts.fp8_all_gather_tile,
-        )
+        built_in = {p.dtype for p in self.module.parameters() if hasattr(p, "ds_id")}  # under deepspeed.zero.Init
+        if precision.dtype is not None and built_in - {torch.float32}:
+            raise ValueError(
+                f"the model was built under deepspeed.zero.Init in {sorted(map(str, built_in))}, which would become "
+                "the master weights: build it under zero.Init with this same \"stage\": \"ragged\" config (it "
+                "builds fp32; bf16 / fp16 then only set the compute dtype), not a stage 0-3 config with bf16 / fp16")
+        zero3 = zero3_to_meta(self.module)  # built under deepspeed.zero.Init: [Note: zero.Init under ragged]
+        if isinstance(self.module, vz.RaggedFSDPModule):
+            self._check_presharded(mp, granularity)
+        else:
+            vz.fully_shard_layers(
+                self.module, opts.sharded_modules, mesh=groups._get_data_parallel_group(),
+                reshard_after_forward=opts.reshard_after_forward, mp_policy=mp, granularity=granularity,
+                fp8_all_gather_tile=opts.fp8_all_gather_tile,
+            )
+        if zero3:
+            fill_from_zero3(self.module, zero3)
         self.module.set_prefetch(opts.prefetch)
         self.module.set_unused_grads("zero")  # as ZeRO-3: a parameter no rank used still gets stepped
         install_save_hooks()  # accelerate's / transformers' saves get the full model (see .saving)
@@ -97,6 +110,42 @@ class RaggedEngineMixin:
             if precision.dtype is not None:
                 raise ValueError(
                     "stage 'ragged' with pipeline parallelism runs in fp32 only for now; disable bf16/fp16")
+
+    def _check_presharded(self, mp: Optional[vz.MixedPrecisionPolicy], granularity: Any) -> None:
+        """[Note: a model sharded before deepspeed.initialize] A model the user sharded with
+        ``fully_shard`` (e.g. built on meta and ``vescale_zero.materialize``-d) is taken as it
+        is: its groups must shard over DeepSpeed's data-parallel group, and the config may not
+        ask for sharding options that only apply when sharding (they would be ignored)."""
+        dp = groups._get_data_parallel_group()
+        dp_ranks = dist.get_process_group_ranks(dp)
+        for group in groups_of(self.module):
+            ranks = dist.get_process_group_ranks(group.process_group)
+            if ranks != dp_ranks:
+                raise ValueError(
+                    f"the model was sharded with fully_shard over ranks {ranks}, DeepSpeed's data-parallel group is "
+                    f"{dp_ranks}: shard with mesh=<the data-parallel group>, or "
+                    "pass the unsharded model and let deepspeed.initialize shard it")
+        opts, default = self.ragged_options, RaggedOptions()
+        set_here = [k for k in ("granularity", "sharded_modules", "reshard_after_forward", "reduce_dtype",
+                                "fp8_all_gather_tile") if getattr(opts, k) != getattr(default, k)]
+        if mp is not None:
+            set_here.append("bf16/fp16")
+        if set_here:
+            raise ValueError(
+                f"the model was already sharded with vescale_zero.fully_shard, so the config's {set_here} cannot "
+                "apply (they are sharding-time options): pass them to fully_shard (mp_policy=, granularity=, ...) "
+                "and remove them from the config, or pass the unsharded model to deepspeed.initialize")
+        if granularity is not None and self.ragged_options.granularity is None:
+            raise ValueError(
+                f"optimizer {self.optimizer_name()!r} needs blocks kept whole on one rank, but the model was "
+                "already sharded with fully_shard: shard it with granularity=<the optimizer's block>, or pass the "
+                "unsharded model to deepspeed.initialize")
+
+    def _broadcast_model(self) -> None:
+        """Rank 0's parameters to every rank, as DeepSpeed does -- except a model sharded
+        before ``deepspeed.initialize``, whose sharded parameters differ per rank by design."""
+        if not groups_of(self.module):
+            super()._broadcast_model()
 
     def _is_pipeline(self) -> bool:
         return isinstance(self, PipelineEngine)

@@ -18,8 +18,13 @@ section into ZeRO's pydantic model (``stage`` 0-3, unknown keys forbidden) in on
   DeepSpeed's as always, and ``_param_dict`` keeps the user's dict (stage "ragged"), which
   dict-reading libraries (Hugging Face's ``HfDeepSpeedConfig``: ``is_zero3()`` False) see;
 * a stage DeepSpeed refuses (a typo, 4) gets an error listing 0-3 and "ragged";
-* ``deepspeed.zero.Init`` with a ragged config would partition parameters ZeRO-3 style (it
-  does not look at the stage): refused with the way out, until it is supported;
+* ``deepspeed.zero.Init`` with a ragged config partitions parameters ZeRO-3 style (it does
+  not look at the stage, and reads only ZeRO's defaults from our stage-0 model), in fp32
+  (it sees the config without its bf16 / fp16 sections: our shards are master weights);
+  options contradicting ragged sharding (offload, pinned memory, quantized weights, hpZ)
+  are refused by name. ``deepspeed.initialize`` converts the partitions group by group
+  ([Note: zero.Init under ragged] in :mod:`.zero_init`). ``deepspeed.zero.GatheredParameters``
+  is widened to our sharded parameters (``vescale_zero.gathered``);
 * DeepSpeed's own engine given a ragged config (``deepspeed.initialize`` bound before our
   import, e.g. ``from deepspeed import initialize``) would train unsharded: refused.
 
@@ -33,6 +38,7 @@ import functools
 import inspect
 from typing import Any, Dict
 
+import deepspeed
 import deepspeed.runtime.config as ds_config
 import deepspeed.runtime.zero.config as ds_zero_config
 from deepspeed.runtime.engine import DeepSpeedEngine
@@ -40,6 +46,7 @@ from deepspeed.runtime.zero import partition_parameters
 from pydantic import Field, ValidationError
 
 from .config import RAGGED_STAGE, RaggedOptions, parse_ragged_section
+from .zero_init import GatheredParameters, check_zero_init_options
 
 __all__ = ["RaggedZeroConfig", "is_ragged_config", "install"]
 
@@ -88,12 +95,17 @@ def _zero_init(self: partition_parameters.Init, *args: Any, **kwargs: Any) -> No
     config = given["config_dict_or_path"] if given["config_dict_or_path"] is not None else given.get("config")
     parsed = ds_config.DeepSpeedConfig(config, given.get("mpu")) if given["enabled"] and config is not None else None
     if parsed is not None and is_ragged_config(parsed):
-        raise ValueError(
-            "deepspeed.zero.Init with \"stage\": \"ragged\": partitioned (meta-device) construction is not supported "
-            "with ragged sharding yet. Build the model normally, without zero.Init (deepspeed.initialize shards it "
-            "group by group), or use stage 3 to construct it partitioned."
-        )
+        check_zero_init_options(given)
+        if given["dtype"] is None:  # our shards are the master weights: bf16 / fp16 are compute dtypes
+            given["config_dict_or_path"], given["config"] = _without_precision(parsed._param_dict), None
+        return _original_init(*bound.args, **bound.kwargs)
     _original_init(self, *args, **kwargs)
+
+
+def _without_precision(config: Dict[str, Any]) -> Dict[str, Any]:
+    """``config`` without its bf16 / fp16 sections: what ``zero.Init`` sees under ragged, so it
+    builds the parameters in fp32 (an explicit ``dtype=`` would be misread on some accelerators)."""
+    return {k: v for k, v in config.items() if k not in ("bf16", "bfloat16", "fp16")}
 
 
 _original_sanity_check = getattr(DeepSpeedEngine._do_sanity_check, "__wrapped__", DeepSpeedEngine._do_sanity_check)
@@ -116,4 +128,6 @@ def install() -> None:
     ds_zero_config.get_zero_config = get_zero_config
     ds_config.get_zero_config = get_zero_config  # DeepSpeedConfig calls it by this imported name
     partition_parameters.Init.__init__ = _zero_init
+    partition_parameters.GatheredParameters = GatheredParameters  # zero.Init's own references included
+    deepspeed.zero.GatheredParameters = GatheredParameters
     DeepSpeedEngine._do_sanity_check = _engine_sanity_check

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm_device import current_device
-from ..ragged_param import SHARD_GROUP_OF
+from ..param_group import slot_of
 
 __all__ = ["Muon", "newton_schulz", "assign_roots"]
 
@@ -128,7 +128,8 @@ class Muon(torch.optim.Optimizer):
     def _group_of(self, params: List[torch.Tensor]) -> Optional[dist.ProcessGroup]:
         """The process group the sharded parameters are sharded over (the shard group under
         HSDP: replicas hold equal shards and step alike), checked against ``process_group``."""
-        groups = {id(g): g for g in (SHARD_GROUP_OF.get(p) for p in params) if g is not None}
+        slots = [slot_of(p) for p in params]
+        groups = {id(s[0].process_group): s[0].process_group for s in slots if s is not None}
         if len(groups) > 1:
             raise ValueError("Muon: the parameters are sharded over different process groups; make one Muon "
                              "per process group (pass process_group=...) with that group's parameters")

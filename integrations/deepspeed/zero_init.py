@@ -1,0 +1,162 @@
+"""``deepspeed.zero.Init`` and ``GatheredParameters`` with ``"stage": "ragged"``.
+
+[Note: zero.Init under ragged]
+Under a ragged config ``deepspeed.zero.Init`` partitions parameters exactly as for ZeRO-3
+(DeepSpeed's own code: construction, initialisation code in constructors, rank 0's values
+broadcast, Hugging Face's ``GatheredParameters``-based loading), except that parameters stay
+in the model's dtype (fp32: our shards are the master weights; bf16 / fp16 are compute
+dtypes the engine applies). ``deepspeed.initialize`` then converts, without ever holding
+the whole model on a rank:
+
+  1. :func:`zero3_to_meta`: each ZeRO-3 parameter in the module is replaced by a meta
+     parameter of its full shape (tied ones stay tied), remembering its source;
+  2. the engine applies ``fully_shard`` to the meta model (planned, no storage);
+  3. :func:`fill_from_zero3` fills our shards group by group (``vescale_zero.fill``): one
+     group's ZeRO-3 parameters are gathered by DeepSpeed's own all-gather, this rank's
+     ranges copied, then their ZeRO-3 shards are released and their ``ds_*`` attributes
+     and methods removed, so nothing of ZeRO-3 remains (a ZeRO-3 parameter the caller
+     still holds, e.g. in ``model_parameters``, maps to our sharded one).
+
+Peak on a rank during the conversion: our shards + the ZeRO-3 shards not yet converted +
+one group's full tensors.
+
+Options of ``zero.Init`` that contradict that design are refused (see
+:func:`check_zero_init_options`). ``GatheredParameters`` over our sharded parameters
+follows ``vescale_zero.gathered``; over ZeRO-3 parameters it is DeepSpeed's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Iterator, List, Mapping, Sequence, Tuple
+
+import torch
+from deepspeed.runtime.zero import partition_parameters
+from torch import nn
+
+from vescale_zero.fill import Owner, fill_group_by_group
+from vescale_zero.fully_shard import sharded_counterpart
+from vescale_zero.gathered import gathered_parameters
+
+__all__ = ["check_zero_init_options", "zero3_to_meta", "fill_from_zero3", "GatheredParameters", "Zero3Sources"]
+
+Zero3Sources = Dict[Tuple[int, str], nn.Parameter]
+"""(id(module), attribute) -> the ZeRO-3 parameter that module attribute held."""
+
+_FIX = "use zero.Init with the defaults (or build the model without it), or use stage 3 for that feature"
+
+
+def check_zero_init_options(given: Mapping[str, Any]) -> None:
+    """Refuse ``zero.Init`` keyword values that contradict ragged sharding, naming each and the fix."""
+    remote = given.get("remote_device")
+    if remote not in (None, "none"):
+        raise ValueError(
+            f"deepspeed.zero.Init(remote_device={remote!r}) with \"stage\": \"ragged\": ragged shards live on the "
+            "accelerator (no parameter offload); remove remote_device, or use stage 3 to offload parameters")
+    if given.get("pin_memory"):
+        raise ValueError(
+            "deepspeed.zero.Init(pin_memory=True) with \"stage\": \"ragged\": pinned memory only serves CPU offload, "
+            "which ragged sharding does not do; remove pin_memory")
+    for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights"):
+        if given.get(key):
+            raise ValueError(
+                f"deepspeed.zero.Init({key}=True) with \"stage\": \"ragged\": the weights would be quantized before "
+                f"ragged sharding copies them (lossy); remove {key} ({_FIX})")
+    if given.get("zero_param_parallel_group") is not None:
+        raise ValueError(
+            "deepspeed.zero.Init(zero_param_parallel_group=...) with \"stage\": \"ragged\": hierarchical partitioning "
+            "(ZeRO++ hpZ) has no meaning for ragged sharding, which shards over DeepSpeed's data-parallel group; "
+            f"remove zero_param_parallel_group ({_FIX})")
+    if given.get("param_swapper") is not None:
+        raise ValueError("deepspeed.zero.Init(param_swapper=...) with \"stage\": \"ragged\": NVMe swapping is "
+                         "parameter offload, which ragged sharding does not do; remove param_swapper")
+
+
+def _is_zero3(param: object) -> bool:
+    return isinstance(param, torch.Tensor) and hasattr(param, "ds_id")
+
+
+def zero3_to_meta(module: nn.Module) -> Zero3Sources:
+    """Step 1 of [Note: zero.Init under ragged]; ``{}`` (nothing changed) if no ZeRO-3 parameter."""
+    sources: Zero3Sources = {}
+    metas: Dict[int, nn.Parameter] = {}
+    for mod in module.modules():
+        for attr, p in mod._parameters.items():
+            if not _is_zero3(p):
+                continue
+            if id(p) not in metas:
+                metas[id(p)] = _meta_like(p)
+            mod._parameters[attr] = metas[id(p)]
+            sources[id(mod), attr] = p
+        for name in ("_external_params", "ds_external_parameters", "all_parameters"):
+            mod.__dict__.pop(name, None)  # ZeRO-3's per-module bookkeeping (register_external_parameter)
+    return sources
+
+
+def _meta_like(param: nn.Parameter) -> nn.Parameter:
+    """A meta parameter of ``param``'s full shape, with its attributes except ZeRO-3's."""
+    meta = nn.Parameter(torch.empty(param.ds_shape, dtype=param.dtype, device="meta"),
+                        requires_grad=param.requires_grad)
+    zero = set(_zero3_attributes(param))
+    for key, value in vars(param).items():
+        if key not in zero:
+            setattr(meta, key, value)
+    return meta
+
+
+def _zero3_attributes(param: nn.Parameter) -> List[str]:
+    """What ``zero.Init`` attached to ``param``: ``ds_*`` and the methods it binds (all_gather, partition, ...)."""
+    return [k for k, v in vars(param).items()
+            if k.startswith(("ds_", "_ds_")) or k in _ZERO3_NAMES or (callable(v) and getattr(v, "__module__", "") ==
+                                                              partition_parameters.__name__)]
+
+
+_ZERO3_NAMES = frozenset({"is_external_param", "nvme_swapper", "ds_summary", "item", "padding_size",
+                          "partition_numel", "aligned_size", "convert_to_zero_parameters"})
+
+
+def _release(param: nn.Parameter, sharded: nn.Parameter) -> None:
+    """Drop ``param``'s ZeRO-3 shard and attributes; it now stands for ``sharded`` (optimizer remap)."""
+    for name in _zero3_attributes(param):
+        delattr(param, name)
+    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+    param._vescale_sharded_as = sharded  # read by vescale_zero.sharded_counterpart
+
+
+def fill_from_zero3(module: nn.Module, sources: Zero3Sources) -> None:
+    """Step 3 of [Note: zero.Init under ragged]: ``module`` was sharded on meta after
+    :func:`zero3_to_meta` returned ``sources``. Collective over the ZeRO-3 partition group."""
+    device = next(iter(sources.values())).ds_tensor.device
+
+    @contextlib.contextmanager
+    def open_group(owners: List[Owner]) -> Iterator[Sequence[torch.Tensor]]:
+        params = [sources[id(mod), attr] for mod, attr in owners]
+        with partition_parameters.GatheredParameters(params):
+            yield [p.data for p in params]
+        for (mod, attr), p in zip(owners, params):
+            if hasattr(p, "ds_id"):  # a tied parameter is released once
+                _release(p, sharded_counterpart(mod._parameters[attr]))
+
+    fill_group_by_group(module, open_group, device)
+
+
+class GatheredParameters(partition_parameters.GatheredParameters):
+    """``deepspeed.zero.GatheredParameters`` that also gathers our sharded parameters (see
+    ``vescale_zero.gathered``); ZeRO-3 parameters go to DeepSpeed's own, others are ignored."""
+
+    def __init__(self, params: Any, modifier_rank: Any = None, fwd_module: Any = None, enabled: bool = True) -> None:
+        listed = [params] if isinstance(params, torch.Tensor) else list(params) if params is not None else []
+        self._ragged = gathered_parameters(listed, modifier_rank) if enabled else contextlib.nullcontext()
+        super().__init__([p for p in listed if _is_zero3(p)], modifier_rank, fwd_module, enabled)
+
+    def __enter__(self) -> None:
+        super().__enter__()
+        self._ragged.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            self._ragged.__exit__(*exc)
+        except BaseException:
+            super().__exit__(*exc)
+            raise
+        return super().__exit__(*exc)
