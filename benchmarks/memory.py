@@ -440,38 +440,55 @@ def _stack_blocks(model):
     return list(model.layers)
 
 
-def run_fake(args) -> None:
-    """One process, rank 0 of a fake world of each size; every system that runs there."""
+def _fake_model(args):
+    dims = dict(hidden=args.fake_hidden, ffn=args.fake_ffn, heads=args.fake_heads, kv_heads=args.fake_kv_heads)
+    return (lambda: LlamaShapedStack(args.fake_layers, **dims)), dims
+
+
+def _fake_batches(args, hidden: int):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(1, args.fake_seq, hidden, generator=g), None) for _ in range(2)]
+
+
+def _fake_worker(_index: int, world: int, args, out) -> None:
+    """Rank 0 of a fake world of ``world`` ranks, every system in turn, in a process of its own
+    per world size (DeepSpeed keeps the first process group it saw for good)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dims = dict(hidden=args.fake_hidden, ffn=args.fake_ffn, heads=args.fake_heads, kv_heads=args.fake_kv_heads)
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(_free_port()), DS_ACCELERATOR="cpu")
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    model_fn, dims = _fake_model(args)
+    batches = _fake_batches(args, dims["hidden"])
+    for system in args.fake_systems:
+        dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+        try:
+            out[f"{world}:{system}"] = measure_rank(system, model_fn, _stack_blocks, args.fake_precision, batches, 1,
+                                                    dims["hidden"])
+        except Exception as e:  # noqa: BLE001 - reported in the table: the system does not run here
+            out[f"{world}:{system}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}"
+        finally:
+            dist.destroy_process_group()
 
-    def model_fn():
-        return LlamaShapedStack(args.fake_layers, **dims)
 
-    g = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(1, args.fake_seq, dims["hidden"], generator=g), None) for _ in range(2)]
-    act = activation_peak(model_fn, args.fake_precision, *batches[-1])
-    for world in args.fake_ranks:
-        rows, why = {}, {}
-        for system in args.fake_systems:
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(_free_port()))
-            dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
-            try:
-                rows[system] = measure_rank(system, model_fn, _stack_blocks, args.fake_precision, batches, 1,
-                                             dims["hidden"])
-            except Exception as e:  # noqa: BLE001 - reported in the table: the system does not run here
-                why[system] = f"{type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}"
-            finally:
-                dist.destroy_process_group()
-        floor = floor_parts(model_fn, _stack_blocks, args.fake_precision, world, act)
-        print_table(f"{world} ranks (fake process group, rank 0; estimate), {_describe(args.fake_precision)}, "
-                    f"{args.fake_layers} Llama-3-8B-shaped layers (hidden {dims['hidden']}, ffn {dims['ffn']}, "
-                    f"{dims['heads']} heads, {dims['kv_heads']} KV heads; no embedding/head), 1 x {args.fake_seq} "
-                    f"tokens", rows, floor, rss=False)
-        for system, reason in why.items():
-            print(f"{system:9s} does not run on the fake process group: {reason}")
+def run_fake(args) -> None:
+    """Rank 0 of a fake world of each size, one process per size."""
+    model_fn, dims = _fake_model(args)
+    act = activation_peak(model_fn, args.fake_precision, *_fake_batches(args, dims["hidden"])[-1])
+    with mp.Manager() as manager:
+        out = manager.dict()
+        for world in args.fake_ranks:
+            mp.start_processes(_fake_worker, args=(world, args, out), nprocs=1, start_method="spawn")
+            results = {s: out[f"{world}:{s}"] for s in args.fake_systems}
+            rows = {s: r for s, r in results.items() if isinstance(r, dict)}
+            floor = floor_parts(model_fn, _stack_blocks, args.fake_precision, world, act)
+            print_table(f"{world} ranks (fake process group, rank 0; estimate), {_describe(args.fake_precision)}, "
+                        f"{args.fake_layers} Llama-3-8B-shaped layers (hidden {dims['hidden']}, ffn {dims['ffn']}, "
+                        f"{dims['heads']} heads, {dims['kv_heads']} KV heads; no embedding/head), 1 x "
+                        f"{args.fake_seq} tokens", rows, floor, rss=False)
+            for system, reason in results.items():
+                if not isinstance(reason, dict):
+                    print(f"{system:9s} does not run on the fake process group: {reason}")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

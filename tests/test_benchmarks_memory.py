@@ -3,25 +3,16 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
 import re
 
 import pytest
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "memory.py")
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("benchmark_memory", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_memory_benchmark_smoke(capsys):
     pytest.importorskip("deepspeed")
-    bench = _script()
+    bench = importlib.import_module("benchmarks.memory")  # the repository root is on sys.path (conftest / rootdir)
     args = bench.parse_args(["--ranks", "--fake-ranks", "8", "--fake-layers", "1", "--fake-hidden", "64",
                              "--fake-ffn", "128", "--fake-heads", "4", "--fake-kv-heads", "2", "--fake-seq", "8"])
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
