@@ -1,0 +1,527 @@
+"""Peak per-rank memory of vescale-zero, PyTorch FSDP2, DeepSpeed ZeRO-3 and DDP on one GPT.
+
+    .venv/bin/python benchmarks/memory.py [--ranks 2 4] [--precisions fp32 bf16] [--layers 4]
+        [--d-model 256] [--systems vescale fsdp2 zero3 ddp] [--fake-ranks 8 64 1024] [--no-fake]
+
+Part 1 (real ranks, gloo, CPU, spawned): each system builds the GPT its own way for a model too
+big for one rank -- vescale-zero on meta + ``fully_shard`` + ``vz.materialize``; FSDP2
+``fully_shard`` on a meta model + ``to_empty`` + init; ZeRO-3 under ``deepspeed.zero.Init``;
+DDP eagerly (it holds the whole model) -- and runs two AdamW steps; the second is measured.
+
+[Note: what the tracker cannot see] Memory a backend allocates inside a collective, below the
+dispatcher, is invisible to a tensor tracker. On gloo, ``reduce_scatter_tensor`` (FSDP2,
+ZeRO-3) all-reduces a *clone* of the whole buffer made in C++: not counted. vescale-zero's gloo
+reduce-scatter (an ``all_to_all`` into a full-size receive buffer + a local sum,
+``vescale_zero/collectives.py``) allocates that buffer in Python: counted. ``vescale_trs`` is
+vescale-zero on torch's ``reduce_scatter_tensor``, as its peers: the like-for-like row on gloo
+(on NCCL a reduce-scatter has no such buffer).
+
+Precisions: ``fp32``; ``bf16`` = bf16 parameters / compute, fp32 master weights and fp32 gradient
+reduce, as each system does it (FSDP2 and vescale ``MixedPrecisionPolicy(bf16, fp32)``, ZeRO-3
+``bf16.enabled`` + ``communication_data_type: fp32``, DDP fp32 weights under ``torch.autocast``).
+
+Memory is counted exactly with :class:`vescale_zero.testing.live_bytes.LiveBytes` (every tensor
+storage alive, ``resize_`` followed) and split at the peak by role: ``params`` (the persistent
+parameters: shards, master copies), ``grads`` (the persistent gradients), ``optim`` (optimizer
+state), ``comm`` (gathered full parameters, full gradients before their reduce, collective
+buffers) and ``act`` (the rest: activations and temporaries). ``RSS`` is the process's resident
+set growth over the same run (sampled every 2 ms; noisy on CPU, the allocator keeps freed pages).
+
+The floor (no literals, the same for every system): ``(params + grads + AdamW state) / world``
++ 2 x the largest group's full parameters (compute dtype) and gradients (reduce dtype) (x2: one
+group prefetched) + the unsharded model's own activation peak on the same local batch (measured
+by the same tracker); ``excess`` = peak - floor, as measured (negative allowed).
+
+Part 2 (``--fake-ranks``): estimated memory at world sizes we cannot run, in one process on
+PyTorch's fake process group (``FakeStore`` + ``init_process_group("fake")``: collectives
+return at once, tensors are real), for a stack of Llama-3-8B-shaped layers (``--fake-layers``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from vescale_zero.testing import GPT, GPTConfig, SyntheticCorpus  # noqa: E402
+from vescale_zero.testing.live_bytes import LiveBytes  # noqa: E402
+
+SYSTEMS = ("vescale", "vescale_trs", "fsdp2", "zero3", "ddp")
+FAKE_SYSTEMS = ("vescale", "fsdp2", "zero3", "ddp")  # collectives allocate nothing there: no _trs row
+ROLES = ("params", "grads", "optim", "comm", "act")
+MiB = 2 ** 20
+
+
+# ---- building each system ----------------------------------------------------------------
+def _init_module(m: nn.Module) -> None:
+    """Module-by-module initialisation (values do not matter for memory)."""
+    if isinstance(m, GPT):
+        nn.init.zeros_(m.pos)
+    elif callable(getattr(m, "reset_parameters", None)):
+        m.reset_parameters()
+
+
+def zero3_buckets(hidden: int) -> Dict[str, int]:
+    """ZeRO-3's bucket sizes as Hugging Face's ``"auto"`` sets them from the hidden size. Its
+    defaults (a 5e8-element reduce bucket, allocated whole) would charge it ~1.9 GiB of fp32
+    on any model: a configuration choice, not its design."""
+    return {"reduce_bucket_size": hidden * hidden, "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+            "stage3_param_persistence_threshold": 10 * hidden}
+
+
+def build(system: str, model_fn, precision: str, batch: int, blocks_of, hidden: int):
+    """``(model, optimizer, engine, step)`` for ``system``; ``step(x, y)`` trains one step."""
+    bf16 = precision == "bf16"
+    if system in ("vescale", "vescale_trs"):
+        import vescale_zero as vz
+        from vescale_zero.collectives import set_reduce_scatter_impl
+
+        set_reduce_scatter_impl("native" if system == "vescale_trs" else "auto")
+        with torch.device("meta"):
+            model = model_fn()
+        policy = vz.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+        vz.fully_shard_layers(model, mp_policy=policy)
+        vz.materialize(model, init_fn=_init_module, device="cpu")
+    elif system == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        with torch.device("meta"):
+            model = model_fn()
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        kw = {"mesh": mesh}
+        if bf16:
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in blocks_of(model):
+            fully_shard(block, **kw)
+        fully_shard(model, **kw)
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            for m in model.modules():
+                _init_module(m)
+    elif system == "zero3":
+        import deepspeed
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # a 40 s JIT build we do not use
+        cfg = {"train_batch_size": batch * dist.get_world_size(), "gradient_accumulation_steps": 1,
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+               "zero_optimization": {"stage": 3, **zero3_buckets(hidden)}, "gradient_clipping": 0.0,
+               "steps_per_print": 10 ** 9}
+        if bf16:
+            cfg["bf16"] = {"enabled": True}
+            cfg["communication_data_type"] = "fp32"
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
+            model = model_fn()
+        engine, *_ = deepspeed.initialize(model=model, config=cfg)
+
+        def step(x, y):
+            engine.backward(engine(x, y))
+            engine.step()
+
+        return engine.module, engine.optimizer, engine, step
+    elif system == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        # its gradients are views of its buckets (else the buckets live in C++, out of the tracker's sight)
+        model = DistributedDataParallel(model_fn(), gradient_as_bucket_view=True)
+    else:
+        raise ValueError(f"system {system!r}: one of {SYSTEMS}")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    autocast = system == "ddp" and bf16
+
+    def step(x, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=system != "ddp")  # DDP keeps its buckets (the gradients) for good
+
+    return model, opt, None, step
+
+
+# ---- roles of the storages alive at the peak ---------------------------------------------
+def _tensors(obj) -> List[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    return []
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class RoleMarks:
+    """Marks storages by role while a step runs: collective arguments and the parameters (and
+    their gradients) leaf modules compute with that are not persistent count as ``comm``."""
+
+    def __init__(self, tracker: LiveBytes) -> None:
+        self.tracker = tracker
+        self.comm: set = set()
+        self.grads: set = set()
+        self.hooks: list = []
+        self._seen: set = set()
+
+    def leaf_forward(self, module, _inputs, _output) -> None:
+        if next(module.children(), None) is not None:
+            return
+        for p in module.parameters(recurse=False):
+            self.comm |= self.tracker.keys_of([_local(p)])
+            if id(p) not in self._seen and p.requires_grad:
+                self._seen.add(id(p))
+                self.hooks.append(p.register_post_accumulate_grad_hook(self.grad_ready))
+
+    def grad_ready(self, p) -> None:
+        if p.grad is not None:
+            self.comm |= self.tracker.keys_of([_local(p.grad)])
+
+    def collective(self, args) -> None:
+        self.comm |= self.tracker.keys_of(_tensors(args))
+
+
+class _MarkingLiveBytes(LiveBytes):
+    """``LiveBytes`` that passes every collective's arguments to ``marks.collective``."""
+
+    marks: RoleMarks
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if out is not NotImplemented and func.namespace in ("c10d", "_c10d_functional"):
+            self.marks.collective((args, kwargs))
+        return out
+
+
+def persistent_roles(tracker: LiveBytes, model: nn.Module, opt, engine) -> Dict[str, set]:
+    """Keys of the persistent parameters, gradients and optimizer state (call after backward
+    and after the optimizer step; the union is taken)."""
+    inner = getattr(opt, "optimizer", opt)  # DeepSpeed's ZeRO wrapper holds the torch optimizer
+    owners = list(model.parameters()) + [p for g in inner.param_groups for p in g["params"]]
+    params = [_local(p) for p in owners] + [p.ds_tensor for p in owners if hasattr(p, "ds_tensor")]
+    grads = [_local(p.grad) for p in owners if p.grad is not None]
+    if engine is not None:  # ZeRO-3's own gradient partitions
+        for name, value in vars(opt).items():
+            if "grad" in name.lower():
+                grads += _tensors(value)
+    state = [_local(t) for s in inner.state.values() for t in _tensors(s)]
+    return {"params": tracker.keys_of(params), "grads": tracker.keys_of(grads), "optim": tracker.keys_of(state)}
+
+
+# ---- one rank ----------------------------------------------------------------------------
+class _RssSampler(threading.Thread):
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.peak, self.running = 0.0, True
+
+    @staticmethod
+    def rss() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def run(self) -> None:
+        while self.running:
+            self.peak = max(self.peak, self.rss())
+            time.sleep(0.002)
+
+
+def measure_rank(system: str, model_fn, blocks_of, precision: str, batches, step_batch: int, hidden: int) -> Dict:
+    """Build ``system`` and train ``len(batches)`` steps; the last one is measured."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    base = _RssSampler.rss()
+    sampler = _RssSampler()
+    sampler.start()
+    model, opt, engine, step = build(system, model_fn, precision, step_batch, blocks_of, hidden)
+    for x, y in batches[:-1]:
+        step(x, y)
+    tracker = _MarkingLiveBytes()
+    marks = RoleMarks(tracker)
+    tracker.marks = marks
+    handle = nn.modules.module.register_module_forward_hook(marks.leaf_forward)
+    roles: Dict[str, set] = {r: set() for r in ("params", "grads", "optim")}
+    inner_step = getattr(engine, "step", None) if engine is not None else opt.step
+    owner = engine if engine is not None else opt
+
+    def step_with_roles(*a, **k):  # the roles after backward, before the optimizer step ...
+        for r, keys in persistent_roles(tracker, model, opt, engine).items():
+            roles[r] |= keys
+        out = inner_step(*a, **k)
+        for r, keys in persistent_roles(tracker, model, opt, engine).items():  # ... and after it
+            roles[r] |= keys
+        return out
+
+    owner.step = step_with_roles
+    try:
+        with tracker:
+            step(*batches[-1])
+    finally:
+        owner.step = inner_step
+        handle.remove()
+        for h in marks.hooks:
+            h.remove()
+    sampler.running = False
+    sampler.join()
+    key_role: Dict[int, str] = {}
+    for role, keys in (("comm", marks.comm), ("optim", roles["optim"]), ("grads", roles["grads"]),
+                       ("params", roles["params"])):  # later wins: persistent roles over comm marks
+        key_role.update(dict.fromkeys(keys, role))
+    split = tracker.split(key_role, other="act")
+    return {"peak": tracker.peak, **{r: split.get(r, 0) for r in ROLES}, "rss": sampler.peak - base}
+
+
+def activation_peak(model_fn, precision: str, x, y) -> int:
+    """The unsharded model's own transient peak (activations, temporaries) for one forward +
+    backward on the local batch, in the compute dtype, its gradients already allocated."""
+    model = model_fn()
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
+    model(x, y).backward()  # .grad exists from now on: the measured backward adds into it
+    tracker = LiveBytes()
+    with tracker:
+        start = tracker.live
+        model(x, y).backward()
+    return tracker.peak - start
+
+
+# ---- the GPT runs ------------------------------------------------------------------------
+def _gpt_cfg(args) -> GPTConfig:
+    return GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
+                     n_heads=args.heads)
+
+
+def _gpt_blocks(model):
+    return list(model.blocks)
+
+
+def _worker(rank: int, world: int, port: int, system: str, precision: str, args, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
+    torch.set_num_threads(1)
+    if system == "zero3":
+        import deepspeed
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        deepspeed.init_distributed(dist_backend="gloo")
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    cfg = _gpt_cfg(args)
+    corpus = SyntheticCorpus(cfg.vocab_size, cfg.seq_len)
+    batches = [corpus.batch(i, args.batch * world, rank, world) for i in range(2)]
+    result = measure_rank(system, lambda: GPT(cfg), _gpt_blocks, precision, batches, args.batch, cfg.d_model)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        out[f"{world}:{precision}:{system}"] = gathered
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def floor_parts(model_fn, blocks_of, precision: str, world: int, act: int) -> Dict[str, float]:
+    """The floor's terms, counted from the model built on meta (see the module docstring)."""
+    with torch.device("meta"):
+        model = model_fn()
+    master = torch.empty((), dtype=torch.float32).element_size()
+    compute = torch.empty((), dtype=torch.bfloat16 if precision == "bf16" else torch.float32).element_size()
+    total = sum(p.numel() for p in model.parameters())
+    in_blocks = {id(p) for b in blocks_of(model) for p in b.parameters()}
+    groups = [sum(p.numel() for p in b.parameters()) for b in blocks_of(model)]
+    groups.append(sum(p.numel() for p in model.parameters() if id(p) not in in_blocks))
+    adam = 2 * master  # exp_avg and exp_avg_sq per element, in the master dtype
+    sharded = total * (master + master + adam) / world  # fp32 master, fp32-reduced gradient shard, AdamW
+    gathered = 2 * max(groups) * (compute + master)
+    return {"sharded": sharded, "gathered": gathered, "act": act, "floor": sharded + gathered + act}
+
+
+def run_real(args) -> Dict[str, Dict]:
+    cfg = _gpt_cfg(args)
+    corpus = SyntheticCorpus(cfg.vocab_size, cfg.seq_len)
+    tables = {}
+    with mp.Manager() as manager:
+        out = manager.dict()
+        for world in args.ranks:
+            for precision in args.precisions:
+                for system in args.systems:
+                    mp.start_processes(_worker, args=(world, _free_port(), system, precision, args, out),
+                                       nprocs=world, start_method="spawn")
+                x, y = corpus.batch(1, args.batch * world, 0, world)
+                act = activation_peak(lambda: GPT(cfg), precision, x, y)
+                floor = floor_parts(lambda: GPT(cfg), _gpt_blocks, precision, world, act)
+                rows = {s: max(out[f"{world}:{precision}:{s}"], key=lambda r: r["peak"]) for s in args.systems}
+                tables[(world, precision)] = (rows, floor)
+                print_table(f"{world} ranks, gloo CPU, {_describe(precision)}, GPT {cfg.n_layers}x{cfg.d_model} "
+                            f"(vocab {cfg.vocab_size}, seq {cfg.seq_len}), local batch {args.batch}", rows, floor)
+    return tables
+
+
+def _describe(precision: str) -> str:
+    return "bf16 params/compute, fp32 master + reduce" if precision == "bf16" else "fp32"
+
+
+def print_table(title: str, rows: Dict[str, Dict], floor: Dict[str, float], rss: bool = True) -> None:
+    print(f"\n{title}")
+    print(f"floor = sharded {floor['sharded'] / MiB:.2f} + 2 groups full {floor['gathered'] / MiB:.2f} + "
+          f"act {floor['act'] / MiB:.2f} = {floor['floor'] / MiB:.2f} MiB per rank")
+    head = f"{'system':9s} {'peak MiB':>9s} " + " ".join(f"{r:>8s}" for r in ROLES)
+    head += f" {'floor':>8s} {'excess':>8s}" + (f" {'RSS MiB':>8s}" if rss else "")
+    print(head)
+    for system, r in rows.items():
+        line = f"{system:9s} {r['peak'] / MiB:9.2f} " + " ".join(f"{r[k] / MiB:8.2f}" for k in ROLES)
+        line += f" {floor['floor'] / MiB:8.2f} {(r['peak'] - floor['floor']) / MiB:+8.2f}"
+        print(line + (f" {r['rss'] / MiB:8.1f}" if rss else ""))
+
+
+# ---- fake process group: world sizes we cannot run -------------------------------------------
+class LlamaShapedLayer(nn.Module):
+    """A Llama-3 decoder layer's shapes: RMSNorm, grouped-query attention (no rotary: it holds
+    no parameters), RMSNorm, SwiGLU MLP."""
+
+    def __init__(self, hidden: int, ffn: int, heads: int, kv_heads: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.attn_norm = nn.RMSNorm(hidden)
+        self.q = nn.Linear(hidden, hidden, bias=False)
+        self.k = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.v = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.o = nn.Linear(hidden, hidden, bias=False)
+        self.mlp_norm = nn.RMSNorm(hidden)
+        self.gate = nn.Linear(hidden, ffn, bias=False)
+        self.up = nn.Linear(hidden, ffn, bias=False)
+        self.down = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.attn_norm(x)
+        q = self.q(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, -1))
+        h = self.mlp_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class LlamaShapedStack(nn.Module):
+    """``n`` Llama-shaped layers; the loss is the mean square of the output (no embedding or head)."""
+
+    def __init__(self, n: int, hidden: int = 4096, ffn: int = 14336, heads: int = 32, kv_heads: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(LlamaShapedLayer(hidden, ffn, heads, kv_heads) for _ in range(n))
+        self.norm = nn.RMSNorm(hidden)
+
+    def forward(self, x: torch.Tensor, _targets: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x).float().pow(2).mean()
+
+
+def _stack_blocks(model):
+    return list(model.layers)
+
+
+def _fake_model(args):
+    dims = dict(hidden=args.fake_hidden, ffn=args.fake_ffn, heads=args.fake_heads, kv_heads=args.fake_kv_heads)
+    return (lambda: LlamaShapedStack(args.fake_layers, **dims)), dims
+
+
+def _fake_batches(args, hidden: int):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(1, args.fake_seq, hidden, generator=g), None) for _ in range(2)]
+
+
+def _fake_worker(_index: int, world: int, args, out) -> None:
+    """Rank 0 of a fake world of ``world`` ranks, every system in turn, in a process of its own
+    per world size (DeepSpeed keeps the first process group it saw for good)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(_free_port()), DS_ACCELERATOR="cpu")
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    model_fn, dims = _fake_model(args)
+    batches = _fake_batches(args, dims["hidden"])
+    for system in args.fake_systems:
+        dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+        try:
+            out[f"{world}:{system}"] = measure_rank(system, model_fn, _stack_blocks, args.fake_precision, batches, 1,
+                                                    dims["hidden"])
+        except Exception as e:  # noqa: BLE001 - reported in the table: the system does not run here
+            out[f"{world}:{system}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}"
+        finally:
+            dist.destroy_process_group()
+
+
+def run_fake(args) -> None:
+    """Rank 0 of a fake world of each size, one process per size."""
+    model_fn, dims = _fake_model(args)
+    act = activation_peak(model_fn, args.fake_precision, *_fake_batches(args, dims["hidden"])[-1])
+    with mp.Manager() as manager:
+        out = manager.dict()
+        for world in args.fake_ranks:
+            mp.start_processes(_fake_worker, args=(world, args, out), nprocs=1, start_method="spawn")
+            results = {s: out[f"{world}:{s}"] for s in args.fake_systems}
+            rows = {s: r for s, r in results.items() if isinstance(r, dict)}
+            floor = floor_parts(model_fn, _stack_blocks, args.fake_precision, world, act)
+            print_table(f"{world} ranks (fake process group, rank 0; estimate), {_describe(args.fake_precision)}, "
+                        f"{args.fake_layers} Llama-3-8B-shaped layers (hidden {dims['hidden']}, ffn {dims['ffn']}, "
+                        f"{dims['heads']} heads, {dims['kv_heads']} KV heads; no embedding/head), 1 x "
+                        f"{args.fake_seq} tokens", rows, floor, rss=False)
+            for system, reason in results.items():
+                if not isinstance(reason, dict):
+                    print(f"{system:9s} does not run on the fake process group: {reason}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, nargs="*", default=[2, 4])
+    p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    p.add_argument("--fake-ranks", type=int, nargs="*", default=[8, 64, 1024])
+    p.add_argument("--fake-systems", nargs="+", default=list(FAKE_SYSTEMS), choices=FAKE_SYSTEMS)
+    p.add_argument("--fake-layers", type=int, default=2)
+    p.add_argument("--fake-hidden", type=int, default=4096)
+    p.add_argument("--fake-ffn", type=int, default=14336)
+    p.add_argument("--fake-heads", type=int, default=32)
+    p.add_argument("--fake-kv-heads", type=int, default=8)
+    p.add_argument("--fake-seq", type=int, default=64)
+    p.add_argument("--fake-precision", choices=["fp32", "bf16"], default="fp32")
+    return p.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if args.ranks:
+        run_real(args)
+    if args.fake_ranks:
+        run_fake(args)
+
+
+if __name__ == "__main__":
+    main()

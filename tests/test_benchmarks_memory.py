@@ -1,0 +1,42 @@
+"""Smoke test of benchmarks/memory.py at its smallest setting: the fake-process-group tables
+(one process) list every system with the floor and its excess, and each row adds up."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+
+import pytest
+
+
+def test_memory_benchmark_smoke(capsys):
+    pytest.importorskip("deepspeed")
+    bench = importlib.import_module("benchmarks.memory")  # the repository root is on sys.path (conftest / rootdir)
+    args = bench.parse_args(["--ranks", "--fake-ranks", "8", "--fake-layers", "1", "--fake-hidden", "64",
+                             "--fake-ffn", "128", "--fake-heads", "4", "--fake-kv-heads", "2", "--fake-seq", "8"])
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    bench.run_fake(args)
+    out = capsys.readouterr().out
+    floor = re.search(r"floor = sharded ([\d.]+) \+ 2 groups full ([\d.]+) \+ act ([\d.]+) = ([\d.]+) MiB", out)
+    assert floor, out
+    sharded, gathered, act, total = map(float, floor.groups())
+    assert abs(sharded + gathered + act - total) <= 0.02 and min(sharded, gathered, act) > 0, out
+    header = next(line for line in out.splitlines() if line.startswith("system"))
+    assert header.split() == ["system", "peak", "MiB", *bench.ROLES, "floor", "excess"], header
+    rows = {}
+    for line in out.splitlines():
+        name = line.split(" ", 1)[0]
+        if name in bench.FAKE_SYSTEMS:
+            rows[name] = line
+    assert set(rows) == set(bench.FAKE_SYSTEMS), out  # every system: a row, or why it cannot run on a fake group
+    measured = 0
+    for line in rows.values():
+        if "does not run" in line:
+            continue
+        peak, *roles, row_floor, excess = map(float, line.split()[1:])
+        assert abs(sum(roles) - peak) <= 0.01 * len(roles), line  # the split accounts for the whole peak
+        assert row_floor == total and abs(peak - row_floor - excess) <= 0.02, line
+        assert peak > 0 and roles[bench.ROLES.index("params")] > 0, line
+        measured += 1
+    assert measured >= 3, out  # vescale, FSDP2 and ZeRO-3 run on PyTorch's fake process group
