@@ -69,7 +69,10 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 240
                 if time.monotonic() >= deadline:
                     for p in ctx.processes:
                         p.kill()
-                    raise TimeoutError(f"ranks still running after {timeout:.0f}s (a collective mismatch?)")
+                    # a rank that raised leaves its peers waiting in a collective: say why
+                    _, errors = _read_reports(out_dir, range(world_size))
+                    raise TimeoutError("\n".join([f"ranks still running after {timeout:.0f}s (a collective mismatch?)"]
+                                                  + errors))
         except mp.ProcessExitedException as e:  # a rank died; the others' reports say why
             crash = e
             for p in ctx.processes:
