@@ -2,7 +2,9 @@
 
 ``run_on_ranks(fn, world_size, *args)`` spawns ``world_size`` processes, each calling
 ``fn(rank, world_size, *args)`` with the default process group initialised, and returns
-the list of per-rank return values. A rank that raises fails the test with its
+the list of per-rank return values. ``run_cases_on_ranks`` runs several named cases one
+after another in one such spawn (spawning and importing cost ~5-10 s a time), and names
+the case that failed. A rank that raises fails the test with its
 traceback; ranks that are still running after ``timeout`` seconds are killed, so a
 mismatched collective fails instead of hanging. ``run_with_a_killed_rank`` runs ranks
 one of which is to die of SIGKILL (crash-safety tests).
@@ -25,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_on_ranks", "run_with_a_killed_rank"]
+__all__ = ["run_cases_on_ranks", "run_on_ranks", "run_with_a_killed_rank"]
 
 
 def _free_port() -> int:
@@ -67,7 +69,10 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 240
                 if time.monotonic() >= deadline:
                     for p in ctx.processes:
                         p.kill()
-                    raise TimeoutError(f"ranks still running after {timeout:.0f}s (a collective mismatch?)")
+                    # a rank that raised leaves its peers waiting in a collective: say why
+                    _, errors = _read_reports(out_dir, range(world_size))
+                    raise TimeoutError("\n".join([f"ranks still running after {timeout:.0f}s (a collective mismatch?)"]
+                                                  + errors))
         except mp.ProcessExitedException as e:  # a rank died; the others' reports say why
             crash = e
             for p in ctx.processes:
@@ -77,6 +82,32 @@ def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 240
         if errors or crash:
             raise AssertionError("\n".join(errors + ([f"({crash})"] if crash else [])))
         return results
+
+
+class CaseFailed(RuntimeError):
+    """Raised on a rank by :func:`run_cases_on_ranks` for the case whose function raised."""
+
+
+def _run_cases(rank: int, world_size: int, cases: Dict[str, Tuple[Callable, tuple]]) -> Dict[str, Any]:
+    out = {}
+    for name, (fn, args) in cases.items():
+        try:
+            out[name] = fn(rank, world_size, *args)
+        except BaseException as e:  # noqa: BLE001 - re-raised naming the case
+            raise CaseFailed(f"case {name!r} failed on rank {rank} (of {world_size})") from e
+        gc.collect()
+        dist.barrier()  # the next case starts on all ranks together
+    return out
+
+
+def run_cases_on_ranks(cases: Dict[str, Tuple[Callable, tuple]], world_size: int,
+                       timeout: float = 240.0) -> Dict[str, List[Any]]:
+    """Runs ``cases`` (``{name: (fn, args)}``, each as ``fn(rank, world_size, *args)`` in
+    :func:`run_on_ranks`) one after another in ONE spawn of ``world_size`` ranks; returns
+    ``{name: [per-rank results]}``. A case that raises fails the run with a ``CaseFailed``
+    naming it (the cases after it do not run); ``timeout`` is for all the cases together."""
+    per_rank = run_on_ranks(_run_cases, world_size, cases, timeout=timeout)
+    return {name: [r[name] for r in per_rank] for name in cases}
 
 
 def _read_reports(

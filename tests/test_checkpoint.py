@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
+from typing import Dict, List
 
 import pytest
 import torch
 
 import vescale_zero as vz
-from tests.distributed import run_on_ranks
+from tests.distributed import run_cases_on_ranks, run_on_ranks
 from tests.models import AwkwardLM, assemble, local_pieces, make_batches, rank_slice
 from vescale_zero import checkpoint
 
@@ -46,16 +48,18 @@ def _phase(rank, world_size, path, phase, granularity):
     return local_pieces(model)
 
 
-@pytest.mark.parametrize("save_ranks,load_ranks,granularities",
-                         [(2, 3, ("row", "element")), (3, 1, ("element", "3rows")), (1, 4, ("row", "row"))])
+RESHARD_CASES = [(2, 3, ("row", "element")), (3, 1, ("element", "3rows")), (1, 4, ("row", "row"))]
+
+
+@pytest.mark.parametrize("save_ranks,load_ranks,granularities", RESHARD_CASES)
 @pytest.mark.slow
-def test_reshard_on_load_then_continue(tmp_path, save_ranks, load_ranks, granularities):
-    path = str(tmp_path / "ckpt")
-    run_on_ranks(_phase, save_ranks, path, "first", granularities[0])
-    resumed = assemble(run_on_ranks(_phase, load_ranks, path, "resume", granularities[1]))
-    straight = assemble(run_on_ranks(_phase, load_ranks, path, "full", granularities[1]))
+def test_reshard_on_load_then_continue(spawned, save_ranks, load_ranks, granularities):
+    case = f"reshard {save_ranks}->{load_ranks}"
+    resumed = assemble(spawned[f"{case} resume"])
+    straight = assemble(spawned[f"{case} full"])
     for name in straight:
-        torch.testing.assert_close(resumed[name], straight[name], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(resumed[name], straight[name], rtol=1e-6, atol=1e-7,
+                                   msg=lambda m, name=name: f"{case}, {name}: {m}")
 
 
 def _load_only(rank, world_size, path):
@@ -64,9 +68,8 @@ def _load_only(rank, world_size, path):
 
 
 @pytest.mark.slow
-def test_partial_or_corrupt_checkpoints_are_refused(tmp_path):
-    path = str(tmp_path / "ckpt")
-    run_on_ranks(_phase, 2, path, "first", "row")
+def test_partial_or_corrupt_checkpoints_are_refused(spawned):
+    path = spawned.paths["corrupt"]  # saved by 2 ranks ("corrupt first")
     rank1 = os.path.join(path, "rank00001.pt")
     good = open(rank1, "rb").read()
 
@@ -120,12 +123,12 @@ def _load_after_forward(rank, world_size, path):
     return out
 
 
-def test_load_after_a_forward_computes_with_the_loaded_weights(tmp_path):
+def test_load_after_a_forward_computes_with_the_loaded_weights(spawned):
     """Defect 1: the root group stays gathered after a forward without backward (and a
     bf16 group keeps its cast), so a load after a forward must not leave the next forward
     computing with the weights from before the load: its output equals, bit for bit, that
     of a model that loaded before any forward (fp32 and bf16 compute, 2 ranks)."""
-    for rank, out in enumerate(run_on_ranks(_load_after_forward, 2, str(tmp_path / "ckpt"))):
+    for rank, out in enumerate(spawned["load after forward"]):
         wrong = [(precision, before, out[precision, before].item(), out[precision, "nothing"].item())
                  for precision in ("fp32", "bf16") for before in ("forward", "no_grad forward")
                  if not torch.equal(out[precision, before], out[precision, "nothing"])]
@@ -187,10 +190,12 @@ def _same(a, b) -> bool:
     return a == b
 
 
-@pytest.mark.parametrize("name,save_ranks,load_ranks", [("adamw8bit", 2, 3), ("shampoo", 2, 3), ("muon", 3, 2),
-                                                        ("adamw8bit", 3, 1)])
+STRUCTURED_CASES = [("adamw8bit", 2, 3), ("shampoo", 2, 3), ("muon", 3, 2), ("adamw8bit", 3, 1)]
+
+
+@pytest.mark.parametrize("name,save_ranks,load_ranks", STRUCTURED_CASES)
 @pytest.mark.slow
-def test_structured_optimizer_state_reshards(tmp_path, name, save_ranks, load_ranks):
+def test_structured_optimizer_state_reshards(spawned, name, save_ranks, load_ranks):
     """8-bit AdamW's codes and per-block scales, Shampoo's per-tile preconditioners and
     Muon's momentum, saved at one world size and loaded at another: the state the new ranks
     hold, saved again, consolidates to exactly the saved state (every code, scale and
@@ -199,20 +204,20 @@ def test_structured_optimizer_state_reshards(tmp_path, name, save_ranks, load_ra
     differently (~1e-7). Muon's fp32 state keeps that at 1e-6; an 8-bit code or a Shampoo
     eigenvector can flip on it, moving a few elements by up to ~lr/20: at most 5e-4 and
     on at most 1% of the elements."""
-    path = str(tmp_path / "ckpt")
-    run_on_ranks(_structured_phase, save_ranks, name, path, "first")
-    resumed = assemble(run_on_ranks(_structured_phase, load_ranks, name, path, "resume"))
+    case = f"{name} {save_ranks}->{load_ranks}"
+    path = spawned.paths[case]
+    resumed = assemble(spawned[f"{case} resume"])
     before = checkpoint.consolidate(path, with_optimizer=True)
     after = checkpoint.consolidate(path + ".again", with_optimizer=True)
-    assert before.keys() == after.keys()
+    assert before.keys() == after.keys(), case
     optimizer_keys = {k.split("::")[1] for k in before if "::" in k}
     expected = {"adamw8bit": {"exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale"},
                 "shampoo": {"momentum", "blocks", "exp_avg", "exp_avg_sq"},
                 "muon": {"momentum_buffer", "exp_avg", "exp_avg_sq"}}[name]
-    assert optimizer_keys == expected, optimizer_keys
+    assert optimizer_keys == expected, (case, optimizer_keys)
     for key in before:
-        assert _same(before[key], after[key]), key
-    straight = assemble(run_on_ranks(_structured_phase, load_ranks, name, path, "full"))
+        assert _same(before[key], after[key]), (case, key)
+    straight = assemble(spawned[f"{case} full"])
     d = STRUCTURED_CFG["d_model"]
     for param in [p for p in straight if p.endswith("qkv.bias")]:
         # The K bias's gradient is zero up to rounding (softmax ignores a shift of all
@@ -223,30 +228,28 @@ def test_structured_optimizer_state_reshards(tmp_path, name, save_ranks, load_ra
     if name == "muon":
         for param in straight:
             torch.testing.assert_close(resumed[param], straight[param], rtol=1e-6, atol=1e-6,
-                                       msg=lambda m, param=param: f"{param}: {m}")
+                                       msg=lambda m, param=param: f"{case}, {param}: {m}")
     else:
         assert diffs.max().item() <= 5e-4 and (diffs > 1e-6).float().mean().item() <= 0.01, (
-            diffs.max().item(), (diffs > 1e-6).float().mean().item())
+            case, diffs.max().item(), (diffs > 1e-6).float().mean().item())
 
 
-def test_per_block_state_on_pieces_that_split_its_blocks_is_refused(tmp_path):
+def test_per_block_state_on_pieces_that_split_its_blocks_is_refused(spawned):
     """8-bit AdamW state saved with blocks of 16, loaded at 3 ranks sharded by element (the
     pieces split blocks): refused on every rank, naming the parameter and the granularity
     that fixes it (never a block's scale given to two ranks)."""
-    path = str(tmp_path / "ckpt")
-    run_on_ranks(_structured_phase, 2, "adamw8bit", path, "first")
-    messages = run_on_ranks(_structured_phase, 3, "adamw8bit", path, "resume", 16, "element")
+    messages = spawned["per-block refused resume"]
     assert all(isinstance(m, str) for m in messages), ("every rank must refuse, not only some", messages)
     assert any("exp_avg" in m and "AdamW8bit.granularity(16)" in m for m in messages), messages
 
 
-def test_consolidate_gives_the_unsharded_state_dict(tmp_path):
+def test_consolidate_gives_the_unsharded_state_dict(tmp_path, spawned):
     """``vescale-zero consolidate`` joins the pieces of 3 ranks into the state dict of the
     unsharded model: it loads strictly into a plain AwkwardLM, with the trained values."""
     from vescale_zero.cli import main
 
-    path, out = str(tmp_path / "ckpt"), str(tmp_path / "full.pt")
-    trained = assemble(run_on_ranks(_phase, 3, path, "first", "row"))
+    path, out = spawned.paths["consolidate"], str(tmp_path / "full.pt")
+    trained = assemble(spawned["consolidate first"])
     assert main(["consolidate", path, out, "--optimizer"]) == 0
     state = torch.load(out, weights_only=True)
     plain = AwkwardLM(seed=5)
@@ -305,16 +308,16 @@ def _fsdp2_then_ours(rank, world_size, src, phase):
     return {"loaded": loaded, "final": local_pieces(model), "moments": moments}
 
 
-def test_fsdp2_dcp_checkpoint_loads_and_training_continues(tmp_path):
+def test_fsdp2_dcp_checkpoint_loads_and_training_continues(tmp_path, spawned):
     """An FSDP2 DCP checkpoint of 2 ranks loads into ``fully_shard`` on 3: the weights
     exactly, Adam's moments and steps, and the next 3 steps match FSDP2's own continuation
     (1e-6: another world size sums gradients in another order). The offline
     ``vescale-zero convert --from fsdp2`` writes the same checkpoint."""
     from vescale_zero.cli import main
 
-    src = str(tmp_path / "dcp")
-    theirs = run_on_ranks(_fsdp2_then_ours, 2, src, "fsdp2", timeout=300)[0]
-    ours = run_on_ranks(_fsdp2_then_ours, 3, src, "ours", timeout=300)
+    src = spawned.paths["fsdp2"]
+    theirs = spawned["fsdp2 fsdp2"][0]
+    ours = spawned["fsdp2 ours"]
     loaded, final = assemble([r["loaded"] for r in ours]), assemble([r["final"] for r in ours])
     assert sum(r["moments"] for r in ours) > 0
     for name, value in loaded.items():
@@ -328,3 +331,50 @@ def test_fsdp2_dcp_checkpoint_loads_and_training_continues(tmp_path):
     assert {k.split("::")[1] for k in a if "::" in k} == {"exp_avg", "exp_avg_sq"}
     assert main(["convert", "--from", "fsdp2", str(tmp_path), str(tmp_path / "x")]) == 2  # not a DCP directory
     assert main(["convert", "--from", "fsdp2", src, offline]) == 2  # the target exists
+
+
+# ---- the spawned runs of the tests above, five spawns in all ----------------------------
+
+
+class _Spawned(dict):
+    """``{"<case> <phase>": [per-rank results]}``, with ``paths[case]``: its checkpoint."""
+
+    paths: Dict[str, str]
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory) -> _Spawned:
+    """Every spawned run of this file's tests but the refused loads, in five
+    spawns of ranks instead of 28 (one per world size, in an order that puts each save
+    before its load; muon saves at 3 and loads at 2, so 2 comes twice). Each phase runs as
+    it did in its own spawn; a failing one names its case (``run_cases_on_ranks``)."""
+    root = tmp_path_factory.mktemp("spawned")
+    paths = {case: str(root / re.sub(r"\W+", "_", case)) for case in
+             [f"reshard {s}->{ld}" for s, ld, _ in RESHARD_CASES]
+             + [f"{n} {s}->{ld}" for n, s, ld in STRUCTURED_CASES]
+             + ["per-block refused", "consolidate", "fsdp2", "corrupt", "load after forward"]}
+    phases: Dict[int, List[tuple]] = {ws: [] for ws in (2, 3, 1, 4, -2)}  # -2: the second spawn at 2
+    for save, load, (g_save, g_load) in RESHARD_CASES:
+        case = f"reshard {save}->{load}"
+        phases[save].append((f"{case} first", _phase, (paths[case], "first", g_save)))
+        phases[load].append((f"{case} resume", _phase, (paths[case], "resume", g_load)))
+        phases[load].append((f"{case} full", _phase, (paths[case], "full", g_load)))
+    for name, save, load in STRUCTURED_CASES:
+        case = f"{name} {save}->{load}"
+        phases[save].append((f"{case} first", _structured_phase, (name, paths[case], "first")))
+        for phase in ("resume", "full"):
+            phases[-load if (save, load) == (3, 2) else load].append(
+                (f"{case} {phase}", _structured_phase, (name, paths[case], phase)))
+    path = paths["per-block refused"]
+    phases[2].append(("per-block refused first", _structured_phase, ("adamw8bit", path, "first")))
+    phases[3].append(("per-block refused resume", _structured_phase, ("adamw8bit", path, "resume", 16, "element")))
+    phases[3].append(("consolidate first", _phase, (paths["consolidate"], "first", "row")))
+    phases[2].append(("fsdp2 fsdp2", _fsdp2_then_ours, (paths["fsdp2"], "fsdp2")))
+    phases[3].append(("fsdp2 ours", _fsdp2_then_ours, (paths["fsdp2"], "ours")))
+    phases[2].append(("corrupt first", _phase, (paths["corrupt"], "first", "row")))
+    phases[2].append(("load after forward", _load_after_forward, (paths["load after forward"],)))
+    out = _Spawned()
+    out.paths = paths
+    for ws, cases in phases.items():
+        out.update(run_cases_on_ranks({key: (fn, args) for key, fn, args in cases}, abs(ws), timeout=500))
+    return out

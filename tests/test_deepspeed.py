@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import pathlib
+import re
+from typing import Dict
 
 import pytest
 import torch
@@ -10,7 +13,7 @@ import torch
 pytest.importorskip("deepspeed")  # the [test] extra installs it; without it these tests cannot run
 
 from tests.device_guard import strict_collectives  # noqa: E402
-from tests.distributed import run_on_ranks  # noqa: E402
+from tests.distributed import run_cases_on_ranks, run_on_ranks  # noqa: E402
 from tests.models import AwkwardLM, assemble, local_pieces, make_batches, rank_slice  # noqa: E402
 
 STEPS, GLOBAL_BATCH, ACCUM = 10, 12, 2
@@ -86,9 +89,21 @@ def _train(rank, world_size, stage, extra):
 def run(world_size, stage, *, optimizer_class=None, **extra):
     """Train STEPS steps on ``world_size`` ranks: ``(losses, full parameters)``; with
     ``optimizer_class``, check that every rank stepped that optimizer class."""
-    results = run_on_ranks(_train, world_size, stage, extra, timeout=400)
-    assert all(r["steps"] == STEPS for r in results)
-    assert optimizer_class is None or all(r["optimizer"] == optimizer_class for r in results), results[0]["optimizer"]
+    return _joined(run_on_ranks(_train, world_size, stage, extra, timeout=400), stage, optimizer_class)
+
+
+def run_both(world_size, **extra):
+    """:func:`run` of ZeRO stage 3 and of "ragged", in one spawn: ``((losses, params) of
+    stage 3, (losses, params) of ragged)``."""
+    runs = run_cases_on_ranks({f"{stage} at {world_size} ranks": (_train, (stage, extra)) for stage in (3, "ragged")},
+                              world_size, timeout=600)
+    return tuple(_joined(results, stage, None, case) for stage, (case, results) in zip((3, "ragged"), runs.items()))
+
+
+def _joined(results, stage, optimizer_class, case=""):
+    assert all(r["steps"] == STEPS for r in results), case
+    assert optimizer_class is None or all(r["optimizer"] == optimizer_class for r in results), (
+        case, results[0]["optimizer"])
     params = assemble([r["params"] for r in results]) if stage == "ragged" else results[0]["params"]
     return results[0]["losses"], params
 
@@ -96,8 +111,7 @@ def run(world_size, stage, *, optimizer_class=None, **extra):
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_ragged_matches_stage3_fp32(world_size):
-    ref_losses, ref_params = run(world_size, 3)
-    losses, params = run(world_size, "ragged")
+    (ref_losses, ref_params), (losses, params) = run_both(world_size)
     assert losses == pytest.approx(ref_losses, rel=1e-6)
     assert set(params) == set(ref_params)
     for name, value in params.items():
@@ -108,8 +122,7 @@ def test_ragged_matches_stage3_fp32(world_size):
 def test_bf16_tracks_stage3_bf16():
     """bf16 compute on both sides. Stated tolerance as in test_fully_shard's bf16 test:
     losses within 1e-2 relative, parameters within 1e-3 on average."""
-    ref_losses, ref_params = run(2, 3, bf16={"enabled": True})
-    losses, params = run(2, "ragged", bf16={"enabled": True})
+    (ref_losses, ref_params), (losses, params) = run_both(2, bf16={"enabled": True})
     assert losses == pytest.approx(ref_losses, rel=1e-2)
     diffs = torch.cat([(params[n].float() - ref_params[n].float()).abs().flatten() for n in params])
     assert diffs.mean().item() <= 1e-3
@@ -193,8 +206,9 @@ def _client_optimizer(rank, world_size, stage):
 
 
 def test_client_optimizer_and_scheduler():
-    ref = run_on_ranks(_client_optimizer, 2, 3, timeout=400)
-    ours = run_on_ranks(_client_optimizer, 2, "ragged", timeout=400)
+    both = run_cases_on_ranks({"stage 3": (_client_optimizer, (3,)), "ragged": (_client_optimizer, ("ragged",))}, 2,
+                              timeout=400)
+    ref, ours = both["stage 3"], both["ragged"]
     assert ours[0]["lr"] == ref[0]["lr"]
     assert ours[0]["losses"] == pytest.approx(ref[0]["losses"], rel=1e-6)
     params = assemble([r["params"] for r in ours])
@@ -261,17 +275,20 @@ def _train_with_checkpoint(rank, world_size, ckpt_dir, phase):
     return {"losses": losses, "params": local_pieces(engine.module)}
 
 
+SAVE_LOAD_CASES = [(2, 2), (2, 3)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("save_ranks,load_ranks", [(2, 2), (2, 3)])
-def test_save_load_continue_matches_uninterrupted(tmp_path, save_ranks, load_ranks):
-    full = run_on_ranks(_train_with_checkpoint, load_ranks, str(tmp_path), "full", timeout=400)
-    run_on_ranks(_train_with_checkpoint, save_ranks, str(tmp_path), "first", timeout=400)
-    assert (tmp_path / "latest").read_text() == "global_step3"
-    resumed = run_on_ranks(_train_with_checkpoint, load_ranks, str(tmp_path), "resume", timeout=400)
-    assert resumed[0]["losses"] == pytest.approx(full[0]["losses"][3:], rel=1e-6)
+@pytest.mark.parametrize("save_ranks,load_ranks", SAVE_LOAD_CASES)
+def test_save_load_continue_matches_uninterrupted(checkpoint_runs, save_ranks, load_ranks):
+    case = f"save {save_ranks} load {load_ranks}"
+    full, resumed = checkpoint_runs[f"{case} full"], checkpoint_runs[f"{case} resume"]
+    assert checkpoint_runs.latest[case] == "global_step3", case  # as "first" left it
+    assert resumed[0]["losses"] == pytest.approx(full[0]["losses"][3:], rel=1e-6), case
     want, got = assemble([r["params"] for r in full]), assemble([r["params"] for r in resumed])
     for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-7,
+                                   msg=lambda m, name=name: f"{case}, {name}: {m}")
 
 
 # ---- pipeline parallelism ------------------------------------------------------------------
@@ -304,8 +321,8 @@ def _pipeline(rank, world_size, stage):
 
 @pytest.mark.slow
 def test_pipeline_2_stages_x_2_way_matches_stage0_pipeline():
-    ref = run_on_ranks(_pipeline, 4, 0, timeout=400)
-    ours = run_on_ranks(_pipeline, 4, "ragged", timeout=400)
+    both = run_cases_on_ranks({"stage 0": (_pipeline, (0,)), "ragged": (_pipeline, ("ragged",))}, 4, timeout=500)
+    ref, ours = both["stage 0"], both["ragged"]
     for r, o in zip(ref, ours):
         assert o["losses"] == pytest.approx(r["losses"], rel=1e-6)
     for stage_id in (0, 1):
@@ -351,15 +368,23 @@ def _structured_from_config(rank, world_size, via, name):
 BLOCKS = {"AdamW8bit": {"block": 13}, "Shampoo": {"block": 13}, "Muon": {}}  # Muon needs no granularity
 
 
+@pytest.fixture(scope="module")
+def structured_runs():
+    """Every run of the test below, for every optimizer, in one spawn of 3 ranks (instead
+    of 6): ``{"<name> <via>": per-rank results}``; a run that fails names its case."""
+    return run_cases_on_ranks({f"{name} {via}": (_structured_from_config, (via, name))
+                               for name in sorted(BLOCKS) for via in ("deepspeed", "direct")}, 3, timeout=500)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(BLOCKS))
-def test_config_structured_optimizer_shards_by_its_blocks(name):
-    via_ds = run_on_ranks(_structured_from_config, 3, "deepspeed", name, timeout=400)
-    by_hand = run_on_ranks(_structured_from_config, 3, "direct", name, timeout=400)
-    assert all(r["misaligned"] == 0 for r in via_ds)
+def test_config_structured_optimizer_shards_by_its_blocks(structured_runs, name):
+    via_ds, by_hand = structured_runs[f"{name} deepspeed"], structured_runs[f"{name} direct"]
+    assert all(r["misaligned"] == 0 for r in via_ds), name
     got, want = assemble([r["params"] for r in via_ds]), assemble([r["params"] for r in by_hand])
     for key in want:
-        torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=1e-7,
+                                   msg=lambda m, key=key: f"{name}, {key}: {m}")
 
 
 # ---- migrating DeepSpeed checkpoints ---------------------------------------------------------
@@ -388,41 +413,85 @@ def _zero_then_ragged(rank, world_size, ckpt_dir, stage, phase):
             "steps": engine.global_steps, "moments": moments, "refused": refused}
 
 
+ZERO_STAGES = [1, 2, 3]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_checkpoint_migrates_to_ragged_and_training_continues(tmp_path, stage):
+@pytest.mark.parametrize("stage", ZERO_STAGES)
+def test_zero_checkpoint_migrates_to_ragged_and_training_continues(checkpoint_runs, stage):
     """A ZeRO checkpoint written by 2 ranks loads into "ragged" on 3: the same fp32 weights
     (exactly), counters and client state, and Adam's moments and step (through DeepSpeed's
     universal conversion; stage 3's writes no step.pt, the step comes from its
     optimizer_state.pt): the next 3 steps then match ZeRO's own continuation (1e-6, as the
     other parity tests: another world size sums in another order). The engine converts with
     the code of ``vescale-zero convert --from deepspeed``: the offline result is the same."""
-    zero = run_on_ranks(_zero_then_ragged, 2, str(tmp_path), stage, "zero", timeout=400)
-    ours = run_on_ranks(_zero_then_ragged, 3, str(tmp_path), stage, "ragged", timeout=400)
+    case = f"zero stage {stage}"
+    tmp_path = checkpoint_runs.paths[case]
+    zero, ours = checkpoint_runs[f"{case} zero"], checkpoint_runs[f"{case} ragged"]
     saved, loaded = zero[0]["saved"], assemble([r["loaded"] for r in ours])
-    assert set(loaded) == set(saved)
+    assert set(loaded) == set(saved), case
     for name in saved:
-        assert torch.equal(loaded[name], saved[name].float()), name
+        assert torch.equal(loaded[name], saved[name].float()), (case, name)
     for r in ours:
-        assert r["client"] == {"epoch": 2} and r["steps"] == 6, r["client"]
-    assert sum(r["moments"] for r in ours) > 0 and not any(r["refused"] for r in ours)
+        assert r["client"] == {"epoch": 2} and r["steps"] == 6, (case, r["client"])
+    assert sum(r["moments"] for r in ours) > 0 and not any(r["refused"] for r in ours), case
     from vescale_zero import checkpoint
     from vescale_zero.cli import main
 
     assert main(["convert", "--from", "deepspeed", str(tmp_path), str(tmp_path / "offline")]) == 0
     engine_side, offline = (checkpoint.consolidate(str(p), with_optimizer=True)
                             for p in (tmp_path / "global_step3_vescale", tmp_path / "offline"))
-    assert engine_side.keys() == offline.keys() and all(torch.equal(engine_side[k], offline[k]) for k in offline)
+    assert engine_side.keys() == offline.keys() and all(torch.equal(engine_side[k], offline[k]) for k in offline), case
     got, want = assemble([r["params"] for r in ours]), zero[0]["params"]
     for name in want:
         torch.testing.assert_close(got[name], want[name].float(), rtol=1e-6, atol=1e-7,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+                                   msg=lambda m, name=name: f"{case}, {name}: {m}")
 
 
 def test_fp8_all_gather_key_trains_like_the_plain_gather():
     """``"fp8_all_gather_tile": 4`` in the ragged section: the engine gathers float8 tiles and
     the losses follow the plain ragged run to 1%."""
-    plain, _ = run(2, "ragged")
-    fp8, _ = run(2, "ragged", zero_optimization={"stage": "ragged", "fp8_all_gather_tile": 4})
+    runs = run_cases_on_ranks({"plain": (_train, ("ragged", {})), "fp8": (_train, (
+        "ragged", {"zero_optimization": {"stage": "ragged", "fp8_all_gather_tile": 4}}))}, 2, timeout=400)
+    (plain, _), (fp8, _) = (_joined(results, "ragged", None, case) for case, results in runs.items())
     assert all(abs(a - b) <= 0.01 * b for a, b in zip(fp8, plain)), (fp8, plain)
     assert fp8 != plain, "the fp8 key changed nothing: was it applied?"
+
+
+# ---- the spawned runs of the checkpoint tests, two spawns in all ---------------------------
+
+
+class _Spawned(dict):
+    """``{"<case> <phase>": [per-rank results]}``, with ``paths[case]`` (its checkpoint
+    directory) and ``latest[case]`` (its ``latest`` file as the save left it)."""
+
+    paths: Dict[str, pathlib.Path]
+    latest: Dict[str, str]
+
+
+@pytest.fixture(scope="module")
+def checkpoint_runs(tmp_path_factory) -> _Spawned:
+    """The runs of the save/load and ZeRO-migration tests in two spawns (2 ranks, then 3)
+    instead of 12: every save at 2 ranks, then every load at 3 (and the 2 -> 2 resume in
+    the first spawn, after its save). Each phase runs as in its own spawn; a failing one
+    names its case (``run_cases_on_ranks``)."""
+    root = tmp_path_factory.mktemp("deepspeed_ckpt")
+    out = _Spawned()
+    out.paths = {case: root / re.sub(r"\W+", "_", case) for case in
+                 [f"save {s} load {ld}" for s, ld in SAVE_LOAD_CASES] + [f"zero stage {st}" for st in ZERO_STAGES]}
+    at: Dict[int, Dict[str, tuple]] = {2: {}, 3: {}}
+    for save, load in SAVE_LOAD_CASES:
+        case = f"save {save} load {load}"
+        path = str(out.paths[case])
+        at[load][f"{case} full"] = (_train_with_checkpoint, (path, "full"))
+        at[save][f"{case} first"] = (_train_with_checkpoint, (path, "first"))
+        at[load][f"{case} resume"] = (_train_with_checkpoint, (path, "resume"))
+    for stage in ZERO_STAGES:
+        case = f"zero stage {stage}"
+        at[2][f"{case} zero"] = (_zero_then_ragged, (str(out.paths[case]), stage, "zero"))
+        at[3][f"{case} ragged"] = (_zero_then_ragged, (str(out.paths[case]), stage, "ragged"))
+    out.update(run_cases_on_ranks(at[2], 2, timeout=500))
+    out.latest = {f"save {s} load {ld}": (out.paths[f"save {s} load {ld}"] / "latest").read_text()
+                  for s, ld in SAVE_LOAD_CASES}
+    out.update(run_cases_on_ranks(at[3], 3, timeout=500))
+    return out

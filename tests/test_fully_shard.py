@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import vescale_zero as vz
-from tests.distributed import run_on_ranks
+from tests.distributed import run_cases_on_ranks, run_on_ranks
 from tests.models import AwkwardLM, assemble, local_pieces, make_batches, rank_slice, train_reference
 
 STEPS, GLOBAL_BATCH = 4, 12  # 12 samples split evenly over 1, 2, 3 and 4 ranks
@@ -52,16 +52,27 @@ def _train(rank, world_size, granularity, clip, accum, mp, reshard_after_forward
 
 
 def run_sharded(world_size, granularity=None, clip=None, accum=1, mp=False, reshard_after_forward=True):
-    results = run_on_ranks(_train, world_size, granularity, clip, accum, mp, reshard_after_forward)
+    return _joined(run_on_ranks(_train, world_size, granularity, clip, accum, mp, reshard_after_forward))
+
+
+def _joined(results, case=""):
+    """``(losses, full parameters)`` of one run's per-rank results."""
     for r in results[1:]:
-        assert r["losses"] == results[0]["losses"], "ranks disagree on the loss"
+        assert r["losses"] == results[0]["losses"], f"{case}: ranks disagree on the loss"
     return results[0]["losses"], assemble([r["pieces"] for r in results])
 
 
-def _assert_close(params, ref, rtol, atol=0.0):
-    assert set(params) == set(ref), (sorted(params), sorted(ref))
+def run_sharded_granularities(world_size, granularities) -> list:
+    """:func:`run_sharded` (fp32, no clipping) of each granularity, all in one spawn."""
+    cases = {f"granularity {g!r} at {world_size} ranks": (_train, (g, None, 1, False, True)) for g in granularities}
+    return [_joined(results, case) for case, results in run_cases_on_ranks(cases, world_size).items()]
+
+
+def _assert_close(params, ref, rtol, atol=0.0, case=""):
+    assert set(params) == set(ref), (case, sorted(params), sorted(ref))
     for name, value in params.items():
-        torch.testing.assert_close(value, ref[name], rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(value, ref[name], rtol=rtol, atol=atol,
+                                   msg=lambda m, name=name: f"{case} {name}: {m}".lstrip())
 
 
 @pytest.fixture(scope="module")
@@ -100,17 +111,17 @@ def test_every_granularity_gives_the_same_numbers(reference_plain):
     change a number as long as the reduction itself is layout-independent. At 2 ranks it
     is (a + b == b + a exactly), so every preset must agree bit for bit; at 3 ranks a ring
     reduce-scatter sums each chunk starting at its owner, so presets agree to rounding."""
-    runs = [run_sharded(2, granularity=g) for g in GRANULARITIES]
+    runs = run_sharded_granularities(2, GRANULARITIES)
     for (losses, params), g in zip(runs[1:], GRANULARITIES[1:]):
         assert losses == runs[0][0], g
         for name in params:
             assert torch.equal(params[name], runs[0][1][name]), (g, name)
     assert runs[0][0] == pytest.approx(reference_plain["losses"], rel=1e-6)
     _assert_close(runs[0][1], reference_plain["params"], rtol=1e-6, atol=1e-7)
-    for g in ("element", GRANULARITIES[3]):
-        losses, params = run_sharded(3, granularity=g)
-        assert losses == pytest.approx(reference_plain["losses"], rel=1e-6)
-        _assert_close(params, reference_plain["params"], rtol=1e-6, atol=1e-7)
+    at_3 = ("element", GRANULARITIES[3])
+    for g, (losses, params) in zip(at_3, run_sharded_granularities(3, at_3)):
+        assert losses == pytest.approx(reference_plain["losses"], rel=1e-6), g
+        _assert_close(params, reference_plain["params"], rtol=1e-6, atol=1e-7, case=f"granularity {g!r} at 3 ranks")
 
 
 def test_world_size_1_is_bit_exact(reference_plain):

@@ -24,7 +24,7 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is a test dependency (pip install -e '.[test]')")
 
-from tests.distributed import run_on_ranks  # noqa: E402
+from tests.distributed import run_cases_on_ranks, run_on_ranks  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "megatron", "pretrain_gpt.py")
@@ -917,14 +917,60 @@ def _resume_from_megatron(rank: int, world_size: int, argv: List[str], ckpt: str
         return out
 
 
-@pytest.mark.parametrize("source,flags", [(["--tensor-model-parallel-size", "2"], []),
-                                          (["--pipeline-model-parallel-size", "2"], []),
-                                          ([], ["--use-distributed-optimizer"]),
-                                          ([], ["--bf16"]),
-                                          ([], MOE_EP2)],
-                         ids=["tp2-adam", "pp2-adam", "dp2-distributed-optimizer", "bf16-adam", "moe-ep2-adam"])
+DIST_CKPT_CASES = {"tp2-adam": (["--tensor-model-parallel-size", "2"], []),
+                   "pp2-adam": (["--pipeline-model-parallel-size", "2"], []),
+                   "dp2-distributed-optimizer": ([], ["--use-distributed-optimizer"]),
+                   "bf16-adam": ([], ["--bf16"]),
+                   "moe-ep2-adam": ([], MOE_EP2)}
+
+
+@pytest.fixture(scope="module")
+def megatron_dist_checkpoints(tmp_path_factory) -> Dict[str, Dict]:
+    """The spawned runs of every case of the test below, in 4 spawns instead of 12: the
+    five cases write their checkpoints in one spawn of 2 ranks (converted here, offline);
+    the resumes at 3 ranks and MoE's converted checkpoint at ep1 share one spawn; MoE's
+    resume at 4 ranks and the tp2 load of the converted (tp1) checkpoint take one each.
+    ``{case: {"paths": (ckpt, back, converted), "written", "resume", ...: per-rank
+    results}}``; a run that fails names its case (``run_cases_on_ranks``)."""
+    from vescale_zero.checkpoint.sources import convert
+
+    root, out = tmp_path_factory.mktemp("megatron_dist_ckpt"), {}
+    for case in DIST_CKPT_CASES:
+        paths = tuple(str(root / case / name) for name in ("megatron", "vescale", "converted"))
+        for path in (paths[0], paths[1], paths[0] + "-buckets"):
+            os.makedirs(path)  # dist_checkpointing.save wants an existing directory
+        out[case] = {"paths": paths}
+    written = run_cases_on_ranks({case: (_megatron_writes_dist_checkpoint, (DIST_CKPT + source + flags,
+                                                                             out[case]["paths"][0]))
+                                  for case, (source, flags) in DIST_CKPT_CASES.items()}, 2, timeout=500)
+    for case, runs in out.items():
+        runs["written"] = written[case]
+        convert("megatron", runs["paths"][0], runs["paths"][2])  # offline, in this process: no process group
+
+    def resume(case):
+        ckpt, back, converted = out[case]["paths"]
+        # MoE resumes at ep2 x dp4 (dense and expert optimizers chained, as Megatron's); the
+        # converted checkpoint (tp1 x pp1 x ep1 names) is checked at ep1.
+        return (_resume_from_megatron, (DIST_CKPT + DIST_CKPT_CASES[case][1], ckpt, back, written[case][0],
+                                        None if case == "moe-ep2-adam" else converted))
+
+    at3 = {f"{case} resume": resume(case) for case in DIST_CKPT_CASES if case != "moe-ep2-adam"}
+    moe_ckpt, _, moe_converted = out["moe-ep2-adam"]["paths"]
+    at3["moe-ep2-adam converted at ep1"] = (_converted_moe_at_ep1, (DIST_CKPT + ["--num-experts", "2"], moe_ckpt,
+                                                                    moe_converted))
+    at3 = run_cases_on_ranks(at3, 3, timeout=500)
+    at4 = run_cases_on_ranks({"moe-ep2-adam resume": resume("moe-ep2-adam")}, 4, timeout=300)
+    at2 = run_cases_on_ranks({"tp2-adam converted at tp2": (_converted_loads_at_tp2, (
+        DIST_CKPT + DIST_CKPT_CASES["tp2-adam"][0], out["tp2-adam"]["paths"][2]))}, 2, timeout=300)
+    for key, results in {**at3, **at4, **at2}.items():
+        case, what = key.split(" ", 1)
+        out[case][what] = results
+    return out
+
+
+@pytest.mark.parametrize("case", list(DIST_CKPT_CASES))
 @pytest.mark.slow
-def test_megatron_dist_checkpoint_resumes_in_vescale_fsdp_and_back(tmp_path, source, flags):
+def test_megatron_dist_checkpoint_resumes_in_vescale_fsdp_and_back(tmp_path, megatron_dist_checkpoints, case):
     """Megatron writes a torch_dist checkpoint (tp2 x dp1 or pp2 x dp1 with its Adam, dp2
     with its distributed optimizer, ``fully_reshardable``, dp2 bf16 with its mixed-precision
     Adam, or MoE at ep2 with its chained dense and expert Adams); VeScaleFSDP loads it at
@@ -935,16 +981,11 @@ def test_megatron_dist_checkpoint_resumes_in_vescale_fsdp_and_back(tmp_path, sou
     DDP + its Adam loads it exactly (weights or masters, moments, step)."""
     from vescale_zero.checkpoint.sources import convert
 
+    source, flags = DIST_CKPT_CASES[case]
+    runs = megatron_dist_checkpoints[case]
     distributed, bf16, moe = "--use-distributed-optimizer" in flags, "--bf16" in flags, flags == MOE_EP2
-    ckpt, back, converted = str(tmp_path / "megatron"), str(tmp_path / "vescale"), str(tmp_path / "converted")
-    for path in (ckpt, back, ckpt + "-buckets"):
-        os.makedirs(path)  # dist_checkpointing.save wants an existing directory
-    written = run_on_ranks(_megatron_writes_dist_checkpoint, 2, DIST_CKPT + source + flags, ckpt, timeout=300)
-    convert("megatron", ckpt, converted)  # offline, in this process: no process group
-    # MoE resumes at ep2 x dp4 (dense and expert optimizers chained, as Megatron's); the
-    # converted checkpoint (tp1 x pp1 x ep1 names) is checked at ep1 below.
-    for res in run_on_ranks(_resume_from_megatron, 4 if moe else 3, DIST_CKPT + flags, ckpt, back, written[0],
-                            None if moe else converted, timeout=300):
+    ckpt, back, converted = runs["paths"]
+    for res in runs["resume"]:
         assert res["weights loaded"] == 0.0 and res["step"] == 2.0, res
         # dp3: reduce-scatter vs all-reduce summation order; bf16: Adam normalises steps of bf16-reduced
         # gradients, so that order moves near-zero elements by up to lr (measured 1.6e-3)
@@ -970,11 +1011,10 @@ def test_megatron_dist_checkpoint_resumes_in_vescale_fsdp_and_back(tmp_path, sou
         weights, full = consolidate(str(tmp_path / "weights")), consolidate(converted)
         assert sorted(weights) == sorted(full) and all(torch.equal(v, full[k]) for k, v in weights.items())
     if moe:
-        for res in run_on_ranks(_converted_moe_at_ep1, 3, DIST_CKPT + ["--num-experts", "2"], ckpt, converted,
-                                timeout=300):
+        for res in runs["converted at ep1"]:
             assert res == (0.0, True, 2.0, True, 0.0), res
     if source[:1] == ["--tensor-model-parallel-size"]:  # the converted checkpoint holds tp1 tensors
-        for message in run_on_ranks(_converted_loads_at_tp2, 2, DIST_CKPT + source, converted, timeout=300):
+        for message in runs["converted at tp2"]:
             assert "TP = PP = EP = 1" in message, message
 
 
