@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import vescale_zero as vz
 from tests.distributed import run_cases_on_ranks, run_on_ranks
-from tests.models import AwkwardLM, assemble, local_pieces, make_batches, rank_slice, train_reference
+from tests.models import SEQ, VOCAB, AwkwardLM, assemble, local_pieces, make_batches, rank_slice, train_reference
 
 STEPS, GLOBAL_BATCH = 4, 12  # 12 samples split evenly over 1, 2, 3 and 4 ranks
 
@@ -307,3 +307,46 @@ def test_bad_input_gives_clear_errors():
         bad = {k: v for k, v in errors.items() if v != "ok"}
         assert not bad, bad
         assert len(errors) >= 7
+
+
+def _dropped_models(rank, world_size):
+    """Build, shard and train one step, drop the model and its optimizer: every group, buffer
+    and shard must be freed (param_group [Note: hooks hold their group weakly])."""
+    import gc
+    import weakref
+
+    from tests.test_meta_init import gpt_init
+    from vescale_zero.fully_shard import groups_of
+    from vescale_zero.testing.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=16, n_layers=2, n_heads=2)  # `pos`: a root parameter
+
+    def build(path):
+        if path == "meta":
+            with torch.device("meta"):
+                model = GPT(cfg)
+            vz.fully_shard_layers(model)
+            vz.materialize(model, init_fn=gpt_init, device="cpu")
+        else:
+            model = GPT(cfg)
+            vz.fully_shard_layers(model) if path == "eager, layers" else vz.fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(rank))
+        model(tokens, tokens).backward()
+        opt.step()
+        groups = groups_of(model)
+        refs = [weakref.ref(model)] + [weakref.ref(g) for g in groups]
+        refs += [weakref.ref(p.data.untyped_storage()) for p in model.parameters()]
+        return refs
+
+    alive = {}
+    for path in ("eager, root", "eager, layers", "meta"):
+        refs = build(path)
+        gc.collect()
+        alive[path] = sum(r() is not None for r in refs), len(refs)
+    return alive
+
+
+def test_a_dropped_model_frees_its_groups():
+    for alive in run_on_ranks(_dropped_models, 2):
+        assert all(n == 0 for n, _ in alive.values()), f"objects still alive after the model was dropped: {alive}"

@@ -89,6 +89,13 @@ def slot_of(param: torch.Tensor) -> Optional[Tuple["ParamGroup", int]]:
     return None if group is None else (group, entry[2])
 
 
+def _grad_accumulated(group_ref: "weakref.ref[ParamGroup]", index: int, param: torch.Tensor) -> None:
+    """The post-accumulate-grad hook of a group's parameter ([Note: hooks hold their group weakly])."""
+    group = group_ref()
+    if group is not None:
+        group._on_grad_accumulated(index, param)
+
+
 class GroupState(enum.Enum):
     SHARDED = "sharded"
     UNSHARDING = "unsharding"  # all-gather issued, not yet waited on
@@ -213,8 +220,13 @@ class ParamGroup:
                                            unsharded_like=like))
             _register_slot(self.params[-1].sharded, self, i)
         self._grad_indices = [i for i, m in enumerate(self.managed) if m.requires_grad]
+        # [Note: hooks hold their group weakly] A hook registered on a tensor lives in C++
+        # where Python's cycle collector cannot see it: a hook holding the group strongly
+        # (group -> unsharded param -> hook -> group) would keep every group, its buffers and
+        # its module alive after the model is dropped.
         for i in self._grad_indices:
-            self.params[i].unsharded.register_post_accumulate_grad_hook(functools.partial(self._on_grad_accumulated, i))
+            self.params[i].unsharded.register_post_accumulate_grad_hook(
+                functools.partial(_grad_accumulated, weakref.ref(self), i))
 
     def leave_meta(self, device: torch.device) -> None:
         """Rebuild the group, built on the meta device, on ``device``: only the persistent
