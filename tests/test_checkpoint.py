@@ -1,4 +1,4 @@
-"""Sharded checkpoints: resharding across world sizes, and refusing partial or corrupt ones."""
+"""Sharded checkpoints: resharding across world sizes and HSDP layouts, and refusing partial or corrupt ones."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Dict, List
 
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 
 import vescale_zero as vz
 from tests.distributed import run_cases_on_ranks, run_on_ranks
@@ -26,11 +27,11 @@ def _steps(model, opt, batches, rank, world_size):
         opt.zero_grad()
 
 
-def _build(seed, granularity, mp_policy=None):
+def _build(seed, granularity, mp_policy=None, mesh=None):
     model = AwkwardLM(seed=seed)
     for block in model.blocks:
-        vz.fully_shard(block, granularity=granularity, mp_policy=mp_policy)
-    vz.fully_shard(model, granularity=granularity, mp_policy=mp_policy)
+        vz.fully_shard(block, granularity=granularity, mp_policy=mp_policy, mesh=mesh)
+    vz.fully_shard(model, granularity=granularity, mp_policy=mp_policy, mesh=mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
@@ -60,6 +61,76 @@ def test_reshard_on_load_then_continue(spawned, save_ranks, load_ranks, granular
     for name in straight:
         torch.testing.assert_close(resumed[name], straight[name], rtol=1e-6, atol=1e-7,
                                    msg=lambda m, name=name: f"{case}, {name}: {m}")
+
+
+HSDP_CASES = [  # (save world, save mesh, load world, load mesh, granularities); a mesh is (replicas, shard)
+    ("flat 2->2x2", 2, None, 4, (2, 2), ("row", "element")),
+    ("2x2->flat 3", 4, (2, 2), 3, None, ("row", "row")),
+    ("2x2->2x2", 4, (2, 2), 4, (2, 2), ("element", "element")),
+]
+
+
+def _hsdp_phase(rank, world_size, path, phase, granularity, mesh_shape):
+    """:func:`_phase` on a 2-D (replicas x shard) mesh, or flat (``mesh_shape`` None); every
+    rank trains on its own slice of the global batch; returns the full state dict."""
+    mesh = None if mesh_shape is None else init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+    batches = make_batches(6, GLOBAL_BATCH)
+    model, opt = _build(0 if phase != "resume" else 5, granularity, mesh=mesh)
+    if phase == "first":
+        _steps(model, opt, batches[:3], rank, world_size)
+        checkpoint.save(path, model, opt, extra={"step": 3})
+    elif phase == "resume":
+        assert checkpoint.load(path, model, opt) == {"step": 3}
+        _steps(model, opt, batches[3:], rank, world_size)
+    else:
+        _steps(model, opt, batches, rank, world_size)
+    return vz.full_state_dict(model)
+
+
+def _pieces_per_name(path):
+    """``{saved key: [(start, end), ...]}`` over every rank file of checkpoint ``path``."""
+    meta = checkpoint.format.read_metadata(path)
+    out: Dict[str, list] = {}
+    for r in checkpoint.format.written_ranks(meta):
+        f = checkpoint.format.read_rank_file(path, r, meta["sha256"][r])
+        for key, (_, s, e, _) in list(f["params"].items()) + list(f["optim_states"].items()):
+            out.setdefault(key, []).append((s, e))
+    return out
+
+
+@pytest.mark.parametrize("case,save_ranks,save_mesh,load_ranks,load_mesh,granularities", HSDP_CASES)
+@pytest.mark.slow
+def test_hsdp_checkpoint_is_written_once_and_loads_at_any_layout(spawned, case, save_ranks, save_mesh, load_ranks,
+                                                                  load_mesh, granularities):
+    """A checkpoint saved on a 2 x 2 (replicate x shard) mesh loads flat at 3 ranks and on
+    2 x 2; one saved flat at 2 loads on 2 x 2: fp32 AdamW training resumed from it equals an
+    uninterrupted run at the loading layout within 1e-6 (bit-exact from 2 x 2 to 2 x 2, where
+    every step runs the same sums). Under HSDP only the first replica's shard group writes:
+    ranks 2 and 3 write no file, and every element of every parameter and of its AdamW
+    state is on disk exactly once."""
+    resumed, straight = spawned[f"hsdp {case} resume"], spawned[f"hsdp {case} full"]
+    for rank in range(load_ranks):  # every replica holds the same model
+        assert all(torch.equal(resumed[rank][k], resumed[0][k]) for k in resumed[0]), (case, rank)
+    diff = {k: (resumed[0][k] - straight[0][k]).abs().max().item() for k in straight[0]}
+    if save_mesh == load_mesh:
+        assert all(v == 0 for v in diff.values()), (case, {k: v for k, v in diff.items() if v})
+    else:
+        assert max(diff.values()) <= 1e-6, (case, {k: v for k, v in diff.items() if v > 1e-6})
+    path = spawned.paths[f"hsdp {case}"]
+    writers = save_ranks if save_mesh is None else save_mesh[1]
+    assert sorted(os.listdir(path)) == ["common.pt", "metadata.json"] + [f"rank{r:05d}.pt" for r in range(writers)]
+    meta = checkpoint.format.read_metadata(path)
+    assert [d is not None for d in meta["sha256"]] == [r < writers for r in range(save_ranks)], meta["sha256"]
+    numel = {k: v.numel() for k, v in straight[0].items()}
+    pieces = _pieces_per_name(path)
+    params = {name for name, _ in AwkwardLM().named_parameters()}  # the head's weight (tied) is the embedding's
+    assert {k.split("::")[0] for k in pieces} == params, params ^ {k.split("::")[0] for k in pieces}
+    assert {k.split("::")[1] for k in pieces if "::" in k} == {"exp_avg", "exp_avg_sq"}
+    for key, ranges in pieces.items():
+        covered = torch.zeros(numel[key.split("::")[0]], dtype=torch.int32)
+        for s, e in ranges:
+            covered[s:e] += 1
+        assert torch.all(covered == 1), (case, key, covered.tolist())
 
 
 def _load_only(rank, world_size, path):
@@ -333,7 +404,7 @@ def test_fsdp2_dcp_checkpoint_loads_and_training_continues(tmp_path, spawned):
     assert main(["convert", "--from", "fsdp2", src, offline]) == 2  # the target exists
 
 
-# ---- the spawned runs of the tests above, five spawns in all ----------------------------
+# ---- the spawned runs of the tests above, six spawns in all ----------------------------
 
 
 class _Spawned(dict):
@@ -344,16 +415,19 @@ class _Spawned(dict):
 
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory) -> _Spawned:
-    """Every spawned run of this file's tests but the refused loads, in five
-    spawns of ranks instead of 28 (one per world size, in an order that puts each save
-    before its load; muon saves at 3 and loads at 2, so 2 comes twice). Each phase runs as
+    """Every spawned run of this file's tests but the refused loads, in six
+    spawns of ranks instead of 37 (one per world size, in an order that puts each save
+    before its load; muon saves at 3 and loads at 2, so 2 comes twice, and HSDP saves at 4 and
+    loads at 3, so 3 comes twice). Each phase runs as
     it did in its own spawn; a failing one names its case (``run_cases_on_ranks``)."""
     root = tmp_path_factory.mktemp("spawned")
     paths = {case: str(root / re.sub(r"\W+", "_", case)) for case in
              [f"reshard {s}->{ld}" for s, ld, _ in RESHARD_CASES]
              + [f"{n} {s}->{ld}" for n, s, ld in STRUCTURED_CASES]
+             + [f"hsdp {case}" for case, *_ in HSDP_CASES]
              + ["per-block refused", "consolidate", "fsdp2", "corrupt", "load after forward"]}
-    phases: Dict[int, List[tuple]] = {ws: [] for ws in (2, 3, 1, 4, -2)}  # -2: the second spawn at 2
+    # -2, -3: the second spawns at 2 and 3 (after 4, which saves what they load)
+    phases: Dict[int, List[tuple]] = {ws: [] for ws in (2, 3, 1, 4, -2, -3)}
     for save, load, (g_save, g_load) in RESHARD_CASES:
         case = f"reshard {save}->{load}"
         phases[save].append((f"{case} first", _phase, (paths[case], "first", g_save)))
@@ -365,6 +439,12 @@ def spawned(tmp_path_factory) -> _Spawned:
         for phase in ("resume", "full"):
             phases[-load if (save, load) == (3, 2) else load].append(
                 (f"{case} {phase}", _structured_phase, (name, paths[case], phase)))
+    for case, save, save_mesh, load, load_mesh, (g_save, g_load) in HSDP_CASES:
+        path = paths[f"hsdp {case}"]
+        phases[save].append((f"hsdp {case} first", _hsdp_phase, (path, "first", g_save, save_mesh)))
+        for phase in ("resume", "full"):
+            phases[-load if (save, load) == (4, 3) else load].append(
+                (f"hsdp {case} {phase}", _hsdp_phase, (path, phase, g_load, load_mesh)))
     path = paths["per-block refused"]
     phases[2].append(("per-block refused first", _structured_phase, ("adamw8bit", path, "first")))
     phases[3].append(("per-block refused resume", _structured_phase, ("adamw8bit", path, "resume", 16, "element")))

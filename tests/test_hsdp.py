@@ -16,13 +16,17 @@ runs every check, each rank training on its own quarter of the global batch:
 * Muon (communicates inside the group its parameters are sharded over) equals flat
   ``fully_shard`` with Muon within 1e-6.
 * a full state dict loads bit-exactly (each rank its shard group's ranges) and gathers back.
-* bad meshes (3-D, unknown names, not covering the world) and a sharded checkpoint raise
-  clear errors; FSDP2's dimension names are accepted.
+* a sharded checkpoint (model and AdamW state) is written by the first replica's shard group
+  only (ranks 0 and 1: two rank files) and loads back bit-exactly into fresh HSDP models on
+  every replica; resharding it to other layouts is tests/test_checkpoint.py's.
+* bad meshes (3-D, unknown names, not covering the world) raise clear errors; FSDP2's
+  dimension names are accepted.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -122,6 +126,11 @@ class _Spy:
             self._at = (None, None)
 
 
+def _adam_state(opt):
+    """Every tensor of ``opt``'s AdamW state, in parameter order."""
+    return [opt.state[p][k] for g in opt.param_groups for p in g["params"] for k in ("step", "exp_avg", "exp_avg_sq")]
+
+
 def _close(a, b, tol):
     return {k: (a[k].float() - b[k].float()).abs().max().item() for k in b if k in a and (a[k].float() - b[k].float())
             .abs().max().item() > tol}
@@ -137,7 +146,7 @@ def _expect_error(fn, *needles):
     raise AssertionError(f"no error; expected one naming {needles}")
 
 
-def _all_checks(rank, world):
+def _all_checks(rank, world, tmp):
     torch.manual_seed(0)
     mesh = _hsdp_mesh()
     out = {}
@@ -146,8 +155,8 @@ def _all_checks(rank, world):
     spy = _Spy()
     with spy.installed():
         hsdp = _shard(mesh)
-        opt = torch.optim.AdamW([p for p in hsdp.parameters() if p.requires_grad], lr=LR, weight_decay=0.1)
-        hsdp_state, hsdp_norms = _train_fsdp(hsdp, opt, rank, spy=spy)
+        hsdp_opt = torch.optim.AdamW([p for p in hsdp.parameters() if p.requires_grad], lr=LR, weight_decay=0.1)
+        hsdp_state, hsdp_norms = _train_fsdp(hsdp, hsdp_opt, rank, spy=spy)
     flat = _shard(None)
     opt = torch.optim.AdamW([p for p in flat.parameters() if p.requires_grad], lr=LR, weight_decay=0.1)
     flat_state, flat_norms = _train_fsdp(flat, opt, rank)
@@ -161,6 +170,17 @@ def _all_checks(rank, world):
     fresh = _shard(mesh)  # every rank loads its shard group's ranges of a full state dict
     vz.load_full_state_dict(fresh, ddp_state)
     out["load_full"] = _close(vz.full_state_dict(fresh), ddp_state, 0.0)
+
+    # a sharded checkpoint, written once (by the first replica), read back on every replica
+    path = os.path.join(tmp, "hsdp-ckpt")
+    vz.checkpoint.save(path, hsdp, hsdp_opt, extra={"step": STEPS})
+    out["ckpt_files"] = sorted(os.listdir(path))
+    fresh = _shard(mesh)
+    fresh_opt = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=LR, weight_decay=0.1)
+    out["ckpt_extra"] = vz.checkpoint.load(path, fresh, fresh_opt)
+    out["ckpt_model"] = _close(vz.full_state_dict(fresh), hsdp_state, 0.0)
+    saved, loaded = (_adam_state(o) for o in (hsdp_opt, fresh_opt))
+    out["ckpt_optimizer"] = len(saved) == len(loaded) > 0 and all(torch.equal(a, b) for a, b in zip(saved, loaded))
 
     groups = groups_of(hsdp)
     replicate_ranks = dist.get_process_group_ranks(groups[0].replicate_group)
@@ -207,8 +227,6 @@ def _all_checks(rank, world):
                   "('dp', 'tp')", "'replicate', 'shard'", "'dp_replicate', 'dp_shard'")
     _expect_error(lambda: _shard(DeviceMesh("cpu", [[0], [1]], mesh_dim_names=("replicate", "shard"))),
                   "covers 2 ranks", "multiply to the world size")
-    _expect_error(lambda: vz.checkpoint.save("/nonexistent/hsdp", hsdp), "HSDP", "full state dict")
-    _expect_error(lambda: vz.checkpoint.load("/nonexistent/hsdp", hsdp), "HSDP", "full state dict")
     # FSDP2's names are accepted too.
     fsdp2_named = _shard(init_device_mesh("cpu", (REPLICAS, SHARD), mesh_dim_names=("dp_replicate", "dp_shard")))
     out["fsdp2_names"] = dist.get_world_size(groups_of(fsdp2_named)[0].process_group)
@@ -216,8 +234,8 @@ def _all_checks(rank, world):
 
 
 @pytest.mark.slow
-def test_hsdp_2x2_equals_ddp_and_flat_fully_shard():
-    results = run_on_ranks(_all_checks, WORLD, timeout=240)
+def test_hsdp_2x2_equals_ddp_and_flat_fully_shard(tmp_path):
+    results = run_on_ranks(_all_checks, WORLD, str(tmp_path), timeout=240)
     for rank, out in enumerate(results):
         assert out["clipped"], "CLIP must be below the gradient norm, or clipping is not exercised"
         assert out["vs_ddp"] == {}, (rank, out["vs_ddp"])
@@ -238,3 +256,7 @@ def test_hsdp_2x2_equals_ddp_and_flat_fully_shard():
         assert out["bf16_vs_ddp"] == {}, out["bf16_vs_ddp"]
         assert out["muon_vs_flat"] == {}, out["muon_vs_flat"]
         assert out["fsdp2_names"] == SHARD
+        assert out["ckpt_files"] == ["common.pt", "metadata.json", "rank00000.pt", "rank00001.pt"], out["ckpt_files"]
+        assert out["ckpt_extra"] == {"step": STEPS}
+        assert out["ckpt_model"] == {}, (rank, out["ckpt_model"])
+        assert out["ckpt_optimizer"], rank

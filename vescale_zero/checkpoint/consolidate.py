@@ -17,7 +17,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from .format import Piece, entries, fill, read_common, read_metadata, read_rank_file
+from .format import Piece, entries, fill, read_common, read_metadata, read_rank_file, written_ranks
 
 __all__ = ["consolidate"]
 
@@ -37,7 +37,7 @@ def consolidate(path: str, with_optimizer: bool = False) -> Dict[str, Any]:
     ``with_optimizer``, also every per-element optimizer state as ``"name::key"`` (full
     shape) and every per-block one (8-bit scales, Shampoo blocks) with all its blocks."""
     meta = read_metadata(path)
-    files = [read_rank_file(path, r, meta["sha256"][r]) for r in range(meta["world_size"])]
+    files = [read_rank_file(path, r, meta["sha256"][r]) for r in written_ranks(meta)]
     params: Dict[str, List[Piece]] = {}
     states: Dict[str, List[Piece]] = {}
     blocks: Dict[str, List[Piece]] = {}

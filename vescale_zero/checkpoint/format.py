@@ -4,7 +4,8 @@ writes it through this one (which imports no sibling).
 One directory per checkpoint::
 
     CKPT/
-      metadata.json        {"format": FORMAT, "world_size": W, "sha256": [one per rank file],
+      metadata.json        {"format": FORMAT, "world_size": W, "sha256": [per rank: its file's, or
+                            null if it wrote none (HSDP: a replica other than the first)],
                             "common_sha256": ..., "index": [{name: [start, end]} per rank],
                             "whole": true}   (only in checkpoints converted from elsewhere)
       common.pt            written once: {"aliases": {saved name: [tied names]},
@@ -60,7 +61,7 @@ __all__ = [
     "FORMAT", "METADATA_FILE", "COMMON_FILE", "CHECKPOINT_DOMAIN", "Piece", "CheckpointError",
     "rank_file", "sha256_file", "save_synced", "fsync_dir", "write_rank_file", "write_common", "write_metadata",
     "write_whole",
-    "read_metadata", "read_checked", "read_rank_file", "read_common", "fill", "entries",
+    "read_metadata", "read_checked", "read_rank_file", "written_ranks", "read_common", "fill", "entries",
     "write_latest", "read_latest", "latest_tag", "is_dcp_checkpoint", "other_checkpoint", "read_dcp",
 ]
 
@@ -268,9 +269,18 @@ def read_checked(file: str, digest: str) -> Dict[str, Any]:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
 
 
-def read_rank_file(path: str, rank: int, digest: str) -> Dict[str, Any]:
+def written_ranks(meta: Dict[str, Any]) -> List[int]:
+    """The ranks that wrote a file: every rank of the saving world, except under HSDP, where
+    only the first replica's shard group writes (``sha256`` is ``null`` for the others)."""
+    return [r for r, digest in enumerate(meta["sha256"]) if digest is not None]
+
+
+def read_rank_file(path: str, rank: int, digest: Optional[str]) -> Dict[str, Any]:
     """Rank ``rank``'s file of checkpoint ``path``, checked against its sha256."""
     file = rank_file(path, rank)
+    if digest is None:
+        raise CheckpointError(f"{file}: metadata.json says rank {rank} wrote no file (another replica holds its "
+                              "pieces), yet its index lists pieces there: the metadata is corrupt")
     if not os.path.exists(file):
         raise CheckpointError(f"{file} is missing (the checkpoint was written by {rank + 1}+ ranks)")
     return read_checked(file, digest)

@@ -22,6 +22,19 @@ whole (which the optimizer's granularity policy guarantees)::
     saved  rank 0: elems [0, 8)  scales [0, 2)    rank 1: elems [8, 10)  scales [2, 3)
     load   rank 0: elems [0, 4)  scales [0, 1)    rank 1: [4, 10) -> scales [1, 3)
 
+[Note: HSDP checkpoints]
+On a 2-D (replicate x shard) mesh every replica holds the same shards (and, its gradients
+being all-reduced across replicas, the same optimizer state), so only the first replica's
+shard group writes pieces: the file of a rank that is not replica 0 of any of its groups is
+not written (its ``sha256`` in the metadata is ``null``, its index empty), and each piece is
+on disk once, whatever the number of replicas. Loading needs nothing special: a rank's ranges
+are those of its shard group's plan, so every replica of a 2-D mesh, or every rank of a flat
+one, copies its own ranges out of the files that hold them::
+
+    save 2 x 2 (replicas {0,2} {1,3})    rank0: [0, 5)  rank1: [5, 10)   rank2, rank3: no file
+    load flat 3                          rank0: [0, 4) <- rank0's file   rank1: [4, 7) <- both ...
+    load 2 x 2                           ranks 0 and 2: [0, 5)           ranks 1 and 3: [5, 10)
+
 [Note: crash safety]
 Every rank writes (and fsyncs) its file in ``CKPT.tmp-<id>/``; once every rank's checksum
 has reached it (an all-gather: a dead rank makes it raise, so nothing is published) rank 0
@@ -36,7 +49,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -58,6 +71,7 @@ from .format import (
     write_common,
     write_metadata,
     write_rank_file,
+    written_ranks,
 )
 
 __all__ = ["save", "load", "managed_pieces", "model_device"]
@@ -123,20 +137,19 @@ def model_device(model: nn.Module) -> Optional[torch.device]:
     return next((p.device for p in model.parameters()), None)
 
 
-def refuse_hsdp(model: nn.Module, what: str) -> None:
-    """Raise if ``model`` is sharded on an HSDP (replicate x shard) mesh: the format keeps one
-    file per rank of a flat world, and every replica would write (or expect) its own copy.
-    Every rank raises alike (same model), so none waits in a collective."""
-    if any(group.replicate_group is not None for group in groups_of(model)):
-        raise NotImplementedError(
-            f"vescale_zero.checkpoint.{what} does not support HSDP (fully_shard on a 2-D replicate x shard mesh) "
-            "yet; save/load the full state dict instead (vescale_zero.state_dict), or shard on a 1-D mesh"
-        )
+def _written_here(model: nn.Module) -> Set[int]:
+    """Ids of the sharded parameters whose pieces this rank writes: all of them on a 1-D mesh;
+    under HSDP only those of groups where this rank is replica 0 (see [Note: HSDP checkpoints])."""
+    out: Set[int] = set()
+    for group in groups_of(model):
+        if group.replicate_group is None or dist.get_rank(group.replicate_group) == 0:
+            out.update(id(p) for p in group.sharded_params)
+    return out
 
 
 def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, extra: Any = None) -> None:
-    """Write ``model``'s (and ``optimizer``'s) shards of this rank under ``path``; collective."""
-    refuse_hsdp(model, "save")
+    """Write ``model``'s (and ``optimizer``'s) shards of this rank under ``path``; collective.
+    Under HSDP only the first replica's shard group writes (see [Note: HSDP checkpoints])."""
     with current_device(model_device(model)):  # the object collectives' device on NCCL
         _save(path, model, optimizer, extra)
 
@@ -148,12 +161,16 @@ def _save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer
     tmp = f"{path.rstrip(os.sep)}.tmp-{token[0]}"
     os.makedirs(tmp, exist_ok=True)
     params, states, blocks, scalars = {}, {}, {}, {}
+    written = _written_here(model)
     by_param = {id(p): (name, shape, s, e) for name, p, shape, s, e in managed_pieces(model)}
     for name, p, shape, s, e in managed_pieces(model):
-        params[name] = (shape, s, e, p.detach().cpu().clone())
+        if id(p) in written:
+            params[name] = (shape, s, e, p.detach().cpu().clone())
     if optimizer is not None:
         span_of = _state_span_fn(optimizer)
         for p, state in optimizer.state.items():
+            if id(p) not in written:  # another replica writes the same state
+                continue
             name, shape, s, e = by_param[id(p)]
             for key, value in state.items():
                 span = span_of(p, key) if span_of is not None else None
@@ -164,7 +181,8 @@ def _save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer
                     states[f"{name}::{key}"] = (shape, s, e, value.detach().cpu().clone())
                 else:  # a scalar (e.g. step), or other state tied to this piece
                     scalars[f"{name}::{key}"] = (s, e, _to_cpu(value))
-    file = write_rank_file(tmp, rank, params, states, blocks, scalars)
+    # A rank holding no piece of its own (a replica other than the first) writes no file.
+    file = write_rank_file(tmp, rank, params, states, blocks, scalars) if written or not groups_of(model) else None
     if rank == 0:  # what every loading rank needs, apart from the big rank files
         write_common(
             tmp, _aliases(model),
@@ -172,7 +190,7 @@ def _save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer
             {n: b.detach().cpu().clone() for n, b in model.named_buffers()}, extra,
         )
     # The index (which ranges each file holds) lets a loading rank open only the files it needs.
-    mine = (sha256_file(file), {name: [s, e] for name, (_, s, e, _) in params.items()})
+    mine = (sha256_file(file) if file else None, {name: [s, e] for name, (_, s, e, _) in params.items()})
     gathered: List[Any] = [None] * world
     dist.all_gather_object(gathered, mine)
     if rank == 0:
@@ -214,7 +232,7 @@ def _files_needed(meta: Dict[str, Any], managed: List[Tuple[str, nn.Parameter, T
     of the ``whole`` names; all files for a checkpoint without index."""
     index = meta.get("index")
     if index is None:
-        return list(range(meta["world_size"]))
+        return written_ranks(meta)
     needed = set()
     for r, ranges in enumerate(index):
         if any(name in ranges for name in whole):
@@ -241,7 +259,6 @@ def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     the loaded shards; and the shards are written in place (their version counter moves),
     so a group computing in another precision casts them again.
     """
-    refuse_hsdp(model, "load")
     for group in groups_of(model):
         group.reshard()
     error: Optional[CheckpointError] = None

@@ -43,7 +43,6 @@ def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     Collective: if any rank refuses the checkpoint, every rank raises (none goes on to
     train alone and hang in its next collective).
     """
-    sharded.refuse_hsdp(model, "load")
     if is_dcp_checkpoint(path):
         with current_device(sharded.model_device(model)):  # the object collective's device on NCCL
             path = _converted_dcp(path)
