@@ -244,9 +244,17 @@ def test_config_keys_mapped_noted_and_rejected():
     error({"stage4_magic": 1}, "unknown key 'stage4_magic'", "Our keys:", "granularity", "overlap_comm")
     error({"offload_optimizer": {"device": "cpu"}}, "offload_optimizer", "not implemented", "stage 3")
     error({"reduce_scatter": False}, "reduce_scatter=false contradicts")
-    error({"zero_hpz_partition_size": 2}, "zero_hpz_partition_size")
+    error({"zero_hpz_partition_size": 2}, "zero_hpz_partition_size 2 (ZeRO++ hpZ", "set shard_group_size: 2 instead")
+    error({"shard_group_size": 2, "mics_shard_size": 4}, "shard_group_size 2 and mics_shard_size 4 disagree")
+    error({"mics_shard_size": 0}, "mics_shard_size 0 is not a group size")
+    error({"shard_group_size": 0}, "shard_group_size")
     error({"reshard_after_forward": "sometimes"}, "reshard_after_forward")
     error({"fp8_all_gather_tile": 0}, "fp8_all_gather_tile")
+    for section, size in [({"shard_group_size": 2}, 2), ({"mics_shard_size": 2}, 2), ({"mics_shard_size": -1}, None),
+                          ({"shard_group_size": 2, "mics_shard_size": 2}, 2), ({"zero_hpz_partition_size": 1}, None)]:
+        cfg = ds_config("ragged", 2)
+        cfg["zero_optimization"].update(section)
+        assert split_ragged_config(cfg)[1].shard_group_size == size, section
     with pytest.raises(ValueError, match="loss_scale to 0"):
         split_ragged_config(ds_config("ragged", 2, fp16={"enabled": True, "loss_scale": 128}))
 
@@ -456,6 +464,102 @@ def test_fp8_all_gather_key_trains_like_the_plain_gather():
     (plain, _), (fp8, _) = (_joined(results, "ragged", None, case) for case, results in runs.items())
     assert all(abs(a - b) <= 0.01 * b for a, b in zip(fp8, plain)), (fp8, plain)
     assert fp8 != plain, "the fp8 key changed nothing: was it applied?"
+
+
+# ---- shard groups (HSDP): shard_group_size and MiCS's mics_shard_size ----------------------
+
+SHARD_GROUP_BATCH, SHARD_GROUP_STEPS = 16, 4
+
+
+def _shard_groups(rank, world_size, section, ckpt_dir=None, phase="straight", optimizer=None):
+    """SHARD_GROUP_STEPS steps of a ragged engine with ``section`` in its zero_optimization
+    (and config ``optimizer`` type, if given), saving after half of them into ``ckpt_dir`` if
+    given ('straight'), or resuming from it ('resume'); the full parameters, the ranks of every
+    all-gather and of the replicate group."""
+    os.environ["LOCAL_RANK"] = str(rank)
+    deepspeed = _deepspeed()
+    import torch.distributed as dist
+
+    import vescale_zero as vz
+    import vescale_zero.dbuffer as dbuffer_module
+    from vescale_zero.fully_shard import groups_of
+
+    cfg = ds_config("ragged", world_size, train_batch_size=SHARD_GROUP_BATCH,
+                    train_micro_batch_size_per_gpu=SHARD_GROUP_BATCH // (world_size * ACCUM))
+    cfg["zero_optimization"].update(section)
+    if optimizer is not None:
+        cfg["optimizer"] = {"type": optimizer, "params": {"lr": 1e-2, "weight_decay": 0.1}}
+    try:
+        engine, *_ = deepspeed.initialize(model=AwkwardLM(seed=0 if phase != "resume" else 99), config=cfg)
+    except ValueError as e:
+        return {"error": str(e)}
+    gathers, real = [], dbuffer_module.all_gather
+
+    def spy(*args, **kwargs):
+        group = args[2] if len(args) > 2 else kwargs["group"]
+        gathers.append(tuple(dist.get_process_group_ranks(group)))
+        return real(*args, **kwargs)
+
+    batches, half = make_batches(SHARD_GROUP_STEPS, SHARD_GROUP_BATCH), SHARD_GROUP_STEPS // 2
+    dbuffer_module.all_gather = spy
+    try:
+        if phase == "resume":
+            engine.load_checkpoint(ckpt_dir)
+            losses = _train_steps(engine, batches[half:], rank, world_size)
+        else:
+            losses = _train_steps(engine, batches[:half], rank, world_size)
+            if ckpt_dir is not None:
+                engine.save_checkpoint(ckpt_dir)
+            losses += _train_steps(engine, batches[half:], rank, world_size)
+    finally:
+        dbuffer_module.all_gather = real
+    replicate = groups_of(engine.module)[0].replicate_group
+    return {"losses": losses, "params": vz.full_state_dict(engine.module), "gathers": set(gathers),
+            "replicate": None if replicate is None else dist.get_process_group_ranks(replicate)}
+
+
+@pytest.mark.slow
+def test_shard_group_size_and_mics_shard_size_run_hsdp_like_the_flat_run(tmp_path):
+    """``shard_group_size: 2`` (and MiCS's ``mics_shard_size: 2``) at 4 ranks: the engine
+    shards on a 2 x 2 (replicate x shard) mesh -- every all-gather runs in the shard group
+    {0, 1} or {2, 3}, replicas {r, r + 2} -- and trains like the flat ragged run (fp32, 1e-6;
+    not bit-exact: HSDP sums each gradient in two steps); the two keys give the same bits. A
+    checkpoint saved with the key (two rank files: the first replica's) resumes to the same
+    bits; a config Muon (talks within the shard group) follows flat Muon to 1e-6; a size that
+    does not divide the world is refused, naming the divisors."""
+    ckpt = str(tmp_path / "ckpt")
+    runs = run_cases_on_ranks({
+        "flat": (_shard_groups, ({},)),
+        "key": (_shard_groups, ({"shard_group_size": 2}, ckpt)),
+        "mics": (_shard_groups, ({"mics_shard_size": 2, "mics_hierarchical_params_gather": False},)),
+        "resume": (_shard_groups, ({"shard_group_size": 2}, ckpt, "resume")),
+        "muon flat": (_shard_groups, ({}, None, "straight", "Muon")),
+        "muon key": (_shard_groups, ({"shard_group_size": 2}, None, "straight", "Muon")),
+        "bad size": (_shard_groups, ({"shard_group_size": 3},)),
+    }, 4, timeout=500)
+    flat, key, mics, resume = (runs[case] for case in ("flat", "key", "mics", "resume"))
+    for rank in range(4):
+        assert runs["muon key"][rank]["gathers"] == key[rank]["gathers"], rank  # sharded in shard groups here too
+        muon = runs["muon key"][rank]["params"]
+        for name, value in runs["muon flat"][rank]["params"].items():
+            assert (muon[name] - value).abs().max().item() <= 1e-6, (rank, name)
+        shard_group = (rank // 2 * 2, rank // 2 * 2 + 1)
+        assert key[rank]["gathers"] == {shard_group} == mics[rank]["gathers"], (rank, key[rank]["gathers"])
+        assert key[rank]["replicate"] == [rank % 2, rank % 2 + 2] == mics[rank]["replicate"], rank
+        assert flat[rank]["gathers"] == {(0, 1, 2, 3)} and flat[rank]["replicate"] is None, rank
+        want = key[rank]["params"]
+        for name, value in flat[rank]["params"].items():
+            assert (want[name] - value).abs().max().item() <= 1e-6, (rank, name)
+        for other in (mics, resume):
+            assert all(torch.equal(other[rank]["params"][k], want[k]) for k in want), rank
+        assert resume[rank]["losses"] == key[rank]["losses"][SHARD_GROUP_STEPS // 2:], rank
+        assert runs["bad size"][rank] == {"error": (
+            "zero_optimization.shard_group_size 3 does not divide the data-parallel world size 4: shard groups must "
+            "tile it; choose one of [1, 2, 4]")}, runs["bad size"][rank]
+    assert key[0]["losses"] == pytest.approx(flat[0]["losses"], rel=1e-6)
+    tag = (tmp_path / "ckpt" / "latest").read_text()
+    assert sorted(os.listdir(tmp_path / "ckpt" / tag)) == ["common.pt", "metadata.json", "rank00000.pt",
+                                                           "rank00001.pt"]
 
 
 # ---- the spawned runs of the checkpoint tests, two spawns in all ---------------------------

@@ -70,7 +70,7 @@ def test_deepspeed_config_ragged_section_errors_are_ours():
 ])
 def test_unknown_ragged_key_suggests_the_closest(key, closest):
     """A typo in the ragged section names the key it was probably meant to be; the list that
-    follows is our six keys, not the fifty ZeRO-3 keys accepted for compatibility."""
+    follows is our seven keys, not the fifty ZeRO-3 keys accepted for compatibility."""
     _deepspeed()
     from deepspeed.runtime.config import DeepSpeedConfig
 
@@ -81,7 +81,7 @@ def test_unknown_ragged_key_suggests_the_closest(key, closest):
     assert (f"Did you mean {closest!r}?" in message) if closest else ("Did you mean" not in message), message
     ours = message.split("Our keys: ")[1].split(";")[0].split(", ")
     assert ours == ["fp8_all_gather_tile", "granularity", "prefetch", "reduce_dtype", "reshard_after_forward",
-                    "sharded_modules"], message
+                    "shard_group_size", "sharded_modules"], message
 
 
 @pytest.mark.parametrize("stage", ["raged", "Ragged", 4, "zero3"])

@@ -5,14 +5,28 @@ Our options, and the ZeRO-3 keys a user's existing config already has::
     key                                 with "ragged"
     granularity, sharded_modules,       our options (see RaggedOptions)
     reshard_after_forward, prefetch,
-    reduce_dtype
+    reduce_dtype, fp8_all_gather_tile,
+    shard_group_size
     overlap_comm                        mapped: prefetch the next group (async gathers)
+    mics_shard_size                     mapped: shard_group_size (MiCS, which DeepSpeed
+                                        0.19.8 removed; see [Note: shard groups])
     reduce_bucket_size, ... (NOTED)     accepted with a one-line warning: we run one
                                         collective per group, there is nothing to tune
     offload_*, zero_hpz_partition_size, rejected: contradicts ragged sharding or is not
     zero_quantized_*, zenflow,          implemented; the error names the key and the fix
     reduce_scatter=false
     anything else                       an error naming it and listing the valid keys
+
+[Note: shard groups]
+``shard_group_size: N`` shards every parameter within groups of N consecutive data-parallel
+ranks and replicates across the groups (HSDP: ``fully_shard`` on a ``(world / N, N)``
+``("replicate", "shard")`` mesh): all-gathers and reduce-scatters stay inside a group (a
+node, say), and one all-reduce per group of the shard crosses them. MiCS configs
+(``mics_shard_size``, stage 3) migrate by changing the stage: the key means the same here
+(``-1``, MiCS's "off", and ``None`` mean unset). ZeRO++'s ``zero_hpz_partition_size`` (a
+secondary weight copy partitioned within a node, on top of a world-wide ZeRO-3 partition)
+is a different layout and stays refused, its message pointing at ``shard_group_size``.
+Whether N divides the data-parallel world is checked when the engine is built.
 """
 
 from __future__ import annotations
@@ -40,7 +54,7 @@ _NOTED = {  # meaningful for ZeRO-3's bucketed, per-parameter machinery; not for
     "enable_sanity_checks", "override_module_apply", "legacy_stage1", "pipeline_loading_checkpoint",
     "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
     "stage3_gather_fp16_weights_on_model_save", "contiguous_gradients", "leaf_module",
-    "save_muon_momentum_buffer_in_memory",
+    "save_muon_momentum_buffer_in_memory", "mics_hierarchical_params_gather",
 }
 
 
@@ -60,9 +74,10 @@ def _rejection(key: str, value: Any) -> Optional[str]:
         return None
     if key == "cpu_offload_use_pin_memory":
         return None
-    if key == "zero_hpz_partition_size" and value not in (None, 1):
-        return ("zero_hpz_partition_size > 1 (hierarchical partitioning) is not implemented with stage 'ragged'; "
-                "remove it")
+    if key == "zero_hpz_partition_size" and value not in (None, 0, 1):
+        return (f"zero_hpz_partition_size {value} (ZeRO++ hpZ: a secondary copy of the weights partitioned within "
+                "groups of that size) is not implemented with stage 'ragged'; to shard within groups of "
+                f"{value} ranks and replicate across them (HSDP), set shard_group_size: {value} instead")
     if key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients") and value:
         return f"{key} is ZeRO++ quantized communication, not implemented with stage 'ragged'; remove it"
     if key == "zenflow" and value:
@@ -95,6 +110,9 @@ class RaggedOptions(BaseModel):
     reduce_dtype: Optional[Literal["fp32", "float32", "bf16", "bfloat16", "fp16", "float16"]] = None
     fp8_all_gather_tile: Optional[int] = Field(default=None, gt=0)
     """Gather parameters as float8 with one scale per tile x tile tile (e.g. 128)."""
+    shard_group_size: Optional[int] = Field(default=None, gt=0)
+    """Shard within groups of this many data-parallel ranks, replicate across them (HSDP;
+    see [Note: shard groups]); default: shard over the whole data-parallel group."""
 
     @property
     def reduce_torch_dtype(self) -> Optional[torch.dtype]:
@@ -104,7 +122,7 @@ class RaggedOptions(BaseModel):
 def _unknown_key(key: str, ours: set) -> str:
     """The error for an unknown key: the closest valid key first, then ours (the ZeRO-3 tuning
     keys, accepted and ignored, are too many to list)."""
-    known = ours | {"stage", "overlap_comm"} | _NOTED | set(_REJECTED)
+    known = ours | {"stage", "overlap_comm", "mics_shard_size"} | _NOTED | set(_REJECTED)
     close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
     if not close:  # a prefix or a different separator ("granular", "sharded-modules")
         folded = str(key).lower().replace("-", "_")
@@ -113,6 +131,24 @@ def _unknown_key(key: str, ours: set) -> str:
     return (f"zero_optimization: unknown key {key!r} for stage 'ragged'.{hint} Our keys: "
             f"{', '.join(sorted(ours))}; also accepted: stage, overlap_comm and ZeRO-3's tuning keys "
             "(reduce_bucket_size, stage3_prefetch_bucket_size, ...; no effect with one collective per group)")
+
+
+def _merge_mics_shard_size(section: Dict[str, Any], options: Dict[str, Any]) -> None:
+    """``mics_shard_size`` as ``shard_group_size`` (see [Note: shard groups]); refused if both
+    are set and differ."""
+    mics = section.get("mics_shard_size")
+    if mics in (None, -1):
+        return
+    ours = options.get("shard_group_size")
+    if ours is not None and ours != mics:
+        raise ValueError(
+            f"zero_optimization: shard_group_size {ours} and mics_shard_size {mics} disagree; they are the same "
+            "setting under stage 'ragged' (shard within groups of that size): keep one"
+        )
+    if not isinstance(mics, int) or isinstance(mics, bool) or mics < 1:
+        raise ValueError(f"zero_optimization: mics_shard_size {mics!r} is not a group size: use a positive integer "
+                         "(or -1 for no shard groups), or set shard_group_size instead")
+    options["shard_group_size"] = mics
 
 
 def parse_ragged_section(section: Dict[str, Any]) -> Tuple[RaggedOptions, List[str]]:
@@ -125,6 +161,8 @@ def parse_ragged_section(section: Dict[str, Any]) -> Tuple[RaggedOptions, List[s
             continue
         if key in ours:
             options[key] = value
+        elif key == "mics_shard_size":
+            pass  # after the loop: it may meet shard_group_size
         elif key == "overlap_comm":
             options.setdefault("prefetch", bool(value))
         elif key in _NOTED:
@@ -135,6 +173,7 @@ def parse_ragged_section(section: Dict[str, Any]) -> Tuple[RaggedOptions, List[s
                 raise ValueError(_unknown_key(key, ours))
             if why is not None:
                 raise ValueError(f"zero_optimization: {why}")
+    _merge_mics_shard_size(section, options)
     for key in noted:
         msg = f"zero_optimization.{key} has no effect with stage 'ragged' (one collective per group); ignored"
         warnings.warn(msg, UserWarning, stacklevel=3)

@@ -21,20 +21,22 @@ from __future__ import annotations
 
 import inspect
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.utils import groups
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import vescale_zero as vz
 from vescale_zero import checkpoint
 from vescale_zero.checkpoint.convert import is_deepspeed_checkpoint
 from vescale_zero.comm_device import collective_device
-from vescale_zero.fully_shard import groups_of
+from vescale_zero.fully_shard import HSDP_DIM_NAMES, groups_of
 from vescale_zero.optim import AdamW8bit, Muon, Shampoo
 
 from .accelerate_stage import present_ragged_stage_to_accelerate
@@ -89,7 +91,7 @@ class RaggedEngineMixin:
             self._check_presharded(mp, granularity)
         else:
             vz.fully_shard_layers(
-                self.module, opts.sharded_modules, mesh=groups._get_data_parallel_group(),
+                self.module, opts.sharded_modules, mesh=self._ragged_mesh(),
                 reshard_after_forward=opts.reshard_after_forward, mp_policy=mp, granularity=granularity,
                 fp8_all_gather_tile=opts.fp8_all_gather_tile,
             )
@@ -111,19 +113,43 @@ class RaggedEngineMixin:
                 raise ValueError(
                     "stage 'ragged' with pipeline parallelism runs in fp32 only for now; disable bf16/fp16")
 
+    def _ragged_mesh(self) -> Union[dist.ProcessGroup, DeviceMesh]:
+        """What the layers are sharded over: DeepSpeed's data-parallel group, or with
+        ``shard_group_size`` a 2-D ``(replicas, shard)`` mesh of it (config [Note: shard groups])."""
+        dp = groups._get_data_parallel_group()
+        size, dp_size = self.ragged_options.shard_group_size, dist.get_world_size(dp)
+        if size is None or size == dp_size:
+            return dp
+        if dp_size % size:
+            divisors = [d for d in range(1, dp_size + 1) if dp_size % d == 0]
+            raise ValueError(
+                f"zero_optimization.shard_group_size {size} does not divide the data-parallel world size {dp_size}: "
+                f"shard groups must tile it; choose one of {divisors}")
+        if dp_size != dist.get_world_size():
+            raise ValueError(
+                f"zero_optimization.shard_group_size with pipeline or model parallelism (data-parallel size {dp_size} "
+                f"of {dist.get_world_size()} ranks) is not supported yet; remove shard_group_size, or train with data "
+                "parallelism only")
+        return init_device_mesh(get_accelerator().device_name(), (dp_size // size, size),
+                                mesh_dim_names=HSDP_DIM_NAMES[0])
+
     def _check_presharded(self, mp: Optional[vz.MixedPrecisionPolicy], granularity: Any) -> None:
         """[Note: a model sharded before deepspeed.initialize] A model the user sharded with
         ``fully_shard`` (e.g. built on meta and ``vescale_zero.materialize``-d) is taken as it
         is: its groups must shard over DeepSpeed's data-parallel group, and the config may not
         ask for sharding options that only apply when sharding (they would be ignored)."""
-        dp = groups._get_data_parallel_group()
-        dp_ranks = dist.get_process_group_ranks(dp)
+        dp_ranks = dist.get_process_group_ranks(groups._get_data_parallel_group())
+        size = self.ragged_options.shard_group_size or len(dp_ranks)
+        at = dp_ranks.index(dist.get_rank()) // size * size
+        want, what = dp_ranks[at : at + size], "DeepSpeed's data-parallel group is"
+        if size != len(dp_ranks):
+            what = f"this rank's shard group (shard_group_size {size}) is"
         for group in groups_of(self.module):
             ranks = dist.get_process_group_ranks(group.process_group)
-            if ranks != dp_ranks:
+            if ranks != want:
                 raise ValueError(
-                    f"the model was sharded with fully_shard over ranks {ranks}, DeepSpeed's data-parallel group is "
-                    f"{dp_ranks}: shard with mesh=<the data-parallel group>, or "
+                    f"the model was sharded with fully_shard over ranks {ranks}, {what} "
+                    f"{want}: shard with mesh=<the data-parallel group> (or its HSDP mesh), or "
                     "pass the unsharded model and let deepspeed.initialize shard it")
         opts, default = self.ragged_options, RaggedOptions()
         set_here = [k for k in ("granularity", "sharded_modules", "reshard_after_forward", "reduce_dtype",
@@ -179,7 +205,8 @@ class RaggedEngineMixin:
         if cls is None:
             return super()._configure_basic_optimizer(model_parameters)
         params = dict(self.optimizer_params() or {})
-        if cls is Muon:  # moves its matrices within DeepSpeed's data-parallel group
+        if cls is Muon and self.ragged_options.shard_group_size is None:
+            # moves its matrices within DeepSpeed's data-parallel group (else: within the shard group)
             params.setdefault("process_group", groups._get_data_parallel_group())
         return cls(model_parameters, **params)
 
