@@ -107,7 +107,7 @@ def test_hsdp_checkpoint_is_written_once_and_loads_at_any_layout(spawned, case, 
     uninterrupted run at the loading layout within 1e-6 (bit-exact from 2 x 2 to 2 x 2, where
     every step runs the same sums). Under HSDP only the first replica's shard group writes:
     ranks 2 and 3 write no file, and every element of every parameter and of its AdamW
-    state is on disk exactly once."""
+    state is on disk exactly once; ``consolidate`` joins the files into the saved model."""
     resumed, straight = spawned[f"hsdp {case} resume"], spawned[f"hsdp {case} full"]
     for rank in range(load_ranks):  # every replica holds the same model
         assert all(torch.equal(resumed[rank][k], resumed[0][k]) for k in resumed[0]), (case, rank)
@@ -131,6 +131,8 @@ def test_hsdp_checkpoint_is_written_once_and_loads_at_any_layout(spawned, case, 
         for s, e in ranges:
             covered[s:e] += 1
         assert torch.all(covered == 1), (case, key, covered.tolist())
+    saved, joined = spawned[f"hsdp {case} first"][0], checkpoint.consolidate(path)  # offline, from the files
+    assert saved.keys() == joined.keys() and all(torch.equal(joined[k], saved[k]) for k in saved), case
 
 
 def _load_only(rank, world_size, path):
