@@ -4,7 +4,8 @@ DeepSpeed builds the engine at stage 0 (no ZeRO, no fp16/bf16 wrappers of its ow
 subclass then
 
 * shards the module with :func:`vescale_zero.fully_shard_layers` over DeepSpeed's
-  data-parallel group, right after DeepSpeed placed and broadcast it;
+  data-parallel group (with ``shard_group_size``: on its 2-D replicate x shard mesh, HSDP),
+  right after DeepSpeed placed and broadcast it;
 * builds the optimizer on the sharded parameters (remapping ``model_parameters`` or a
   client optimizer that was built on the original ones);
 * lets the runtime's hooks reduce-scatter gradients at the accumulation boundary, so
