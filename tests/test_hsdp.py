@@ -31,11 +31,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import vescale_zero as vz
-import vescale_zero.dbuffer as dbuffer_module
-import vescale_zero.grad_reduce as grad_reduce_module
 from vescale_zero.fully_shard import groups_of
 from vescale_zero.optim import Muon
 
+from .comm_spy import CommSpy
 from .distributed import run_on_ranks
 from .models import AwkwardLM, make_batches, rank_slice
 
@@ -88,40 +87,6 @@ def _train_ddp(rank):
     return {k: v.detach().clone() for k, v in model.module.state_dict().items()}, norms
 
 
-class _Spy:
-    """Records ``(kind, group size, numel, step, micro-batch)`` of every collective a DBuffer
-    or a gradient reducer runs (the core's collectives, as those modules call them)."""
-
-    def __init__(self) -> None:
-        self.calls, self._at = [], (None, None)
-
-    def _wrap(self, kind, real, group_pos):
-        def spy(*args, **kwargs):
-            tensor, group = args[0], args[group_pos] if len(args) > group_pos else kwargs.get("group")
-            self.calls.append((kind, dist.get_world_size(group), tensor.numel(), group) + self._at)
-            return real(*args, **kwargs)
-        return spy
-
-    @contextlib.contextmanager
-    def installed(self):
-        saved = (dbuffer_module.all_gather, dbuffer_module.reduce_scatter, grad_reduce_module.all_reduce)
-        dbuffer_module.all_gather = self._wrap("all_gather", saved[0], 2)
-        dbuffer_module.reduce_scatter = self._wrap("reduce_scatter", saved[1], 2)
-        grad_reduce_module.all_reduce = self._wrap("all_reduce", saved[2], 1)
-        try:
-            yield self
-        finally:
-            dbuffer_module.all_gather, dbuffer_module.reduce_scatter, grad_reduce_module.all_reduce = saved
-
-    @contextlib.contextmanager
-    def window(self, step, micro):
-        self._at = (step, micro)
-        try:
-            yield
-        finally:
-            self._at = (None, None)
-
-
 def _close(a, b, tol):
     return {k: (a[k].float() - b[k].float()).abs().max().item() for k in b if k in a and (a[k].float() - b[k].float())
             .abs().max().item() > tol}
@@ -143,7 +108,7 @@ def _all_checks(rank, world):
     out = {}
 
     # 1. fp32: HSDP vs DDP vs flat, accumulation + clipping, with the communication spy.
-    spy = _Spy()
+    spy = CommSpy()
     with spy.installed():
         hsdp = _shard(mesh)
         opt = torch.optim.AdamW([p for p in hsdp.parameters() if p.requires_grad], lr=LR, weight_decay=0.1)
