@@ -1222,23 +1222,26 @@ def _megatron_hsdp(rank: int, world_size: int, argv: List[str], ckpt: Optional[s
     return out
 
 
-def _check_hsdp(results: List[Dict], tolerance: float, shard: int, dp: int = 4) -> None:
+def _check_hsdp(results: List[Dict], tolerance: float, shards: tuple, dp: int = 4, flat: tuple = (4,)) -> None:
+    """``shards``: the sizes of the shard groups (dense, and experts' if any); ``flat``: of
+    the flat run's groups; two instances: every replicate group has 2 ranks."""
     for rank, res in enumerate(results):
         assert res["keys"][0] == res["keys"][1]
         worst = max(res["errors"].items(), key=lambda kv: kv[1])
         assert worst[1] <= tolerance, f"rank {rank}: {worst[0]} differs from the flat run by {worst[1]:.2e} (abs)"
-        for (ours, flat) in (res["losses"], res["norms"]):
-            assert len(ours) == len(flat)
-            assert all(abs(a - b) <= tolerance * abs(b) for a, b in zip(ours, flat)), (ours, flat)
+        for ours, theirs in (res["losses"], res["norms"]):
+            assert len(ours) == len(theirs)
+            assert all(abs(a - b) <= tolerance * abs(b) for a, b in zip(ours, theirs)), (ours, theirs)
         assert res["dp"] == dp and not res["zero_copy"], res
         # flat: one group of every data-parallel rank; HSDP: instances of `shard`, replicas across
-        assert all(len(g) == dp for g in res["flat shard groups"]), res["flat shard groups"]
-        assert all(len(g) == shard for g in res["shard groups"]), res["shard groups"]
-        assert all(len(g) == dp // shard for g in res["replicate groups"]), res["replicate groups"]
+        assert sorted(len(g) for g in res["flat shard groups"]) == sorted(flat), res["flat shard groups"]
+        assert sorted(len(g) for g in res["shard groups"]) == sorted(shards), res["shard groups"]
+        assert [len(g) for g in res["replicate groups"]] == [2], res["replicate groups"]
         assert res["all_gather on"] == res["reduce_scatter on"] == res["shard groups"], res
         assert res["all_reduce on"] == res["replicate groups"], res
         # one all-reduce per group per step, of its shard (not one per micro-batch)
         assert res["all_reduces per step"] == [res["shard sizes"]] * 3, res
+    assert any(res["losses"][0] for res in results)  # a last pipeline stage reports them
     norms = [n for n in results[0]["norms"][0]]
     assert all(n is not None and n > 0.5 for n in norms), norms  # --clip-grad 0.5 clips every step
 
@@ -1251,8 +1254,9 @@ def test_megatron_hsdp_equals_flat_vescale_fsdp(tmp_path):
     as (a+b)+(c+d) over two collectives, flat as one sum of four), losses and norms within
     1e-6 relative; all-gathers and reduce-scatters in groups
     of 2, one all-reduce per group per step across the instances; a dist-checkpoint saved
-    under HSDP resumes in the flat layout. The same holds beside TP=2 (a 3-D mesh over
-    Megatron's groups; dp 2 = 2 instances of one rank), with ``--vescale-optimizer muon``
+    under HSDP resumes in the flat layout. The same holds beside TP=2 and PP=2 (a 3-D mesh
+    over Megatron's groups; dp 2 = 2 instances of one rank), for MoE (ep 2: experts sharded
+    in the instance's expert-data-parallel group, replicated across instances), with ``--vescale-optimizer muon``
     (Newton-Schulz inside the instance) and in bf16 with fp32 gradient reduction (bf16
     compute is the same on both; with bf16 reductions the two differ by up to 2e-2, one
     Adam step, as any two bf16 reduction orders do)."""
@@ -1260,15 +1264,20 @@ def test_megatron_hsdp_equals_flat_vescale_fsdp(tmp_path):
     cases = {
         "adam+ckpt": (_megatron_hsdp, (HSDP, str(tmp_path / "hsdp-ckpt"))),
         "tp2": (_megatron_hsdp, (HSDP + ["--tensor-model-parallel-size", "2", "--global-batch-size", "8"], None)),
+        "pp2": (_megatron_hsdp, (HSDP + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"], None)),
+        # experts: ep 2, expert-dp 2 = 2 instances of one rank; dense: 2 instances of 2
+        "moe-ep2": (_megatron_hsdp, (HSDP + ["--num-experts", "4", "--expert-model-parallel-size", "2"], None)),
         "muon": (_megatron_hsdp, (HSDP + ["--vescale-optimizer", "muon"], None)),
         "bf16": (_megatron_hsdp, (HSDP + ["--bf16", "--accumulate-allreduce-grads-in-fp32"], None)),
     }
     out = run_cases_on_ranks(cases, 4, timeout=500)
-    _check_hsdp(out["adam+ckpt"], 1e-6, shard=2)
+    _check_hsdp(out["adam+ckpt"], 1e-6, shards=(2,))
     for res in out["adam+ckpt"]:
         assert res["resumed"] <= 1e-6, res["resumed"]
         ours, ref = res["resumed losses"]
         assert len(ours) == len(ref) and all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(ours, ref))
-    _check_hsdp(out["tp2"], 1e-6, shard=1, dp=2)
-    _check_hsdp(out["muon"], 1e-6, shard=2)
-    _check_hsdp(out["bf16"], 1e-6, shard=2)
+    _check_hsdp(out["tp2"], 1e-6, shards=(1,), dp=2, flat=(2,))
+    _check_hsdp(out["pp2"], 1e-6, shards=(1,), dp=2, flat=(2,))
+    _check_hsdp(out["moe-ep2"], 1e-6, shards=(1, 2), flat=(2, 4))
+    _check_hsdp(out["muon"], 1e-6, shards=(2,))
+    _check_hsdp(out["bf16"], 1e-6, shards=(2,))
