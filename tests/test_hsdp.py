@@ -26,8 +26,8 @@ runs every check, each rank training on its own quarter of the global batch:
 * a full state dict loads bit-exactly (each rank its shard group's ranges) and gathers back.
 * bad meshes (3-D, unknown names, not covering the world) and a sharded checkpoint raise
   clear errors; FSDP2's dimension names are accepted; a shard size whose pieces split the
-  block-wise optimizers' blocks (element granularity) is refused when the optimizer is built,
-  on every rank, naming the HSDP shard dimension and the granularity to use.
+  block-wise optimizers' blocks (element granularity) is refused at the optimizer's first
+  step, on every rank, naming the HSDP shard dimension and the granularity to use.
 """
 
 from __future__ import annotations
@@ -231,12 +231,15 @@ def _all_checks(rank, world):
 
 
     # 7. bad input.
-    # a shard size whose pieces split the optimizer's blocks: refused when the optimizer is
-    # built, on every rank, naming the HSDP shard dimension and the fix
+    # a shard size whose pieces split the optimizer's blocks: refused at the first step, on
+    # every rank, naming the HSDP shard dimension and the fix
     element = _shard(mesh, granularity="element")
-    _expect_error(lambda: AdamW8bit([p for p in element.parameters() if p.requires_grad], block=BLOCK),
+    x, y = _micro(rank)[0][0]
+    element(x, y).backward()
+    params = [p for p in element.parameters() if p.requires_grad]
+    _expect_error(lambda: AdamW8bit(params, block=BLOCK).step(),
                   "would be split across ranks", "'shard' dimension (2 ranks", "AdamW8bit.granularity(13)")
-    _expect_error(lambda: Shampoo([p for p in element.parameters() if p.requires_grad], block=BLOCK),
+    _expect_error(lambda: Shampoo(params, block=BLOCK).step(),
                   "would be split across ranks", "'shard' dimension (2 ranks", "Shampoo.granularity(13)")
     _expect_error(lambda: _shard(init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("pp", "replicate", "shard"))),
                   "3-D", "replicate")

@@ -18,7 +18,7 @@ unsharded, so given the same gradients the sharded run equals the unsharded one 
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, Optional, Tuple
+from typing import Callable, Iterable, Optional, Set, Tuple
 
 import torch
 
@@ -46,14 +46,22 @@ class AdamW8bit(torch.optim.Optimizer):
         if block < 1:
             raise ValueError(f"block must be >= 1, got {block}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, block=block))
-        for group in self.param_groups:  # every rank's piece, from the plan: layout [Note: layout checked ...]
+        self._layout_checked: Set[int] = set()
+
+    def _check_every_rank(self) -> None:
+        """Every rank's piece of every parameter, once, from its group's plan (layout
+        [Note: layout checked from the plan])."""
+        for group in self.param_groups:
             b = group["block"]
             for p in group["params"]:
+                if id(p) in self._layout_checked:
+                    continue
                 total = _numel(p)
                 check_every_rank_piece(
                     "AdamW8bit", p, lambda start, end, b=b, total=total: self._fits(start, end, total, b),
                     f"a block of {b} elements",
                     f"shard it with fully_shard(..., granularity=AdamW8bit.granularity({b}))")
+                self._layout_checked.add(id(p))
 
     @staticmethod
     def granularity(block: int = 256) -> Callable[[str, torch.Tensor], int]:
@@ -97,6 +105,7 @@ class AdamW8bit(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_every_rank()
         for group in self.param_groups:
             lr, (b1, b2), eps, wd, block = (group["lr"], group["betas"], group["eps"], group["weight_decay"],
                                             group["block"])

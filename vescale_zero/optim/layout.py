@@ -3,10 +3,11 @@
 A block-wise optimizer (8-bit AdamW's quantization blocks, Shampoo's preconditioner bands)
 needs each block on one rank. Whether a piece splits a block depends on the *shard group's*
 plan -- the 1-D mesh, or under HSDP the ``"shard"`` dimension of the mesh, whose size picks
-the shard size -- not on the parameter alone. [Note: layout checked from the plan] When the
-optimizer is built, each parameter's group plan gives every rank's piece, so every rank
-finds the same split block and raises the same error at construction (a check of its own
-piece only would raise on some ranks while the others wait in a collective).
+the shard size -- not on the parameter alone. [Note: layout checked from the plan] At the
+optimizer's first step (after a checkpoint load, which refuses such layouts itself), each
+parameter's group plan gives every rank's piece, so every rank finds the same split block
+and raises the same error (a check of its own piece only would raise on some ranks while
+the others wait in the next collective).
 """
 
 from __future__ import annotations

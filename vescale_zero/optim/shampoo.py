@@ -21,7 +21,7 @@ the same per-block arithmetic as the unsharded one, so the two agree bit for bit
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, List, Optional, Tuple
+from typing import Callable, Iterable, List, Optional, Set, Tuple
 
 import torch
 
@@ -84,16 +84,22 @@ class Shampoo(torch.optim.Optimizer):
                         update_freq=update_freq, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
                         use_shampoo=None)
         super().__init__(params, defaults)
-        for group in self.param_groups:  # every rank's piece, from the plan: layout [Note: layout checked ...]
+        self._layout_checked: Set[int] = set()
+
+    def _check_every_rank(self) -> None:
+        """Every rank's piece of every preconditioned parameter, once, from its group's plan
+        (layout [Note: layout checked from the plan])."""
+        for group in self.param_groups:
             b = group["block"]
             for p in group["params"]:
                 shape = p.sharded_range.shape if hasattr(p, "sharded_range") else tuple(p.shape)
-                if len(shape) < 2 or group["use_shampoo"] is False:
-                    continue  # AdamW: no blocks
+                if id(p) in self._layout_checked or len(shape) < 2 or group["use_shampoo"] is False:
+                    continue  # checked, or AdamW (no blocks)
                 rows, cols = _matrix_shape(shape)
                 check_every_rank_piece(
                     "Shampoo", p, lambda start, end, b=b, rows=rows, cols=cols: _fits(start, end, rows, cols, b),
                     f"a {b}x{b} block", f"shard it with fully_shard(..., granularity=Shampoo.granularity({b}))")
+                self._layout_checked.add(id(p))
 
     @staticmethod
     def granularity(block: int = 128) -> Callable[[str, torch.Tensor], int]:
@@ -147,6 +153,7 @@ class Shampoo(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_every_rank()
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
