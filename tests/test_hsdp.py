@@ -66,9 +66,10 @@ def _shard(mesh, mp_policy=None, granularity=None):
 
 
 def _micro(rank):
-    """This rank's micro-batches of every step (its quarter of the global batch, in ACCUM)."""
-    return [[tuple(t.chunk(ACCUM)[i] for t in rank_slice(b, rank, WORLD)) for i in range(ACCUM)]
-            for b in make_batches(STEPS, global_batch=16, seed=5)]
+    """This rank's micro-batches of every step (its share of the global batch, in ACCUM)."""
+    world = dist.get_world_size()
+    return [[tuple(t.chunk(ACCUM)[i] for t in rank_slice(b, rank, world)) for i in range(ACCUM)]
+            for b in make_batches(STEPS, global_batch=4 * world, seed=5)]
 
 
 def _train_fsdp(model, opt, rank, clip=True, spy=None):
@@ -284,3 +285,27 @@ def test_hsdp_2x2_equals_ddp_and_flat_fully_shard():
         assert out["divide_vs_ddp_sgd"] == {}, out["divide_vs_ddp_sgd"]
         assert out["sliced_vs_1d"] == {}, out["sliced_vs_1d"]
         assert out["fsdp2_names"] == SHARD
+
+
+def _three_by_two(rank, world):
+    """HSDP 3 replicas x shard 2 at 6 ranks vs DDP: AdamW, accumulation, clipping."""
+    torch.manual_seed(0)
+    hsdp = _shard(init_device_mesh("cpu", (3, 2), mesh_dim_names=("replicate", "shard")))
+    opt = torch.optim.AdamW([p for p in hsdp.parameters() if p.requires_grad], lr=LR, weight_decay=0.1)
+    hsdp_state, hsdp_norms = _train_fsdp(hsdp, opt, rank)
+    ddp_state, ddp_norms = _train_ddp(rank)
+    group = groups_of(hsdp)[0]
+    return {"vs_ddp": _close(hsdp_state, ddp_state, 1e-6), "norms": (hsdp_norms, ddp_norms),
+            "groups": (dist.get_process_group_ranks(group.process_group),
+                       dist.get_process_group_ranks(group.replicate_group))}
+
+
+@pytest.mark.slow
+def test_hsdp_3x2_at_6_ranks_equals_ddp():
+    """3 replicas x shard 2 (replicas of 3: the all-reduce across replicas sums three terms)
+    equals DDP over the 6 ranks within 1e-6, clip norms too."""
+    for rank, out in enumerate(run_on_ranks(_three_by_two, 6, timeout=240)):
+        assert out["vs_ddp"] == {}, (rank, out["vs_ddp"])
+        hsdp, ddp = out["norms"]
+        assert all(n > CLIP for n in ddp) and max(abs(a - b) for a, b in zip(hsdp, ddp)) <= 1e-6, (hsdp, ddp)
+        assert out["groups"] == ([rank // 2 * 2, rank // 2 * 2 + 1], [rank % 2, rank % 2 + 2, rank % 2 + 4]), out
