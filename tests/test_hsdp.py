@@ -15,12 +15,22 @@ runs every check, each rank training on its own quarter of the global batch:
   same policy within 2e-2 (bf16 reductions in another order), and fp32 DDP within 5e-2.
 * Muon (communicates inside the group its parameters are sharded over) equals flat
   ``fully_shard`` with Muon within 1e-6.
+* the block-wise optimizers (8-bit AdamW, Shampoo; granularity = their 13-element blocks)
+  equal flat ``fully_shard`` with the same optimizer within 1e-6 (their own tests are
+  bit-exact against the unsharded optimizer given equal gradients; HSDP's gradients differ
+  from flat's by rounding).
+* a gradient divide factor (3, not the world size) gives SUM / 3 over all 4 ranks: SGD
+  equals flat ``fully_shard`` and DDP with gradients x 4/3 within 1e-6.
+* beside tensor parallelism (a (2, 1, 2) world mesh ``("tp", "replicate", "shard")``), the
+  ``["replicate", "shard"]`` slice is accepted and equals 1-D sharding over its shard group.
 * a full state dict loads bit-exactly (each rank its shard group's ranges) and gathers back.
 * a sharded checkpoint (model and AdamW state) is written by the first replica's shard group
   only (ranks 0 and 1: two rank files) and loads back bit-exactly into fresh HSDP models on
   every replica; resharding it to other layouts is tests/test_checkpoint.py's.
 * bad meshes (3-D, unknown names, not covering the world) raise clear errors; FSDP2's
-  dimension names are accepted.
+  dimension names are accepted; a shard size whose pieces split the block-wise optimizers'
+  blocks (element granularity) is refused at the optimizer's first step, on every rank,
+  naming the HSDP shard dimension and the granularity to use.
 """
 
 from __future__ import annotations
@@ -35,33 +45,35 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import vescale_zero as vz
-import vescale_zero.dbuffer as dbuffer_module
-import vescale_zero.grad_reduce as grad_reduce_module
 from vescale_zero.fully_shard import groups_of
-from vescale_zero.optim import Muon
+from vescale_zero.optim import AdamW8bit, Muon, Shampoo
 
+from .comm_spy import CommSpy
 from .distributed import run_on_ranks
 from .models import AwkwardLM, make_batches, rank_slice
 
 WORLD, REPLICAS, SHARD = 4, 2, 2
 STEPS, ACCUM, CLIP, LR = 3, 2, 0.05, 1e-2
+BLOCK = 13  # the block-wise optimizers' block (as their own tests): splits AwkwardLM's tensors unevenly
+DIVIDE = 3.0  # a gradient divide factor that is not the world size
 
 
 def _hsdp_mesh():
     return init_device_mesh("cpu", (REPLICAS, SHARD), mesh_dim_names=("replicate", "shard"))
 
 
-def _shard(mesh, mp_policy=None):
+def _shard(mesh, mp_policy=None, granularity=None):
     model = AwkwardLM(seed=3)
     for block in model.blocks:
-        vz.fully_shard(block, mesh=mesh, mp_policy=mp_policy)
-    return vz.fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+        vz.fully_shard(block, mesh=mesh, mp_policy=mp_policy, granularity=granularity)
+    return vz.fully_shard(model, mesh=mesh, mp_policy=mp_policy, granularity=granularity)
 
 
 def _micro(rank):
-    """This rank's micro-batches of every step (its quarter of the global batch, in ACCUM)."""
-    return [[tuple(t.chunk(ACCUM)[i] for t in rank_slice(b, rank, WORLD)) for i in range(ACCUM)]
-            for b in make_batches(STEPS, global_batch=16, seed=5)]
+    """This rank's micro-batches of every step (its share of the global batch, in ACCUM)."""
+    world = dist.get_world_size()
+    return [[tuple(t.chunk(ACCUM)[i] for t in rank_slice(b, rank, world)) for i in range(ACCUM)]
+            for b in make_batches(STEPS, global_batch=4 * world, seed=5)]
 
 
 def _train_fsdp(model, opt, rank, clip=True, spy=None):
@@ -92,38 +104,20 @@ def _train_ddp(rank):
     return {k: v.detach().clone() for k, v in model.module.state_dict().items()}, norms
 
 
-class _Spy:
-    """Records ``(kind, group size, numel, step, micro-batch)`` of every collective a DBuffer
-    or a gradient reducer runs (the core's collectives, as those modules call them)."""
-
-    def __init__(self) -> None:
-        self.calls, self._at = [], (None, None)
-
-    def _wrap(self, kind, real, group_pos):
-        def spy(*args, **kwargs):
-            tensor, group = args[0], args[group_pos] if len(args) > group_pos else kwargs.get("group")
-            self.calls.append((kind, dist.get_world_size(group), tensor.numel(), group) + self._at)
-            return real(*args, **kwargs)
-        return spy
-
-    @contextlib.contextmanager
-    def installed(self):
-        saved = (dbuffer_module.all_gather, dbuffer_module.reduce_scatter, grad_reduce_module.all_reduce)
-        dbuffer_module.all_gather = self._wrap("all_gather", saved[0], 2)
-        dbuffer_module.reduce_scatter = self._wrap("reduce_scatter", saved[1], 2)
-        grad_reduce_module.all_reduce = self._wrap("all_reduce", saved[2], 1)
-        try:
-            yield self
-        finally:
-            dbuffer_module.all_gather, dbuffer_module.reduce_scatter, grad_reduce_module.all_reduce = saved
-
-    @contextlib.contextmanager
-    def window(self, step, micro):
-        self._at = (step, micro)
-        try:
-            yield
-        finally:
-            self._at = (None, None)
+def _train_ddp_sgd(rank, scale):
+    """DDP (the mean over the ranks) with SGD on gradients times ``scale``."""
+    model = DDP(AwkwardLM(seed=3))
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    for micro in _micro(rank):
+        for i, (x, y) in enumerate(micro):
+            with model.no_sync() if i < ACCUM - 1 else contextlib.nullcontext():
+                (model(x, y) / ACCUM).backward()
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
 
 
 def _adam_state(opt):
@@ -152,7 +146,7 @@ def _all_checks(rank, world, tmp):
     out = {}
 
     # 1. fp32: HSDP vs DDP vs flat, accumulation + clipping, with the communication spy.
-    spy = _Spy()
+    spy = CommSpy()
     with spy.installed():
         hsdp = _shard(mesh)
         hsdp_opt = torch.optim.AdamW([p for p in hsdp.parameters() if p.requires_grad], lr=LR, weight_decay=0.1)
@@ -161,6 +155,7 @@ def _all_checks(rank, world, tmp):
     opt = torch.optim.AdamW([p for p in flat.parameters() if p.requires_grad], lr=LR, weight_decay=0.1)
     flat_state, flat_norms = _train_fsdp(flat, opt, rank)
     ddp_state, ddp_norms = _train_ddp(rank)
+    ddp_start = AwkwardLM(seed=3).state_dict()
     out["vs_ddp"] = _close(hsdp_state, ddp_state, 1e-6)
     out["vs_flat"] = _close(hsdp_state, flat_state, 1e-6)
     out["bit_exact_vs_flat"] = all(torch.equal(hsdp_state[k], flat_state[k]) for k in flat_state)
@@ -220,7 +215,53 @@ def _all_checks(rank, world, tmp):
         states.append(_train_fsdp(model, opt, rank, clip=False)[0])
     out["muon_vs_flat"] = _close(states[0], states[1], 1e-6)
 
-    # 4. bad input.
+    # 4. block-wise optimizers (granularity = their blocks), HSDP vs flat.
+    for name, make, granularity in (
+        ("adamw8bit", lambda ps: AdamW8bit(ps, lr=LR, weight_decay=0.1, block=BLOCK), AdamW8bit.granularity(BLOCK)),
+        ("shampoo", lambda ps: Shampoo(ps, lr=LR, weight_decay=0.1, block=BLOCK, update_freq=2),
+         Shampoo.granularity(BLOCK)),
+    ):
+        states = []
+        for m in (mesh, None):
+            model = _shard(m, granularity=granularity)
+            states.append(_train_fsdp(model, make([p for p in model.parameters() if p.requires_grad]), rank)[0])
+        out[f"{name}_vs_flat"] = _close(states[0], states[1], 1e-6)
+        out[f"{name}_moved"] = sum(not torch.equal(states[0][k], ddp_start[k]) for k in ddp_start)
+
+    # 5. a gradient divide factor (SUM / factor over all 4 ranks, not the mean): plain SGD
+    # so that the scale shows in the weights.
+    states = []
+    for m in (mesh, None):
+        model = _shard(m)
+        model.set_gradient_divide_factor(DIVIDE)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+        states.append(_train_fsdp(model, opt, rank, clip=False)[0])
+    out["divide_vs_flat"] = _close(states[0], states[1], 1e-6)
+    out["divide_vs_ddp_sgd"] = _close(states[0], _train_ddp_sgd(rank, scale=WORLD / DIVIDE), 1e-6)
+
+    # 6. beside tensor parallelism: the ("replicate", "shard") slice of a world mesh (here
+    # tp 2 x 1 replica x shard 2: the slice covers 2 of the 4 ranks) equals 1-D sharding
+    # over its shard group.
+    world_mesh = init_device_mesh("cpu", (2, 1, SHARD), mesh_dim_names=("tp", "replicate", "shard"))
+    states = []
+    for m in (world_mesh["replicate", "shard"], world_mesh["shard"]):
+        model = _shard(m)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.1)
+        states.append(_train_fsdp(model, opt, rank)[0])
+    out["sliced_vs_1d"] = _close(states[0], states[1], 0.0)
+
+
+    # 7. bad input.
+    # a shard size whose pieces split the optimizer's blocks: refused at the first step, on
+    # every rank, naming the HSDP shard dimension and the fix
+    element = _shard(mesh, granularity="element")
+    x, y = _micro(rank)[0][0]
+    element(x, y).backward()
+    params = [p for p in element.parameters() if p.requires_grad]
+    _expect_error(lambda: AdamW8bit(params, block=BLOCK).step(),
+                  "would be split across ranks", "'shard' dimension (2 ranks", "AdamW8bit.granularity(13)")
+    _expect_error(lambda: Shampoo(params, block=BLOCK).step(),
+                  "would be split across ranks", "'shard' dimension (2 ranks", "Shampoo.granularity(13)")
     _expect_error(lambda: _shard(init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("pp", "replicate", "shard"))),
                   "3-D", "replicate")
     _expect_error(lambda: _shard(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))),
@@ -255,8 +296,38 @@ def test_hsdp_2x2_equals_ddp_and_flat_fully_shard(tmp_path):
         assert out["bf16_vs_flat"] == {}, out["bf16_vs_flat"]
         assert out["bf16_vs_ddp"] == {}, out["bf16_vs_ddp"]
         assert out["muon_vs_flat"] == {}, out["muon_vs_flat"]
+        for name in ("adamw8bit", "shampoo"):
+            assert out[f"{name}_vs_flat"] == {}, (name, out[f"{name}_vs_flat"])
+            assert out[f"{name}_moved"] > 0, name
+        assert out["divide_vs_flat"] == {}, out["divide_vs_flat"]
+        assert out["divide_vs_ddp_sgd"] == {}, out["divide_vs_ddp_sgd"]
+        assert out["sliced_vs_1d"] == {}, out["sliced_vs_1d"]
         assert out["fsdp2_names"] == SHARD
         assert out["ckpt_files"] == ["common.pt", "metadata.json", "rank00000.pt", "rank00001.pt"], out["ckpt_files"]
         assert out["ckpt_extra"] == {"step": STEPS}
         assert out["ckpt_model"] == {}, (rank, out["ckpt_model"])
         assert out["ckpt_optimizer"], rank
+
+
+def _three_by_two(rank, world):
+    """HSDP 3 replicas x shard 2 at 6 ranks vs DDP: AdamW, accumulation, clipping."""
+    torch.manual_seed(0)
+    hsdp = _shard(init_device_mesh("cpu", (3, 2), mesh_dim_names=("replicate", "shard")))
+    opt = torch.optim.AdamW([p for p in hsdp.parameters() if p.requires_grad], lr=LR, weight_decay=0.1)
+    hsdp_state, hsdp_norms = _train_fsdp(hsdp, opt, rank)
+    ddp_state, ddp_norms = _train_ddp(rank)
+    group = groups_of(hsdp)[0]
+    return {"vs_ddp": _close(hsdp_state, ddp_state, 1e-6), "norms": (hsdp_norms, ddp_norms),
+            "groups": (dist.get_process_group_ranks(group.process_group),
+                       dist.get_process_group_ranks(group.replicate_group))}
+
+
+@pytest.mark.slow
+def test_hsdp_3x2_at_6_ranks_equals_ddp():
+    """3 replicas x shard 2 (replicas of 3: the all-reduce across replicas sums three terms)
+    equals DDP over the 6 ranks within 1e-6, clip norms too."""
+    for rank, out in enumerate(run_on_ranks(_three_by_two, 6, timeout=240)):
+        assert out["vs_ddp"] == {}, (rank, out["vs_ddp"])
+        hsdp, ddp = out["norms"]
+        assert all(n > CLIP for n in ddp) and max(abs(a - b) for a, b in zip(hsdp, ddp)) <= 1e-6, (hsdp, ddp)
+        assert out["groups"] == ([rank // 2 * 2, rank // 2 * 2 + 1], [rank % 2, rank % 2 + 2, rank % 2 + 4]), out

@@ -21,6 +21,7 @@ from typing import Dict, Iterator, List, Optional
 
 import pytest
 import torch
+import torch.distributed as dist
 
 pytest.importorskip("megatron.core", reason="megatron-core is a test dependency (pip install -e '.[test]')")
 
@@ -527,6 +528,12 @@ def _bad_inputs(rank: int, world_size: int) -> Dict[str, str]:
                "use_distributed_optimizer", "drop --use-distributed-optimizer")
         expect("megatron fsdp", lambda: wrap(use_megatron_fsdp=True), "use_megatron_fsdp", "--use-megatron-fsdp")
         expect("wgrad fusion", lambda: wrap(gradient_accumulation_fusion=True), "--no-gradient-accumulation-fusion")
+        expect("outer dp sharding", lambda: wrap(num_distributed_optimizer_instances=2,
+                                                 outer_dp_sharding_strategy="optim"),
+               "outer_dp_sharding_strategy='optim'", "'no_shard'", "fewer --num-distributed-optimizer-instances")
+        expect("instances not built", lambda: wrap(num_distributed_optimizer_instances=2),
+               "num_distributed_optimizer_instances=2", "initialize_model_parallel",
+               "--num-distributed-optimizer-instances 2")
         expect("flags", lambda: pg.setup(pg.build_parser().parse_args(SMALL + ["--use-vescale-fsdp",
                                                                              "--use-distributed-optimizer"])),
                "--use-distributed-optimizer", "drop one")
@@ -547,7 +554,7 @@ def test_unsupported_settings_give_clear_errors():
     for outcome in run_on_ranks(_bad_inputs, 2, timeout=300):
         bad = {k: v for k, v in outcome.items() if v != "ok"}
         assert not bad, bad
-        assert len(outcome) == 7
+        assert len(outcome) == 9
 
 
 def _train_bf16(rank: int, world_size: int, argv: List[str]) -> Dict:
@@ -1132,3 +1139,145 @@ def test_megatron_lm_torch_dist_checkpoints_resume(tmp_path, name):
     for res in run_on_ranks(_megatron_lm_torch_dist, 2, str(tmp_path), name, timeout=300):
         assert res == {"weights": True, "optimizer": True, "shards beside": name == "muon",
                        "model space": name == "adam"}, res
+
+
+# ---- HSDP: --num-distributed-optimizer-instances ------------------------------------
+HSDP = SMALL + ["--use-vescale-fsdp", "--global-batch-size", "16"]  # 4 ranks, dp 4: 2 micro-batches a step
+
+
+def _step_by_step(pg, args, model, optimizer, config, spy=None, ckpt: Optional[str] = None, save_after: int = 2):
+    """Trains ``args.train_iters`` steps one at a time (each in a spy window), saving a
+    dist-checkpoint (model and optimizer, as Megatron-LM writes torch_dist) after
+    ``save_after`` steps if ``ckpt``; returns ``(losses, grad norms)``."""
+    from megatron.core import dist_checkpointing
+
+    losses, norms, total = [], [], args.train_iters
+    for step in range(total):
+        args.train_iters = step + 1
+        with spy.window(step, None) if spy is not None else _nothing():
+            run = pg.train_loop(args, model, optimizer, config, first_step=step)
+        losses += run["losses"]
+        norms += run["grad_norms"]
+        if ckpt is not None and step + 1 == save_after:
+            with model.full_parameters():
+                model_sd = model.module.sharded_state_dict()
+                dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)},
+                                        ckpt)
+    return losses, norms
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def _megatron_hsdp(rank: int, world_size: int, argv: List[str], ckpt: Optional[str]) -> Dict:
+    """The flat run (``--use-vescale-fsdp``, every rank one shard) and the HSDP run
+    (``--num-distributed-optimizer-instances 2``) of ``argv``, with a communication spy on
+    the HSDP run; with ``ckpt``, HSDP saves a dist-checkpoint after 2 steps and a third flat
+    job loads it and takes the last step."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    from tests.comm_spy import CommSpy
+
+    with _megatron_job(argv) as (pg, args):
+        model, optimizer, config = pg.build(args)
+        flat_losses, flat_norms = _step_by_step(pg, args, model, optimizer, config)
+        flat = model.state_dict()
+        flat_shards = [dist.get_process_group_ranks(g.process_group) for g in model.vescale_groups]
+    spy = CommSpy()
+    with _megatron_job(argv + ["--num-distributed-optimizer-instances", "2"]) as (pg, args):
+        model, optimizer, config = pg.build(args)
+        with spy.installed():
+            losses, norms = _step_by_step(pg, args, model, optimizer, config, spy, ckpt)
+        hsdp = model.state_dict()
+        groups = model.vescale_groups
+        out = {
+            "errors": {k: (hsdp[k] - v).abs().max().item() for k, v in flat.items() if torch.is_tensor(v)},
+            "keys": (sorted(hsdp), sorted(flat)),
+            "losses": (losses, flat_losses), "norms": (norms, flat_norms),
+            "dp": parallel_state.get_data_parallel_world_size(),
+            "flat shard groups": sorted({tuple(r) for r in flat_shards}),
+            "shard groups": sorted({tuple(dist.get_process_group_ranks(g.process_group)) for g in groups}),
+            "replicate groups": sorted({tuple(dist.get_process_group_ranks(g.replicate_group)) for g in groups}),
+            "all_gather on": spy.ranks_of("all_gather"), "reduce_scatter on": spy.ranks_of("reduce_scatter"),
+            "all_reduce on": spy.ranks_of("all_reduce"),
+            "all_reduces per step": [sorted(c[2] for c in spy.calls if c[0] == "all_reduce" and c[4] == step)
+                                     for step in range(args.train_iters)],
+            "shard sizes": sorted(g.plan.shard_size for g in groups if g.grad_indices),
+            "zero_copy": _zero_copy_violations(model, optimizer),
+        }
+    if ckpt is not None:  # the HSDP checkpoint resumes in the flat layout
+        with _megatron_job(argv) as (pg, args):
+            model, optimizer, config = pg.build(args)
+            model_sd = model.sharded_state_dict()
+            loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optimizer.sharded_state_dict(
+                model_sd, is_loading=True)}, ckpt)
+            model.load_state_dict(loaded["model"])
+            optimizer.load_state_dict(loaded["optimizer"])
+            tail = pg.train_loop(args, model, optimizer, config, first_step=2)
+            resumed = model.state_dict()
+            out["resumed"] = max((resumed[k] - v).abs().max().item() for k, v in hsdp.items() if torch.is_tensor(v))
+            out["resumed losses"] = (tail["losses"], losses[2:])
+    return out
+
+
+def _check_hsdp(results: List[Dict], tolerance: float, shards: tuple, dp: int = 4, flat: tuple = (4,)) -> None:
+    """``shards``: the sizes of the shard groups (dense, and experts' if any); ``flat``: of
+    the flat run's groups; two instances: every replicate group has 2 ranks."""
+    for rank, res in enumerate(results):
+        assert res["keys"][0] == res["keys"][1]
+        worst = max(res["errors"].items(), key=lambda kv: kv[1])
+        assert worst[1] <= tolerance, f"rank {rank}: {worst[0]} differs from the flat run by {worst[1]:.2e} (abs)"
+        for ours, theirs in (res["losses"], res["norms"]):
+            assert len(ours) == len(theirs)
+            assert all(abs(a - b) <= tolerance * abs(b) for a, b in zip(ours, theirs)), (ours, theirs)
+        assert res["dp"] == dp and not res["zero_copy"], res
+        # flat: one group of every data-parallel rank; HSDP: instances of `shard`, replicas across
+        assert sorted(len(g) for g in res["flat shard groups"]) == sorted(flat), res["flat shard groups"]
+        assert sorted(len(g) for g in res["shard groups"]) == sorted(shards), res["shard groups"]
+        assert [len(g) for g in res["replicate groups"]] == [2], res["replicate groups"]
+        assert res["all_gather on"] == res["reduce_scatter on"] == res["shard groups"], res
+        assert res["all_reduce on"] == res["replicate groups"], res
+        # one all-reduce per group per step, of its shard (not one per micro-batch)
+        assert res["all_reduces per step"] == [res["shard sizes"]] * 3, res
+    assert any(res["losses"][0] for res in results)  # a last pipeline stage reports them
+    norms = [n for n in results[0]["norms"][0]]
+    assert all(n is not None and n > 0.5 for n in norms), norms  # --clip-grad 0.5 clips every step
+
+
+@pytest.mark.slow
+def test_megatron_hsdp_equals_flat_vescale_fsdp(tmp_path):
+    """``--num-distributed-optimizer-instances 2`` at 4 ranks (instances {0,1} {2,3}) equals
+    the flat ``--use-vescale-fsdp`` run at 4 ranks: AdamW with clipping (the norm counts one
+    instance), 2 micro-batches a step, weights within 1e-6 (absolute; HSDP sums each gradient
+    as (a+b)+(c+d) over two collectives, flat as one sum of four), losses and norms within
+    1e-6 relative; all-gathers and reduce-scatters in groups
+    of 2, one all-reduce per group per step across the instances; a dist-checkpoint saved
+    under HSDP resumes in the flat layout. The same holds beside TP=2 and PP=2 (a 3-D mesh
+    over Megatron's groups; dp 2 = 2 instances of one rank), for MoE (ep 2: experts sharded
+    in the instance's expert-data-parallel group, replicated across instances), with ``--vescale-optimizer muon``
+    (Newton-Schulz inside the instance) and in bf16 with fp32 gradient reduction (bf16
+    compute is the same on both; with bf16 reductions the two differ by up to 2e-2, one
+    Adam step, as any two bf16 reduction orders do)."""
+    (tmp_path / "hsdp-ckpt").mkdir()
+    cases = {
+        "adam+ckpt": (_megatron_hsdp, (HSDP, str(tmp_path / "hsdp-ckpt"))),
+        "tp2": (_megatron_hsdp, (HSDP + ["--tensor-model-parallel-size", "2", "--global-batch-size", "8"], None)),
+        "pp2": (_megatron_hsdp, (HSDP + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"], None)),
+        # experts: ep 2, expert-dp 2 = 2 instances of one rank; dense: 2 instances of 2
+        "moe-ep2": (_megatron_hsdp, (HSDP + ["--num-experts", "4", "--expert-model-parallel-size", "2"], None)),
+        "muon": (_megatron_hsdp, (HSDP + ["--vescale-optimizer", "muon"], None)),
+        "bf16": (_megatron_hsdp, (HSDP + ["--bf16", "--accumulate-allreduce-grads-in-fp32"], None)),
+    }
+    out = run_cases_on_ranks(cases, 4, timeout=500)
+    _check_hsdp(out["adam+ckpt"], 1e-6, shards=(2,))
+    for res in out["adam+ckpt"]:
+        assert res["resumed"] <= 1e-6, res["resumed"]
+        ours, ref = res["resumed losses"]
+        assert len(ours) == len(ref) and all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(ours, ref))
+    _check_hsdp(out["tp2"], 1e-6, shards=(1,), dp=2, flat=(2,))
+    _check_hsdp(out["pp2"], 1e-6, shards=(1,), dp=2, flat=(2,))
+    _check_hsdp(out["moe-ep2"], 1e-6, shards=(1, 2), flat=(2, 4))
+    _check_hsdp(out["muon"], 1e-6, shards=(2,))
+    _check_hsdp(out["bf16"], 1e-6, shards=(2,))

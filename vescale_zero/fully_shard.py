@@ -166,14 +166,23 @@ def _mesh_groups(mesh: Union[DeviceMesh, dist.ProcessGroup, None], device: Optio
             f"got {mesh.mesh_dim_names}; build it with init_device_mesh(device_type, (replicas, shard), "
             f"mesh_dim_names={HSDP_DIM_NAMES[0]!r})"
         )
+    # [Note: HSDP sub-mesh] Beside tensor or pipeline parallelism the data-parallel mesh is
+    # a slice of a mesh over the whole world (FSDP2's world_mesh["dp_replicate", "dp_shard"],
+    # Megatron's VeScaleFSDP): the mesh it was sliced from must cover the world, and this
+    # rank must be in the slice. A mesh of its own covers the world itself.
     world = dist.get_world_size()
-    if mesh.size() != world or sorted(mesh.mesh.flatten().tolist()) != list(range(world)):
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    if root.size() != world or sorted(root.mesh.flatten().tolist()) != list(range(world)):
         raise ValueError(
             f"fully_shard: the HSDP mesh {tuple(mesh.shape)} covers {mesh.size()} ranks "
             f"{sorted(mesh.mesh.flatten().tolist())} but the default process group has {world}; its dimensions must "
             f"multiply to the world size (replicas x shard = {world}), e.g. init_device_mesh(device_type, "
-            f"({max(1, world // 2)}, {min(2, world)}), mesh_dim_names={names!r})"
+            f"({max(1, world // 2)}, {min(2, world)}), mesh_dim_names={names!r}), or it must be sliced from a "
+            "mesh over the whole world (beside tensor parallelism: world_mesh[('replicate', 'shard')])"
         )
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"fully_shard: rank {dist.get_rank()} is not in the HSDP mesh {mesh.mesh.tolist()}; "
+                         "give each rank the data-parallel slice of the world mesh it belongs to")
     replicate, shard = names
     return mesh[shard].get_group(), mesh[replicate].get_group()
 
@@ -225,7 +234,8 @@ def fully_shard(
         mesh: 1-D ``DeviceMesh`` or ``ProcessGroup`` to shard over; ``None`` = default group.
             [Note: HSDP mesh] A 2-D mesh ``init_device_mesh(dev, (replicas, shard),
             mesh_dim_names=("replicate", "shard"))`` (FSDP2's ``("dp_replicate", "dp_shard")``
-            too) covering the whole default group: the group is planned for, gathered and
+            too) covering the whole default group, or sliced from a mesh that does (beside
+            tensor parallelism, [Note: HSDP sub-mesh]): the group is planned for, gathered and
             reduce-scattered in the shard group, and its reduced shard all-reduced across
             replicas (grad_reduce [Note: HSDP]), the mean over all ranks, as DDP gives.
         reshard_after_forward: free the full parameters after forward (re-gathered in

@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
+                   help="with --use-vescale-fsdp: HSDP, shard inside each of N instances, replicate across them")
     g.add_argument("--use-megatron-fsdp", action="store_true")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
     g = p.add_argument_group("training")
@@ -157,6 +159,7 @@ def build_model(args: argparse.Namespace, config: TransformerConfig) -> torch.nn
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
         use_distributed_optimizer=args.use_distributed_optimizer, use_megatron_fsdp=args.use_megatron_fsdp,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
     )
     if args.use_vescale_fsdp:
         return VeScaleFSDP(config, ddp_config, model, options=vescale_options_from_args(args))
@@ -208,6 +211,7 @@ def setup(args: argparse.Namespace) -> None:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
     )
 
 

@@ -11,6 +11,9 @@ same methods (``_BaseDataParallel``), used by Megatron's schedules and
     ├─ decoder.final_layernorm .......... │  root group                 dp x cp
     └─ output_layer ..................... ┘
 
+With ``num_distributed_optimizer_instances`` N > 1 (Megatron's HSDP) each mesh above is 2-D:
+shard inside an instance, replicate across the N instances (hsdp.py [Note: Megatron HSDP mesh]).
+
 Tensor parallelism is untouched: every rank shards *its* tensor-parallel slice over its
 own data-parallel group, so a block (a row of the local slice with ``"row"``) never
 spans two TP ranks, and the TP ranks of one layer share one plan (their local shapes
@@ -59,10 +62,13 @@ from torch import nn
 
 import vescale_zero as vz
 from vescale_zero.checkpoint.format import CHECKPOINT_DOMAIN
+from vescale_zero.comm_device import collective_device
 from vescale_zero.fully_shard import groups_of
 from vescale_zero.granularity import GranularityPolicy
 from vescale_zero.param_group import ParamGroup
 from vescale_zero.state_dict import full_state_dict, load_full_state_dict
+
+from .hsdp import check_outer_dp_sharding, data_parallel_meshes, ddp_process_groups
 
 __all__ = ["VeScaleFSDP", "VeScaleFSDPOptions", "check_supported"]
 
@@ -90,11 +96,10 @@ def check_supported(config: TransformerConfig, ddp_config: DistributedDataParall
     for field, why in clashes.items():
         if getattr(ddp_config, field, False):
             raise ValueError(f"--use-vescale-fsdp cannot be combined with {field}=True: {why}")
-    if getattr(ddp_config, "num_distributed_optimizer_instances", 1) != 1:
-        raise ValueError(
-            "--use-vescale-fsdp shards over the whole data-parallel group; "
-            "num_distributed_optimizer_instances must be 1"
-        )
+    instances = getattr(ddp_config, "num_distributed_optimizer_instances", 1)
+    if not isinstance(instances, int) or instances < 1:
+        raise ValueError(f"num_distributed_optimizer_instances must be a positive integer, got {instances!r}")
+    check_outer_dp_sharding(ddp_config)  # HSDP: hsdp.py
     if getattr(config, "gradient_accumulation_fusion", False):
         raise ValueError(
             "--use-vescale-fsdp needs gradient_accumulation_fusion=False (pass --no-gradient-accumulation-fusion): "
@@ -154,11 +159,14 @@ class VeScaleFSDP(_BaseDataParallel):
         check_supported(config, ddp_config)
         self.ddp_config = ddp_config
         self.options = options or VeScaleFSDPOptions()
-        groups = ProcessGroupCollection.setup_process_groups_for_ddp(pg_collection, config, ddp_config)
+        groups = ddp_process_groups(pg_collection, config, ddp_config)
         self.dp_cp_group = groups["dp_cp_group"]
         self.expt_dp_group = groups["expt_dp_group"]
         self.tp_group = groups["tp_group"]
         self.pp_group = groups["pp_group"]
+        # HSDP with --num-distributed-optimizer-instances N (hsdp.py): meshes, else the groups.
+        self.dense_mesh, self.expert_mesh = data_parallel_meshes(
+            groups, ddp_config.num_distributed_optimizer_instances, _device_type(module, self.dp_cp_group))
         self._shard(module)
         self._groups: List[ParamGroup] = groups_of(module)
         self._installed: Optional[List[tuple]] = None
@@ -210,8 +218,8 @@ class VeScaleFSDP(_BaseDataParallel):
         layers = [m for m in module.modules() if isinstance(m, TransformerLayer)]
         for layer in layers:
             for experts in _expert_modules(layer):
-                shard(experts, self.expt_dp_group, expert_factor)
-            shard(layer, self.dp_cp_group, dense_factor)
+                shard(experts, self.expert_mesh, expert_factor)
+            shard(layer, self.dense_mesh, dense_factor)
         stray = [n for n, p in module.named_parameters() if _is_expert(p) and not hasattr(p, "_vescale_fsdp_group_of")]
         if stray:
             raise ValueError(
@@ -225,11 +233,11 @@ class VeScaleFSDP(_BaseDataParallel):
             getattr(model, "pre_process", True) and getattr(model, "post_process", True)
         ):
             if model.pre_process:
-                shard(model.embedding.word_embeddings, self.dp_cp_group, dense_factor)
+                shard(model.embedding.word_embeddings, self.dense_mesh, dense_factor)
             elif model.post_process and model.output_layer.weight is not None:
                 output_layer = model.output_layer
-                shard(output_layer, self.dp_cp_group, dense_factor)
-        shard(module, self.dp_cp_group, dense_factor)
+                shard(output_layer, self.dense_mesh, dense_factor)
+        shard(module, self.dense_mesh, dense_factor)
         if output_layer is not None:
             # GPTModel reads ``output_layer.weight`` (to pass it as the output weight)
             # before the output layer runs: gather it when the root's forward starts.
@@ -386,6 +394,13 @@ class VeScaleFSDP(_BaseDataParallel):
     def vescale_groups(self) -> List[ParamGroup]:
         """The parameter groups, in module order."""
         return list(self._groups)
+
+
+def _device_type(module: nn.Module, group: Any) -> str:
+    """The device type of the data-parallel meshes: the parameters', or (on the meta device)
+    the one the group's backend serves."""
+    devices = {p.device.type for p in module.parameters()} - {"meta"}
+    return devices.pop() if len(devices) == 1 else collective_device(group).type
 
 
 def _rank_in(group: Any) -> int:

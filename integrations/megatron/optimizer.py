@@ -8,7 +8,9 @@ shards, see ``VeScaleFSDP``), so there is no copy between model and main paramet
 [Note: norms over shards] Each element of every gradient lives on exactly one rank:
 data-parallel shards are disjoint, tensor-parallel duplicates (LayerNorms, TP size > 1)
 count on TP rank 0 only (expert-TP rank 0 for experts), a word embedding tied across
-pipeline stages counts on the first stage only (``param.shared``). One all-reduce of the
+pipeline stages counts on the first stage only (``param.shared``), and under HSDP
+(``--num-distributed-optimizer-instances N``: every instance holds the same reduced shards)
+on the first instance only. One all-reduce of the
 local sum of squares over the whole world is then the norm of the full gradient: what
 Megatron-LM computes over its model-parallel group on replicated gradients.
 
@@ -64,6 +66,7 @@ from vescale_zero.state_dict import (
 )
 
 from .data_parallel import VeScaleFSDP
+from .hsdp import replica_rank, shard_group
 
 __all__ = ["VeScaleOptimizer", "get_vescale_optimizer", "SUPPORTED_OPTIMIZERS", "check_dist_checkpoint_optimizer"]
 
@@ -106,11 +109,15 @@ class VeScaleOptimizer(MegatronOptimizer):
         self._one = torch.ones(1, dtype=torch.float32, device=self._device)
         self._tp_group = parallel_state.get_tensor_model_parallel_group()
         self._etp_group = parallel_state.get_expert_tensor_parallel_group(check_initialized=False)
+        # HSDP: the instances hold equal shards; the first one counts (see [Note: norms over shards])
+        self._counts_gradients = all(replica_rank(getattr(c, "dense_mesh", None)) == 0 for c in self.model_chunks)
 
     # ---- gradients that count --------------------------------------------------------
     def get_main_grads_for_grad_norm(self) -> List[torch.Tensor]:
         """This rank's unique gradient pieces (see [Note: norms over shards])."""
         grads = []
+        if not self._counts_gradients:
+            return grads
         for p in self.get_parameters():
             if p.grad is None or not param_is_not_shared(p):
                 continue
@@ -495,7 +502,7 @@ def get_vescale_optimizer(
                      ns_steps=getattr(config, "muon_num_ns_steps", 5),
                      weight_decay=config.weight_decay, adamw_lr=config.lr,
                      adamw_betas=(config.adam_beta1, config.adam_beta2), adamw_eps=config.adam_eps,
-                     process_group=model_chunks[0].dp_cp_group)
+                     process_group=shard_group(getattr(model_chunks[0], "dense_mesh", model_chunks[0].dp_cp_group)))
     else:
         inner = torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum, weight_decay=config.weight_decay)
     return VeScaleOptimizer(inner, config, model_chunks)

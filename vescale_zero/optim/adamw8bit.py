@@ -18,13 +18,19 @@ unsharded, so given the same gradients the sharded run equals the unsharded one 
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, Optional, Tuple
+from typing import Callable, Iterable, Optional, Set, Tuple
 
 import torch
 
 from ..quantization import dequantize_blockwise, quantize_blockwise
+from .layout import check_every_rank_piece
 
 __all__ = ["AdamW8bit"]
+
+
+def _numel(p: torch.Tensor) -> int:
+    rng = getattr(p, "sharded_range", None)
+    return math.prod(rng.shape) if rng is not None else p.numel()
 
 
 class AdamW8bit(torch.optim.Optimizer):
@@ -40,6 +46,22 @@ class AdamW8bit(torch.optim.Optimizer):
         if block < 1:
             raise ValueError(f"block must be >= 1, got {block}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, block=block))
+        self._layout_checked: Set[int] = set()
+
+    def _check_every_rank(self) -> None:
+        """Every rank's piece of every parameter, once, from its group's plan (layout
+        [Note: layout checked from the plan])."""
+        for group in self.param_groups:
+            b = group["block"]
+            for p in group["params"]:
+                if id(p) in self._layout_checked:
+                    continue
+                total = _numel(p)
+                check_every_rank_piece(
+                    "AdamW8bit", p, lambda start, end, b=b, total=total: self._fits(start, end, total, b),
+                    f"a block of {b} elements",
+                    f"shard it with fully_shard(..., granularity=AdamW8bit.granularity({b}))")
+                self._layout_checked.add(id(p))
 
     @staticmethod
     def granularity(block: int = 256) -> Callable[[str, torch.Tensor], int]:
@@ -61,13 +83,16 @@ class AdamW8bit(torch.optim.Optimizer):
         return start // block, -(-end // block), -(-total // block)
 
     @staticmethod
+    def _fits(start: int, end: int, total: int, block: int) -> bool:
+        """A piece ``[start, end)`` of a ``total``-element tensor holds whole blocks."""
+        return start % block == 0 and ((end - start) % block == 0 or end == total)
+
+    @staticmethod
     def _check_layout(p: torch.Tensor, block: int) -> None:
         rng = getattr(p, "sharded_range", None)
         if rng is None:
             return
-        total = math.prod(rng.shape)
-        whole = (rng.end - rng.start) % block == 0 or rng.end == total
-        if rng.start % block or not whole:
+        if not AdamW8bit._fits(rng.start, rng.end, math.prod(rng.shape), block):
             raise ValueError(
                 f"AdamW8bit: a block of {block} elements of a parameter of shape {rng.shape} would be split across "
                 f"ranks (this rank holds elements [{rng.start}, {rng.end}) at granularity {rng.granularity}); shard it "
@@ -80,6 +105,7 @@ class AdamW8bit(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_every_rank()
         for group in self.param_groups:
             lr, (b1, b2), eps, wd, block = (group["lr"], group["betas"], group["eps"], group["weight_decay"],
                                             group["block"])

@@ -21,15 +21,25 @@ the same per-block arithmetic as the unsharded one, so the two agree bit for bit
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, List, Optional, Tuple
+from typing import Callable, Iterable, List, Optional, Set, Tuple
 
 import torch
+
+from .layout import check_every_rank_piece
 
 __all__ = ["Shampoo"]
 
 
 def _matrix_shape(shape: Tuple[int, ...]) -> Tuple[int, int]:
     return (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else (1, math.prod(shape))
+
+
+def _fits(start: int, end: int, rows: int, cols: int, block: int) -> bool:
+    """A piece ``[start, end)`` of a ``rows x cols`` matrix is whole bands of ``block`` rows,
+    or the whole matrix."""
+    band = block * cols
+    whole_bands = start % band == 0 and ((end - start) % band == 0 or end == rows * cols)
+    return whole_bands or (start == 0 and end == rows * cols)
 
 
 def _inverse_root(m: torch.Tensor, root: int, eps: float) -> torch.Tensor:
@@ -74,6 +84,22 @@ class Shampoo(torch.optim.Optimizer):
                         update_freq=update_freq, adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps,
                         use_shampoo=None)
         super().__init__(params, defaults)
+        self._layout_checked: Set[int] = set()
+
+    def _check_every_rank(self) -> None:
+        """Every rank's piece of every preconditioned parameter, once, from its group's plan
+        (layout [Note: layout checked from the plan])."""
+        for group in self.param_groups:
+            b = group["block"]
+            for p in group["params"]:
+                shape = p.sharded_range.shape if hasattr(p, "sharded_range") else tuple(p.shape)
+                if id(p) in self._layout_checked or len(shape) < 2 or group["use_shampoo"] is False:
+                    continue  # checked, or AdamW (no blocks)
+                rows, cols = _matrix_shape(shape)
+                check_every_rank_piece(
+                    "Shampoo", p, lambda start, end, b=b, rows=rows, cols=cols: _fits(start, end, rows, cols, b),
+                    f"a {b}x{b} block", f"shard it with fully_shard(..., granularity=Shampoo.granularity({b}))")
+                self._layout_checked.add(id(p))
 
     @staticmethod
     def granularity(block: int = 128) -> Callable[[str, torch.Tensor], int]:
@@ -96,11 +122,7 @@ class Shampoo(torch.optim.Optimizer):
             shape = tuple(p.shape)
             return shape, 0, _matrix_shape(shape)[0]
         rows, cols = _matrix_shape(rng.shape)
-        whole_bands = rng.start % (block * cols) == 0 and (
-            (rng.end - rng.start) % (block * cols) == 0 or rng.end == rows * cols
-        )
-        whole_tensor = rng.start == 0 and rng.end == rows * cols
-        if rng.end > rng.start and not (whole_bands or whole_tensor):
+        if rng.end > rng.start and not _fits(rng.start, rng.end, rows, cols, block):
             raise ValueError(
                 f"Shampoo: a {block}x{block} block of a parameter of shape {rng.shape} would be split across ranks "
                 f"(this rank holds elements [{rng.start}, {rng.end})); shard it with "
@@ -131,6 +153,7 @@ class Shampoo(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_every_rank()
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:

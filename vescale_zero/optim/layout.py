@@ -1,0 +1,59 @@
+"""Every rank's piece of a parameter holds whole optimizer blocks: checked on every rank at once.
+
+A block-wise optimizer (8-bit AdamW's quantization blocks, Shampoo's preconditioner bands)
+needs each block on one rank. Whether a piece splits a block depends on the *shard group's*
+plan -- the 1-D mesh, or under HSDP the ``"shard"`` dimension of the mesh, whose size picks
+the shard size -- not on the parameter alone. [Note: layout checked from the plan] At the
+optimizer's first step (after a checkpoint load, which refuses such layouts itself), each
+parameter's group plan gives every rank's piece, so every rank finds the same split block
+and raises the same error (a check of its own piece only would raise on some ranks while
+the others wait in the next collective).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..param_group import slot_of
+
+__all__ = ["check_every_rank_piece"]
+
+
+def check_every_rank_piece(optimizer: str, param: torch.Tensor, fits: Callable[[int, int], bool], what: str,
+                           fix: str) -> None:
+    """Raise ``ValueError`` if any rank's piece ``[start, end)`` of ``param`` (a sharded
+    parameter of a ``fully_shard`` group) does not satisfy ``fits(start, end)``.
+
+    ``what`` names the block (``"a block of 256 elements"``), ``fix`` the remedy. A
+    parameter outside any group is not checked here (the optimizer checks its own piece
+    when it steps).
+    """
+    slot = slot_of(param)
+    if slot is None:
+        return
+    group, index = slot
+    placement = group.plan.placement(index)
+    for rank in range(placement.world_size):
+        start, end = placement.local_range(rank)
+        if end > start and not fits(start, end):
+            raise ValueError(
+                f"{optimizer}: {what} of {group.managed[index].fqn!r} {_shape(param)} would be split across ranks: "
+                f"{_where(group)} rank {rank} of {placement.world_size} would hold elements [{start}, {end}) "
+                f"(granularity {placement.granularity}); {fix}"
+            )
+
+
+def _shape(param: torch.Tensor) -> Tuple[int, ...]:
+    rng = getattr(param, "sharded_range", None)
+    return tuple(rng.shape) if rng is not None else tuple(param.shape)
+
+
+def _where(group) -> str:
+    if group.replicate_group is None:
+        return "in its shard group"
+    ranks = dist.get_process_group_ranks(group.process_group)
+    return (f"under HSDP the shard size is planned for the mesh's 'shard' dimension ({len(ranks)} ranks: "
+            f"{ranks}), where")
