@@ -64,6 +64,8 @@ from vescale_zero.granularity import GranularityPolicy
 from vescale_zero.param_group import ParamGroup
 from vescale_zero.state_dict import full_state_dict, load_full_state_dict
 
+from .meta_init import check_all_or_nothing_on_meta, has_meta_tensors, materialize_megatron
+
 __all__ = ["VeScaleFSDP", "VeScaleFSDPOptions", "check_supported"]
 
 
@@ -159,7 +161,10 @@ class VeScaleFSDP(_BaseDataParallel):
         self.expt_dp_group = groups["expt_dp_group"]
         self.tp_group = groups["tp_group"]
         self.pp_group = groups["pp_group"]
+        check_all_or_nothing_on_meta(module)
         self._shard(module)
+        if has_meta_tensors(module):  # --init-model-with-meta-device: see meta_init.py
+            materialize_megatron(module, config)
         self._groups: List[ParamGroup] = groups_of(module)
         self._installed: Optional[List[tuple]] = None
         self._sharded_of: Dict[int, tuple] = {}  # id(full) -> (weakref to full, sharded param)
