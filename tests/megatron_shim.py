@@ -91,6 +91,12 @@ def install_cuda_shim() -> None:
     cuda.stream = lambda *a, **k: contextlib.nullcontext()
     cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
     cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    # ``with torch.device("meta")`` redirects the factories it listed on first use (a cached
+    # set of the torch functions): list the real ones before they are wrapped, else the
+    # wrappers' inner calls are not recognised and land on the CPU.
+    from torch.utils._device import _device_constructors
+
+    _device_constructors()
     for name in _FACTORIES:
         setattr(torch, name, _on_cpu(getattr(torch, name)))
     torch.Tensor.cuda = lambda self, *a, **k: self

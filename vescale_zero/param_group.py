@@ -237,7 +237,11 @@ class ParamGroup:
             raise RuntimeError(f"this fully_shard group is already on {self.device}, not on the meta device")
         if torch.device(device).type == "meta":
             raise ValueError("leave_meta needs a real device (e.g. 'cuda' or 'cpu'), got the meta device")
+        # The reducer is rebuilt too: keep what was set on the group before (a gradient
+        # divide factor set between fully_shard and materialize must survive).
+        kept = (self.grads.divide_factor, self.grads.requires_grad_sync)
         self._build(device, self.sharded_params, self.unsharded_params)
+        self.grads.divide_factor, self.grads.requires_grad_sync = kept
         self.to_sharded_params()
 
     # ---- parameter objects and buffers -----------------------------------------------

@@ -21,6 +21,7 @@ command line override it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import statistics
@@ -77,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--moe-router-topk", type=int, default=2)
     g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall"], default="allgather")
     g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--init-model-with-meta-device", action="store_true",
+                   help="build the model on the meta device; VeScaleFSDP materialises it group by group")
     g = p.add_argument_group("activation recompute")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
@@ -131,6 +134,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         sequence_parallel=args.sequence_parallel, params_dtype=dtype, bf16=args.bf16, fp16=args.fp16,
         pipeline_dtype=dtype, use_cpu_initialization=not torch.cuda.is_available(),
+        init_model_with_meta_device=args.init_model_with_meta_device,
         add_bias_linear=args.add_bias_linear, gradient_accumulation_fusion=False, hidden_dropout=0.0,
         attention_dropout=0.0,
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
@@ -141,13 +145,19 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
 def build_model_unwrapped(args: argparse.Namespace, config: TransformerConfig) -> torch.nn.Module:
     """This pipeline stage's ``GPTModel`` (inside ``Float16Module`` under bf16/fp16)."""
     spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False)
-    model: torch.nn.Module = GPTModel(
-        config=config, transformer_layer_spec=spec, vocab_size=args.vocab_size,
-        max_sequence_length=args.max_position_embeddings or args.seq_length,
-        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-    )
-    model.to(_device())
+    # As Megatron-LM's get_model: under --init-model-with-meta-device the model is built on
+    # meta and stays there; VeScaleFSDP materialises it (integrations/megatron/meta_init.py).
+    meta = config.init_model_with_meta_device
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model: torch.nn.Module = GPTModel(
+            config=config, transformer_layer_spec=spec, vocab_size=args.vocab_size,
+            max_sequence_length=args.max_position_embeddings or args.seq_length,
+            pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage(),
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        )
+    if not meta:
+        model.to(_device())
     if args.bf16 or args.fp16:
         model = Float16Module(config, model)
     return model
@@ -155,6 +165,9 @@ def build_model_unwrapped(args: argparse.Namespace, config: TransformerConfig) -
 
 def build_model(args: argparse.Namespace, config: TransformerConfig) -> torch.nn.Module:
     """The model chunk in its data-parallel wrapper: ``VeScaleFSDP`` or Megatron's DDP."""
+    if config.init_model_with_meta_device and not args.use_vescale_fsdp:
+        raise ValueError("--init-model-with-meta-device needs --use-vescale-fsdp in this example: Megatron's DDP "
+                         "cannot hold a model on the meta device")
     model = build_model_unwrapped(args, config)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,

@@ -69,6 +69,7 @@ from vescale_zero.param_group import ParamGroup
 from vescale_zero.state_dict import full_state_dict, load_full_state_dict
 
 from .hsdp import check_outer_dp_sharding, data_parallel_meshes, ddp_process_groups
+from .meta_init import check_all_or_nothing_on_meta, has_meta_tensors, materialize_megatron
 
 __all__ = ["VeScaleFSDP", "VeScaleFSDPOptions", "check_supported"]
 
@@ -164,10 +165,13 @@ class VeScaleFSDP(_BaseDataParallel):
         self.expt_dp_group = groups["expt_dp_group"]
         self.tp_group = groups["tp_group"]
         self.pp_group = groups["pp_group"]
+        check_all_or_nothing_on_meta(module)
         # HSDP with --num-distributed-optimizer-instances N (hsdp.py): meshes, else the groups.
         self.dense_mesh, self.expert_mesh = data_parallel_meshes(
             groups, ddp_config.num_distributed_optimizer_instances, _device_type(module, self.dp_cp_group))
         self._shard(module)
+        if has_meta_tensors(module):  # --init-model-with-meta-device: see meta_init.py
+            materialize_megatron(module, config)
         self._groups: List[ParamGroup] = groups_of(module)
         self._installed: Optional[List[tuple]] = None
         self._sharded_of: Dict[int, tuple] = {}  # id(full) -> (weakref to full, sharded param)
