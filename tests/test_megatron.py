@@ -1163,6 +1163,7 @@ def _step_by_step(pg, args, model, optimizer, config, spy=None, ckpt: Optional[s
                 model_sd = model.module.sharded_state_dict()
                 dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)},
                                         ckpt)
+            optimizer.save_sharded(ckpt + "-vz")  # --ckpt-format torch's optimizer shards (vz.checkpoint)
     return losses, norms
 
 
@@ -1219,6 +1220,13 @@ def _megatron_hsdp(rank: int, world_size: int, argv: List[str], ckpt: Optional[s
             resumed = model.state_dict()
             out["resumed"] = max((resumed[k] - v).abs().max().item() for k, v in hsdp.items() if torch.is_tensor(v))
             out["resumed losses"] = (tail["losses"], losses[2:])
+            # the optimizer shards save_sharded wrote under HSDP (written by the first instance) resume flat too
+            model, optimizer, config = pg.build(args)
+            optimizer.load_state_dict({"vescale_zero_checkpoint": ckpt + "-vz"})
+            tail = pg.train_loop(args, model, optimizer, config, first_step=2)
+            resumed = model.state_dict()
+            out["resumed vz"] = max((resumed[k] - v).abs().max().item() for k, v in hsdp.items() if torch.is_tensor(v))
+            out["resumed vz losses"] = (tail["losses"], losses[2:])
     return out
 
 
@@ -1254,7 +1262,8 @@ def test_megatron_hsdp_equals_flat_vescale_fsdp(tmp_path):
     as (a+b)+(c+d) over two collectives, flat as one sum of four), losses and norms within
     1e-6 relative; all-gathers and reduce-scatters in groups
     of 2, one all-reduce per group per step across the instances; a dist-checkpoint saved
-    under HSDP resumes in the flat layout. The same holds beside TP=2 and PP=2 (a 3-D mesh
+    under HSDP resumes in the flat layout, and so do the optimizer shards ``save_sharded``
+    writes (``--ckpt-format torch``; vz.checkpoint, first instance writes). The same holds beside TP=2 and PP=2 (a 3-D mesh
     over Megatron's groups; dp 2 = 2 instances of one rank), for MoE (ep 2: experts sharded
     in the instance's expert-data-parallel group, replicated across instances), with ``--vescale-optimizer muon``
     (Newton-Schulz inside the instance) and in bf16 with fp32 gradient reduction (bf16
@@ -1273,9 +1282,10 @@ def test_megatron_hsdp_equals_flat_vescale_fsdp(tmp_path):
     out = run_cases_on_ranks(cases, 4, timeout=500)
     _check_hsdp(out["adam+ckpt"], 1e-6, shards=(2,))
     for res in out["adam+ckpt"]:
-        assert res["resumed"] <= 1e-6, res["resumed"]
-        ours, ref = res["resumed losses"]
-        assert len(ours) == len(ref) and all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(ours, ref))
+        for how in ("resumed", "resumed vz"):
+            assert res[how] <= 1e-6, (how, res[how])
+            ours, ref = res[f"{how} losses"]
+            assert len(ours) == len(ref) and all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(ours, ref)), (how, ours)
     _check_hsdp(out["tp2"], 1e-6, shards=(1,), dp=2, flat=(2,))
     _check_hsdp(out["pp2"], 1e-6, shards=(1,), dp=2, flat=(2,))
     _check_hsdp(out["moe-ep2"], 1e-6, shards=(1, 2), flat=(2, 4))
