@@ -1,6 +1,8 @@
 """Train a small GPT with ragged sharding: the project's main job.
 
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 \
+        examples/train_gpt.py --shard 8        # HSDP: shard inside each node, replicate across
 
 Runs on CPU (gloo) or GPU (NCCL, one GPU per process) with the same code. Prints the loss
 of every step and a summary: padding, bytes gathered / scattered per step, ms per step.
@@ -16,6 +18,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 
 import vescale_zero as vz
@@ -34,6 +37,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--granularity", default="row", help="element | row | <N>rows | an int")
     p.add_argument("--mixed-precision", choices=["none", "bf16"], default="none")
     p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--shard", type=int, default=0,
+                   help="HSDP: shard over groups of this many ranks, replicate across them (default: all ranks)")
     return p.parse_args()
 
 
@@ -49,12 +54,17 @@ def main() -> None:
     cfg = GPTConfig(vocab_size=256, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
                     n_heads=args.heads)
     model = GPT(cfg).to(device)
+    mesh = None
+    if args.shard:
+        if args.shard < 1 or world % args.shard:
+            raise SystemExit(f"--shard {args.shard} must divide the {world} ranks (e.g. the GPUs per node)")
+        mesh = init_device_mesh(device.type, (world // args.shard, args.shard), mesh_dim_names=("replicate", "shard"))
     granularity = int(args.granularity) if args.granularity.isdigit() else args.granularity
     mp = (vz.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if args.mixed_precision == "bf16" else None)
     for block in model.blocks:
-        vz.fully_shard(block, granularity=granularity, mp_policy=mp)
-    vz.fully_shard(model, granularity=granularity, mp_policy=mp)
+        vz.fully_shard(block, mesh=mesh, granularity=granularity, mp_policy=mp)
+    vz.fully_shard(model, mesh=mesh, granularity=granularity, mp_policy=mp)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     corpus = SyntheticCorpus(cfg.vocab_size, cfg.seq_len)
 

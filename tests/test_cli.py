@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from vescale_zero.cli import main
+from vescale_zero.cli import HSDPTraffic, hsdp_traffic, main
 from vescale_zero.model_shapes import group_specs, layer_groups
 from vescale_zero.planner import plan
 
@@ -97,3 +97,50 @@ def test_a_bad_granularity_is_a_usage_error(capsys, value, hint):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert f"--granularity {value!r}" in err and hint in err and "Traceback" not in err, err
+
+
+def _hsdp_rows(out: str) -> dict:
+    """{shard: [replicas, padding, MiB/rank, all-gather, reduce-scatter, all-reduce MiB]} of --gpus's table."""
+    lines = out.split("HSDP shapes for", 1)[1].splitlines()[2:]
+    return {int(ln.split()[0]): [float(v) for v in ln.split()[1:7]] for ln in lines if ln.split()[0].isdigit()}
+
+
+def test_hsdp_shapes_are_meshes_fully_shard_takes_with_their_traffic(capsys):
+    """Every shape printed is a (replicas, shard) mesh of the GPUs (shard >= 2); its bytes per rank
+    and step are those of ring collectives on the planner's shard of the whole model: 2 all-gathers
+    (forward, backward) and a reduce-scatter of (shard - 1) shards, an all-reduce of 2 (R - 1) / R."""
+    gpus = 24
+    assert main(["plan", "--model", "llama3-70b", "--sizes", "8", "--gpus", str(gpus), "--dtype-bytes", "2",
+                 "--reduce-dtype-bytes", "4"]) == 0
+    out = capsys.readouterr().out
+    rows = _hsdp_rows(out)
+    assert sorted(rows) == [2, 3, 4, 6, 8, 12, 24]
+    counts = {"embedding": 1, "decoder_layer": 80, "head": 1}
+    mib = 2**20
+    for shard, (replicas, _pad, per_rank, gather, scatter, reduce) in rows.items():
+        assert replicas * shard == gpus
+        numel = sum(counts[g] * plan(group_specs(p, "row"), shard).shard_size
+                    for g, p in layer_groups("llama3-70b").items())
+        # one rank's view: it sends its shard to each of the others, twice (gathers), and the
+        # others' pieces of its shard once (reduce-scatter); across R replicas a ring all-reduce
+        # sends R - 1 chunks of 1/R of the shard to reduce and as many to share the sums.
+        assert per_rank == pytest.approx(numel * 2 / mib, abs=0.05)
+        assert gather == pytest.approx(2 * (shard - 1) * numel * 2 / mib, abs=0.05), shard
+        assert scatter == pytest.approx((shard - 1) * numel * 4 / mib, abs=0.05), shard
+        assert reduce == pytest.approx((replicas - 1) / replicas * 2 * numel * 4 / mib, abs=0.05), shard
+    assert rows[24][5] == 0.0 and rows[2][5] > rows[4][5] > rows[8][5]  # fewer replicas, less between groups
+    assert "mesh=init_device_mesh(device_type, (1, 24), mesh_dim_names=(\"replicate\", \"shard\"))" in out
+
+
+def test_hsdp_traffic_by_hand():
+    # 1000 elements per rank, 4 ranks per shard group, 3 replicas, bf16 gathers, fp32 reductions:
+    # 2 gathers x 3 shards x 1000 x 2 B; 3 x 1000 x 4 B; 2 x 2/3 x 1000 x 4 B (floored).
+    assert hsdp_traffic(1000, 4, 3, 2, 4) == HSDPTraffic(12000, 12000, 5333)
+    assert hsdp_traffic(1000, 1, 8, 2, 4) == HSDPTraffic(0, 0, 7000)  # shard 1: DDP's all-reduce
+    assert hsdp_traffic(1000, 8, 1, 2, 4).all_reduce == 0
+
+
+def test_hsdp_needs_two_gpus(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--model", "llama3-8b", "--gpus", "1"])
+    assert e.value.code == 2 and "--gpus 1: HSDP needs at least 2 GPUs" in capsys.readouterr().err

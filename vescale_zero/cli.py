@@ -10,8 +10,10 @@
 time, bytes per rank and the order the planner laid the group out in (``model``, or another
 order where that pads less, see ``planner.plan``), then the whole model (each group times its
 instances, e.g. 80 decoder layers); ``--plot`` draws padding against FSDP size beside FSDP2's dim-0 padding,
-ZeRO-3's flat padding and Megatron-FSDP's alignment; ``--gpus N`` suggests the FSDP x
-replica (HSDP) shape of N GPUs with the least padding.
+ZeRO-3's flat padding and Megatron-FSDP's alignment; ``--gpus N`` lists every HSDP shape
+``init_device_mesh(device_type, (replicas, shard), mesh_dim_names=("replicate", "shard"))`` of N GPUs
+(what ``fully_shard`` takes) with its padding and its all-gather, reduce-scatter and cross-replica
+all-reduce bytes per rank and step, and suggests one.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 from .granularity import describe_rows_short, preset_granularity, rows_short_of_preset
@@ -35,7 +38,7 @@ from .model_shapes import (
 )
 from .planner import MODEL_ORDER, plan
 
-__all__ = ["main"]
+__all__ = ["HSDPTraffic", "hsdp_traffic", "main"]
 
 DEFAULT_SIZES = [2**k for k in range(3, 15)]
 
@@ -110,24 +113,63 @@ def _plot(rows: List[dict], title: str, path: str) -> None:
     plt.close(fig)
 
 
+GATHERS_PER_STEP = 2
+"""All-gathers of each group per training step: forward, and again in backward (``reshard_after_forward=True``,
+``fully_shard``'s default, frees the full parameters between the two)."""
+
+
+@dataclass(frozen=True)
+class HSDPTraffic:
+    """Bytes one rank sends per training step under HSDP ``replicas x shard`` (bandwidth-optimal ring
+    collectives; each rank receives as many): the all-gathers and the reduce-scatter run inside the
+    shard group, the all-reduce of the reduced shard across the replicas (the only inter-group bytes)."""
+
+    all_gather: int
+    reduce_scatter: int
+    all_reduce: int
+
+
+def hsdp_traffic(shard_numel: int, shard: int, replicas: int, param_bytes: int, reduce_bytes: int,
+                 gathers: int = GATHERS_PER_STEP) -> HSDPTraffic:
+    """Per-rank bytes per step of a model whose shard (all its groups) holds ``shard_numel`` elements.
+
+    A ring all-gather or reduce-scatter over ``shard`` ranks sends ``shard - 1`` shards; a ring
+    all-reduce over ``replicas`` ranks sends ``2 (replicas - 1) / replicas`` of the buffer.
+    """
+    return HSDPTraffic(gathers * (shard - 1) * shard_numel * param_bytes, (shard - 1) * shard_numel * reduce_bytes,
+                       2 * (replicas - 1) * shard_numel * reduce_bytes // replicas)
+
+
 def _suggest_hsdp(groups: Dict[str, Group], counts: Dict[str, int], policy: str, gpus: int, dtype_bytes: int,
-                  max_padding: float) -> None:
-    """The largest FSDP size (least memory per rank) whose padding stays within ``max_padding``%;
-    the least padding if none does."""
+                  reduce_bytes: int, max_padding: float) -> None:
+    """Every ``replicas x shard`` mesh of ``gpus`` ranks (shard >= 2) with its padding, memory and traffic;
+    the suggestion is the largest shard size (least memory per rank) whose padding stays within
+    ``max_padding``%, the least padding if none does."""
     shapes = [m for m in range(2, gpus + 1) if gpus % m == 0]
     rows = _padding_table(groups, counts, policy, shapes, dtype_bytes)
     summary = [r for r in rows if r["group"] == MODEL_ROW]
     within = [r for r in summary if r["padding_pct"] <= max_padding]
     best = max(within, key=lambda r: r["ranks"]) if within else min(summary, key=lambda r: r["padding_pct"])
-    print(f"\nHSDP shapes for {gpus} GPUs ({policy} blocks): FSDP size x replicas")
-    print(f"{'fsdp':>6s} {'replicas':>8s} {'padding %':>10s} {'MiB/rank':>10s}   (whole model)")
+    mib = 2**20
+    print(f"\nHSDP shapes for {gpus} GPUs ({policy} blocks): replicas x shard, whole model, per rank and step "
+          f"({dtype_bytes}-byte gathers, {reduce_bytes}-byte reductions)")
+    print(f"{'shard':>6s} {'replicas':>8s} {'padding %':>10s} {'MiB/rank':>10s} {'all-gather MiB':>15s} "
+          f"{'reduce-scatter MiB':>19s} {'all-reduce MiB':>15s}")
     for r in summary:
+        t = hsdp_traffic(r["shard"], r["ranks"], gpus // r["ranks"], dtype_bytes, reduce_bytes)
         mark = "  <- suggested" if r is best else ""
-        print(f"{r['ranks']:6d} {gpus // r['ranks']:8d} {r['padding_pct']:10.3f} {r['mib_per_rank']:10.1f}{mark}")
-    why = (f"the largest FSDP size with padding <= {max_padding}%" if within
+        print(f"{r['ranks']:6d} {gpus // r['ranks']:8d} {r['padding_pct']:10.3f} {r['mib_per_rank']:10.1f} "
+              f"{t.all_gather / mib:15.1f} {t.reduce_scatter / mib:19.1f} {t.all_reduce / mib:15.1f}{mark}")
+    print(f"  all-gather: {GATHERS_PER_STEP} per step (forward; backward after reshard_after_forward), inside the "
+          "shard group;\n  reduce-scatter: inside the shard group; all-reduce: the reduced shard across replicas "
+          "(the only bytes between shard groups).\n  Ring algorithms: each rank sends (and receives) these bytes.")
+    why = (f"the largest shard size with padding <= {max_padding}%" if within
            else f"no shape pads <= {max_padding}%; the least padding")
-    print(f"suggestion: FSDP size {best['ranks']} x {gpus // best['ranks']} replicas, "
-          f"{best['padding_pct']:.3f}% padding, {best['mib_per_rank']:.1f} MiB/rank ({why})")
+    replicas = gpus // best["ranks"]
+    print(f"suggestion: FSDP size {best['ranks']} x {replicas} replicas, "
+          f"{best['padding_pct']:.3f}% padding, {best['mib_per_rank']:.1f} MiB/rank ({why}):\n"
+          f"  fully_shard(module, mesh=init_device_mesh(device_type, ({replicas}, {best['ranks']}), "
+          f"mesh_dim_names=(\"replicate\", \"shard\")))")
 
 
 _LEGEND = """\
@@ -163,7 +205,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         _plot(rows, f"{name}: padding vs FSDP size ({args.granularity} blocks)", args.plot)
         print(f"wrote {args.plot}")
     if args.gpus:
-        _suggest_hsdp(groups, counts, args.granularity, args.gpus, args.dtype_bytes, args.max_padding)
+        reduce_bytes = args.reduce_dtype_bytes or args.dtype_bytes
+        _suggest_hsdp(groups, counts, args.granularity, args.gpus, args.dtype_bytes, reduce_bytes, args.max_padding)
     return 0
 
 
@@ -241,6 +284,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--dtype-bytes", type=int, default=2, help="bytes per element for MiB/rank (default 2: bf16)")
     p.add_argument("--plot", help="write a PNG of padding vs FSDP size here")
     p.add_argument("--gpus", type=int, help="suggest the HSDP shape (FSDP size x replicas) for this many GPUs")
+    p.add_argument("--reduce-dtype-bytes", type=int,
+                   help="bytes per gradient element reduced, for --gpus traffic (default: --dtype-bytes)")
     p.add_argument("--max-padding", type=float, default=3.0, help="padding %% the HSDP suggestion accepts (default 3)")
     c = sub.add_parser("consolidate", help="join a sharded checkpoint into one full state dict (torch or safetensors)")
     c.add_argument("checkpoint", help="a checkpoint directory written by vescale_zero.checkpoint.save")
@@ -265,6 +310,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _cmd_convert(args)
     if any(m < 1 for m in args.sizes):
         parser.error("--sizes must be positive")
+    if args.gpus is not None and args.gpus < 2:
+        parser.error(f"--gpus {args.gpus}: HSDP needs at least 2 GPUs (a shard group of 2 or more)")
     bad = _granularity_error(args.granularity)
     if bad:
         parser.error(bad)
