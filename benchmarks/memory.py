@@ -35,6 +35,14 @@ by the same tracker); ``excess`` = peak - floor, as measured (negative allowed).
 Part 2 (``--fake-ranks``): estimated memory at world sizes we cannot run, in one process on
 PyTorch's fake process group (``FakeStore`` + ``init_process_group("fake")``: collectives
 return at once, tensors are real), for a stack of Llama-3-8B-shaped layers (``--fake-layers``).
+
+[Note: granularity of the comparison] ZeRO-3 gathers one ``nn.Linear`` (a submodule with
+parameters) at a time, fetching and releasing inside a layer, while vescale-zero and FSDP2 as
+set up above gather a whole layer: against the per-layer floor ZeRO-3 sits far below both by
+its unit, not its design. The ``_lin`` rows (``vescale_lin``, ``fsdp2_lin``) wrap every
+``nn.Linear`` in its own ``fully_shard`` group (then each layer's rest, then the root): ZeRO-3's
+unit. They are printed in a table of their own, with ZeRO-3 again, whose floor is counted from
+that table's largest unit (one Linear), so each table compares systems gathering the same unit.
 """
 
 from __future__ import annotations
@@ -61,8 +69,11 @@ if REPO not in sys.path:
 from vescale_zero.testing import GPT, GPTConfig, SyntheticCorpus  # noqa: E402
 from vescale_zero.testing.live_bytes import LiveBytes  # noqa: E402
 
-SYSTEMS = ("vescale", "vescale_trs", "fsdp2", "zero3", "ddp")
-FAKE_SYSTEMS = ("vescale", "fsdp2", "zero3", "ddp")  # collectives allocate nothing there: no _trs row
+SYSTEMS = ("vescale", "vescale_trs", "fsdp2", "zero3", "ddp", "vescale_lin", "fsdp2_lin")
+REAL_SYSTEMS = SYSTEMS[:5]
+FAKE_SYSTEMS = ("vescale", "fsdp2", "zero3", "ddp", "vescale_lin", "fsdp2_lin")  # no _trs row: collectives
+# allocate nothing on the fake process group
+PER_LINEAR = ("vescale_lin", "fsdp2_lin", "zero3")  # [Note: granularity of the comparison]
 ROLES = ("params", "grads", "optim", "comm", "act")
 MiB = 2 ** 20
 
@@ -87,7 +98,7 @@ def zero3_buckets(hidden: int) -> Dict[str, int]:
 def build(system: str, model_fn, precision: str, batch: int, blocks_of, hidden: int):
     """``(model, optimizer, engine, step)`` for ``system``; ``step(x, y)`` trains one step."""
     bf16 = precision == "bf16"
-    if system in ("vescale", "vescale_trs"):
+    if system in ("vescale", "vescale_trs", "vescale_lin"):
         import vescale_zero as vz
         from vescale_zero.collectives import set_reduce_scatter_impl
 
@@ -95,9 +106,12 @@ def build(system: str, model_fn, precision: str, batch: int, blocks_of, hidden: 
         with torch.device("meta"):
             model = model_fn()
         policy = vz.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-        vz.fully_shard_layers(model, mp_policy=policy)
+        layers = sorted({type(b).__name__ for b in blocks_of(model)})
+        if system == "vescale_lin":  # [Note: granularity of the comparison]
+            layers = ["Linear"] + layers
+        vz.fully_shard_layers(model, layer_classes=layers, mp_policy=policy)
         vz.materialize(model, init_fn=_init_module, device="cpu")
-    elif system == "fsdp2":
+    elif system in ("fsdp2", "fsdp2_lin"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -107,8 +121,9 @@ def build(system: str, model_fn, precision: str, batch: int, blocks_of, hidden: 
         kw = {"mesh": mesh}
         if bf16:
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for block in blocks_of(model):
-            fully_shard(block, **kw)
+        units = (_linears(model) if system == "fsdp2_lin" else []) + list(blocks_of(model))
+        for unit in units:  # innermost first
+            fully_shard(unit, **kw)
         fully_shard(model, **kw)
         model.to_empty(device="cpu")
         with torch.no_grad():
@@ -338,6 +353,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _linears(model: nn.Module) -> List[nn.Module]:
+    """Every ``nn.Linear`` of ``model``: the unit ZeRO-3 gathers ([Note: granularity of the comparison])."""
+    return [m for m in model.modules() if isinstance(m, nn.Linear)]
+
+
 def floor_parts(model_fn, blocks_of, precision: str, world: int, act: int) -> Dict[str, float]:
     """The floor's terms, counted from the model built on meta (see the module docstring)."""
     with torch.device("meta"):
@@ -362,13 +382,14 @@ def run_real(args) -> Dict[str, Dict]:
         out = manager.dict()
         for world in args.ranks:
             for precision in args.precisions:
-                for system in args.systems:
+                for system in [s for s in args.systems if s in REAL_SYSTEMS]:
                     mp.start_processes(_worker, args=(world, _free_port(), system, precision, args, out),
                                        nprocs=world, start_method="spawn")
                 x, y = corpus.batch(1, args.batch * world, 0, world)
                 act = activation_peak(lambda: GPT(cfg), precision, x, y)
                 floor = floor_parts(lambda: GPT(cfg), _gpt_blocks, precision, world, act)
-                rows = {s: max(out[f"{world}:{precision}:{s}"], key=lambda r: r["peak"]) for s in args.systems}
+                rows = {s: max(out[f"{world}:{precision}:{s}"], key=lambda r: r["peak"]) for s in args.systems
+                        if s in REAL_SYSTEMS}
                 tables[(world, precision)] = (rows, floor)
                 print_table(f"{world} ranks, gloo CPU, {_describe(precision)}, GPT {cfg.n_layers}x{cfg.d_model} "
                             f"(vocab {cfg.vocab_size}, seq {cfg.seq_len}), local batch {args.batch}", rows, floor)
@@ -480,22 +501,28 @@ def run_fake(args) -> None:
         for world in args.fake_ranks:
             mp.start_processes(_fake_worker, args=(world, args, out), nprocs=1, start_method="spawn")
             results = {s: out[f"{world}:{s}"] for s in args.fake_systems}
-            rows = {s: r for s, r in results.items() if isinstance(r, dict)}
-            floor = floor_parts(model_fn, _stack_blocks, args.fake_precision, world, act)
-            print_table(f"{world} ranks (fake process group, rank 0; estimate), {_describe(args.fake_precision)}, "
-                        f"{args.fake_layers} Llama-3-8B-shaped layers (hidden {dims['hidden']}, ffn {dims['ffn']}, "
-                        f"{dims['heads']} heads, {dims['kv_heads']} KV heads; no embedding/head), 1 x "
-                        f"{args.fake_seq} tokens", rows, floor, rss=False)
-            for system, reason in results.items():
-                if not isinstance(reason, dict):
-                    print(f"{system:9s} does not run on the fake process group: {reason}")
+            title = (f"{world} ranks (fake process group, rank 0; estimate), {_describe(args.fake_precision)}, "
+                     f"{args.fake_layers} Llama-3-8B-shaped layers (hidden {dims['hidden']}, ffn {dims['ffn']}, "
+                     f"{dims['heads']} heads, {dims['kv_heads']} KV heads; no embedding/head), 1 x "
+                     f"{args.fake_seq} tokens")
+            tables = [("", _stack_blocks, [s for s in results if s not in PER_LINEAR[:2]])]
+            if any(s in results for s in PER_LINEAR[:2]):  # [Note: granularity of the comparison]
+                tables.append((" -- one group per nn.Linear, ZeRO-3's unit", _linears,
+                               [s for s in PER_LINEAR if s in results]))
+            for suffix, units, systems in tables:
+                rows = {s: results[s] for s in systems if isinstance(results[s], dict)}
+                floor = floor_parts(model_fn, units, args.fake_precision, world, act)
+                print_table(title + suffix, rows, floor, rss=False)
+                for system in systems:
+                    if not isinstance(results[system], dict):
+                        print(f"{system:9s} does not run on the fake process group: {results[system]}")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, nargs="*", default=[2, 4])
     p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
-    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--systems", nargs="+", default=list(REAL_SYSTEMS), choices=REAL_SYSTEMS)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)

@@ -158,9 +158,7 @@ def record_reduce_scatters(groups) -> Iterator[List[int]]:
 
     def spy(shard, full, *args, **kwargs):
         storage = full.untyped_storage()._cdata
-        owners = [i for i, g in enumerate(groups) if storage in {
-            g.grads.full.full.untyped_storage()._cdata,
-            g.grads.reduce.full.untyped_storage()._cdata if g.grads.reduce is not None else None}]
+        owners = [i for i, g in enumerate(groups) if storage == g.grads.full.full.untyped_storage()._cdata]
         sequence.append(owners[0] if owners else -1)
         return real(shard, full, *args, **kwargs)
 

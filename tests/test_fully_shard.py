@@ -188,8 +188,7 @@ def _zero_copy(rank, world_size, mp):
         return real_ag(output, shard, group, stats, async_op)
 
     def spy_rs(shard, full, *a, **k):
-        g = next(g for g in groups if _storage(full) in (_storage(g.grads.full.full),
-                 _storage(g.grads.reduce.full) if g.grads.reduce is not None else None))
+        g = next(g for g in groups if _storage(full) == _storage(g.grads.full.full))
         calls.append(("rs", g, full.data_ptr(), shard.data_ptr()))
         return real_rs(shard, full, *a, **k)
 

@@ -245,8 +245,9 @@ def _peak_memory(rank: int, world_size: int) -> None:
         vz.materialize(model, init_fn=gpt_init, device="cpu")
     shards, peak = _cpu_bytes(tracker, "current"), _cpu_bytes(tracker, "peak")
     full_model = sum(p.numel() * p.element_size() for p in GPT(cfg).parameters())
-    persistent = sum(g.master.local.nbytes + g.grads.sharded.local.nbytes for g in groups_of(model))
-    assert shards == persistent, (shards, persistent)  # what stays: the master and gradient shards
+    persistent = sum(g.master.local.nbytes for g in groups_of(model))
+    assert shards == persistent, (shards, persistent)  # what stays: the master shards
+    assert all(g.grads.sharded.live is None for g in groups_of(model)), "no gradient shard before the first backward"
     group_bytes = _largest_group_bytes(model)
     assert group_bytes < full_model / 2
     assert peak <= shards + group_bytes, f"peak {peak} B > shards {shards} B + one group's full buffer {group_bytes} B"

@@ -69,9 +69,11 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: Union[float, 
     total = sharded_grad_norm(module, norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for group in groups_of(module):
-        buffer = group.sharded_grad.local
-        buffer.mul_(coef.to(buffer.dtype))  # one op per group; padding is never read
-        lo, hi = buffer.data_ptr(), buffer.data_ptr() + buffer.numel() * buffer.element_size()
+        buffer = group.sharded_grad.live  # None: no gradient of the group is in it
+        lo = hi = 0
+        if buffer is not None:
+            buffer.mul_(coef.to(buffer.dtype))  # one op per group; padding is never read
+            lo, hi = buffer.data_ptr(), buffer.data_ptr() + buffer.numel() * buffer.element_size()
         for i in group.grad_indices:  # a .grad the user replaced is not in the buffer
             g = group.sharded_params[i].grad
             if g is not None and g.numel() and not lo <= g.data_ptr() < hi:

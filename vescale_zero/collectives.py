@@ -109,7 +109,9 @@ class AllToAllReduceScatter:
         return True
 
     def is_completed(self) -> bool:
-        return self._received is None
+        """Whether :meth:`wait` returns without waiting on the network (the exchange is over;
+        only the local sum may be left)."""
+        return self._received is None or self._work is None or self._work.is_completed()
 
 
 def _native_reduce_scatter(group: Optional[dist.ProcessGroup], op: dist.ReduceOp) -> bool:

@@ -3,15 +3,17 @@
 ::
 
     buffer         dtype          lives                                  is
-    full           param_dtype    pre-backward .. reduce-scatter issued  the unsharded params' .grad
-                                  (kept while accumulating without sync) (see the Note below)
-    reduce         reduce_dtype   issue .. finish, only when              one cast of ``full``
-                                  reduce_dtype != param_dtype
-    sharded.local  master dtype   always                                 the sharded params' .grad
+    (autograd's)   param_dtype    first gradient .. issue                 the unsharded params' .grad
+                                  (kept while accumulating without sync)  (see the Note below)
+    full           reduce_dtype   issue .. finish                         the collective's input
+    sharded        master dtype   first reduce-scatter .. the last        the sharded params' .grad
+                                  .grad view let go (zero_grad)           (grad_shard [Note: gradient
+                                                                           shards live with their .grad])
 
-``issue`` casts and scales once per group and starts the reduce-scatter (asynchronous);
-``finish`` waits, frees the full buffers and leaves the result in ``sharded.local``, added to
-what is there when gradients accumulate across synced backwards.
+``issue`` copies the gradients into ``full`` (casting to the reduce dtype on the way), scales
+once per group and starts the reduce-scatter (asynchronous); ``finish`` waits, frees ``full``
+and leaves the result in the shard, added to what is there when gradients accumulate across
+synced backwards.
 
 [Note: HSDP] With a replicate group (``fully_shard`` on a 2-D ``("replicate", "shard")``
 mesh) the reduce-scatter runs inside the shard group and ``finish`` then all-reduces the
@@ -20,15 +22,18 @@ cast or accumulated: the mean of a mean of equal-sized groups is the mean over t
 data-parallel world, as DDP over it gives. A divide factor divides once: SUM in both.
 Without gradient sync nothing is reduced, so the replicas are skipped too.
 
-[Note: the first gradient is copied in]
-Autograd hands a parameter its first gradient as a tensor of its own (``.grad`` is None:
-AccumulateGrad keeps the incoming tensor). :meth:`GradReducer.take` copies it into the
-parameter's view of ``full`` and the view becomes ``.grad``, so every later gradient of the
-window (another micro-batch without sync, a recompute's nested backward) is added in place.
-One read and one write per element, as a reduce-scatter copy-in costs, instead of zeroing
-the buffer and adding into it. ``full`` is therefore not zeroed when it gets its storage:
-only its padding is, and, before the reduce-scatter, the views of tensors that got no
-gradient in the window.
+[Note: gradients are copied in at the reduce-scatter]
+Autograd hands a parameter its first gradient as a tensor of its own (AccumulateGrad keeps
+the incoming tensor as ``.grad``) and adds every later one of the window (another micro-batch
+without sync, a recompute's nested backward, a second use of the parameter) into it in
+place. Those tensors stay the parameters' ``.grad`` until the group issues its reduce-scatter:
+only then does ``full`` get storage, and each gradient is copied into its view (cast to the
+reduce dtype in the same copy) and dropped at once. Backward therefore never holds a group's
+whole gradient buffer while its parameters are still gathered and its gradients arrive -- a
+buffer taken at the first gradient would sit beside every incoming gradient (a 14336x4096
+weight's, say) for the whole of the group's backward, while the activations are largest --
+and each element is still read and written once, as a copy-in costs, with no zeroing of
+``full`` except its padding and the views of tensors that got no gradient.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from torch import nn
 
 from .collectives import CommStats, all_reduce
 from .dbuffer import DBuffer
+from .grad_shard import GradShard
 from .planner import ShardPlan
 
 __all__ = ["GradReducer"]
@@ -53,69 +59,58 @@ class GradReducer:
         plan, rank, process_group: the group's layout and ranks (the shard group).
         replicate_group: HSDP's group of this rank's replicas, or ``None`` (see [Note: HSDP]).
         stats: where the reduce-scatter's bytes are counted.
-        grad_dtype: of the full gradients (the compute dtype).
-        reduce_dtype: of the collective.
+        reduce_dtype: of the collective (and of ``full``).
         shard_dtype: of the sharded gradients (the master parameters' dtype).
         device, shapes: of the buffers and each tensor's full view.
     """
 
     def __init__(self, plan: ShardPlan, rank: int, process_group: dist.ProcessGroup, stats: CommStats, *,
-                 grad_dtype: torch.dtype, reduce_dtype: torch.dtype, shard_dtype: torch.dtype,
+                 reduce_dtype: torch.dtype, shard_dtype: torch.dtype,
                  device: torch.device, shapes: Sequence[Sequence[int]],
                  replicate_group: Optional[dist.ProcessGroup] = None) -> None:
-        def new(dtype: torch.dtype, **kw) -> DBuffer:
-            return DBuffer(plan, rank, dtype, device, shapes=shapes, **kw)
-
         self.plan, self.rank, self.process_group, self.stats = plan, rank, process_group, stats
         self.replicate_group = replicate_group
         self.reduce_dtype, self.shard_dtype = reduce_dtype, shard_dtype
-        self.full = new(grad_dtype, with_local=False)
-        self.reduce = None if reduce_dtype == grad_dtype else new(reduce_dtype, with_local=False)
-        self.sharded = new(shard_dtype, with_full=False)
+        self.full = DBuffer(plan, rank, reduce_dtype, device, shapes=shapes, with_local=False)
+        self.sharded = GradShard(plan, rank, shard_dtype, device)
         self.requires_grad_sync = True
         self.divide_factor: Optional[float] = None  # None: AVG over the group
         self._pending: Optional[Tuple] = None
-        self._written: set = set()  # tensors of ``full`` holding a gradient of this window
 
     @property
     def in_flight(self) -> bool:
         return self._pending is not None
 
-    def prepare(self) -> None:
-        """Give the full gradients their storage for a new window (its padding zeroed, see
-        [Note: the first gradient is copied in]); kept as it is while a window accumulates."""
-        if not self.full.is_allocated:
-            self.full.allocate()
-            self.full.zero_padding()
-            self._written = set()
+    @property
+    def arrived(self) -> bool:
+        """A reduce-scatter is in flight and :meth:`finish` would neither wait on the network nor
+        run a collective (HSDP's all-reduce across replicas runs in one order on every rank: a
+        finish whose timing depends on the network cannot issue it)."""
+        return self._pending is not None and self.replicate_group is None and self._pending[0].is_completed()
 
-    def take(self, index: int, grad: torch.Tensor) -> torch.Tensor:
-        """Put ``grad`` of tensor ``index`` into its view of ``full``: a copy for the window's
-        first gradient, an add after it. Returns the view (the parameter's ``.grad`` now)."""
-        self.prepare()
-        view = self.full.full_view(index)
-        if grad.data_ptr() != view.data_ptr():
-            with torch.no_grad():
-                (view.add_ if index in self._written else view.copy_)(grad)
-        self._written.add(index)
-        return view
-
-    def _zero_unwritten(self) -> None:
-        views = [self.full.full_view(i) for i in range(len(self.plan.specs)) if i not in self._written]
+    def _copy_in(self, params: Sequence[Tuple[int, nn.Parameter]]) -> None:
+        """Give ``full`` its storage and fill it from the unsharded ``params``' ``.grad``, dropping
+        each once copied ([Note: gradients are copied in at the reduce-scatter]); tensors without a
+        gradient, and the padding, are zeros: every rank joins the collective."""
+        self.full.allocate()
+        self.full.zero_padding()
+        written = set()
+        with torch.no_grad():
+            for i, up in params:
+                if up.grad is not None:
+                    self.full.full_view(i).copy_(up.grad)
+                    up.grad = None
+                    written.add(i)
+        views = [self.full.full_view(i) for i in range(len(self.plan.specs)) if i not in written]
         if views:
             torch._foreach_zero_(views)
 
-    def issue(self, accumulate: bool) -> None:
-        """Start the reduce-scatter of ``full`` (asynchronous). ``accumulate``: add the result
-        to the sharded gradients already there instead of replacing them."""
-        self.prepare()  # every rank joins the collective, with zeros if it has no gradient
-        self._zero_unwritten()
+    def issue(self, accumulate: bool, params: Sequence[Tuple[int, nn.Parameter]]) -> None:
+        """Copy the gradients of ``(index, unsharded param)`` in and start the reduce-scatter of
+        ``full`` (asynchronous). ``accumulate``: add the result to the sharded gradients already
+        there instead of replacing them."""
+        self._copy_in(params)
         source = self.full
-        if self.reduce is not None:
-            with torch.no_grad():
-                self.reduce.allocate().copy_(self.full.full)  # one cast per group
-            self.full.free()
-            source = self.reduce
         op = dist.ReduceOp.AVG
         if self.divide_factor is not None:
             # [Note: divide factor] SUM of gradients pre-divided by the factor: the mean
@@ -128,7 +123,9 @@ class GradReducer:
                     source.full.mul_(1.0 / self.divide_factor)
             op = dist.ReduceOp.SUM
         direct = not accumulate and self.reduce_dtype == self.shard_dtype
-        out = self.sharded.local if direct else torch.empty(
+        # The shard gets its storage here if no .grad holds it (grad_shard [Note: gradient
+        # shards live with their .grad]); ``_pending`` holds it until finish hands out the views.
+        out = self.sharded.allocate() if direct else torch.empty(
             self.plan.shard_size, dtype=self.reduce_dtype, device=self.sharded.device)
         work = source.reduce_scatter(self.process_group, into=out, op=op, stats=self.stats, async_op=True)
         self._pending = (work, source, out, accumulate, op == dist.ReduceOp.AVG)
@@ -144,39 +141,40 @@ class GradReducer:
         if self.replicate_group is not None:  # [Note: HSDP]
             with torch.no_grad():
                 all_reduce(out, self.replicate_group, average, self.stats)
-        local = self.sharded.local
+        shard = out if out is self.sharded.live else self.sharded.allocate(zero=accumulate)
         with torch.no_grad():
-            if out is not local:
+            if out is not shard:
                 if accumulate:
                     for i, sp in params:
                         if sp.grad is None:
-                            self.sharded.local_view(i).zero_()
-                    self._accumulate(out, params)
+                            self.sharded.view_of(shard, i).zero_()
+                    self._accumulate(shard, out, params)
                 else:
-                    local.copy_(out)  # one cast per group
+                    shard.copy_(out)  # one cast per group
             for i, sp in params:
                 if sp.grad is None:
-                    sp.grad = self.sharded.local_view(i)
+                    sp.grad = self.sharded.view_of(shard, i)
 
-    def _accumulate(self, reduced: torch.Tensor, params: Sequence[Tuple[int, nn.Parameter]]) -> None:
-        ours = all(sp.grad is None or sp.grad.data_ptr() == self.sharded.local_view(i).data_ptr() for i, sp in params)
-        if ours:
-            self.sharded.local.add_(reduced)  # one add per group
+    def _accumulate(self, shard: torch.Tensor, reduced: torch.Tensor,
+                    params: Sequence[Tuple[int, nn.Parameter]]) -> None:
+        views = [(i, sp, self.sharded.view_of(shard, i)) for i, sp in params]
+        if all(sp.grad is None or sp.grad.data_ptr() == view.data_ptr() for _, sp, view in views):
+            shard.add_(reduced)  # one add per group
             return
         slices = self.plan.local_slices(self.rank)
-        for i, sp in params:  # a user replaced some .grad: add piece by piece
+        for i, sp, view in views:  # a user replaced some .grad: add piece by piece
             start, end, off = slices[i]
-            target = sp.grad if sp.grad is not None else self.sharded.local_view(i)
+            target = sp.grad if sp.grad is not None else view
             target.add_(reduced.narrow(0, off, end - start))
 
     def zero(self) -> None:
-        """Drop every gradient: the full buffers (accumulated without sync) and the shards."""
+        """Drop what the reducer holds: an unfinished reduce-scatter's input and a sharded
+        gradient still held elsewhere (zeroed). The unsharded ``.grad`` are the caller's."""
         if self._pending is not None:
             work = self._pending[0]
             work.wait()
             self._pending = None
         self.full.free()
-        if self.reduce is not None:
-            self.reduce.free()
-        self.sharded.local.zero_()
-
+        shard = self.sharded.live  # still held (Megatron's main_grad): zeroed; else already freed
+        if shard is not None:
+            shard.zero_()

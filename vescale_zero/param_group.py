@@ -7,14 +7,18 @@ One group owns, per rank::
     full params     compute.full                param_dtype    while gathered (forward/backward)
     gather input    master.local, or this rank's slot of compute.full (a cast), or of a
                     float8 buffer (FP8 tiles): see vescale_zero.param_gather
-    full grads      grads.full                  param_dtype    pre-backward .. reduce-scatter
-    reduce input    grads.reduce                reduce_dtype   only when reduce_dtype != param_dtype
-    sharded grads   grads.sharded.local         param's own    always (``param.grad`` views)
+    full grads      the unsharded params' .grad param_dtype    first gradient .. reduce-scatter issued
+                    (autograd's own tensors)
+    reduce input    grads.full                  reduce_dtype   reduce-scatter issued .. finished
+    sharded grads   grads.sharded (GradShard)   param's own    first reduce-scatter .. zero_grad(set_to_none)
+                                                               (``param.grad`` views hold it: grad_shard
+                                                               [Note: gradient shards live with their .grad])
 
 Every parameter object the module sees is a view: a sharded parameter into
-``master.local``, an unsharded parameter into ``compute.full``, a gradient into
-``grads.full`` (the first one copied in, later ones added in place: grad_reduce [Note: the
-first gradient is copied in]) or ``grads.sharded.local``.
+``master.local``, an unsharded parameter into ``compute.full``, a sharded gradient into the
+shard of ``grads.sharded``. The unsharded parameters' gradients are autograd's own tensors
+until the reduce-scatter copies them into ``grads.full`` (grad_reduce [Note: gradients are
+copied in at the reduce-scatter]).
 
 [Note: when a group's gradients are complete]
 The reduce-scatter needs every gradient of the group for this backward. The group is
@@ -57,6 +61,7 @@ from torch import nn
 from .collectives import CommStats
 from .dbuffer import DBuffer
 from .grad_reduce import GradReducer
+from .grad_shard import GradShard
 from .param_gather import make_param_gather
 from .planner import ShardPlan, TensorSpec, plan
 from .ragged_param import ManagedParam, RaggedParam, ShardedRange
@@ -186,6 +191,7 @@ class ParamGroup:
         self.state = GroupState.SHARDED
         self.progress = BackwardProgress()
         self.on_ready: Optional[Callable[["ParamGroup"], None]] = None  # set by the runtime
+        self.on_grad: Optional[Callable[[], None]] = None  # set by the runtime: each gradient's arrival
         self._forward_trigger: Optional[tuple] = None  # (forward id, weakref to its InputGradTrigger)
         self._recompute_trigger: Optional[InputGradTrigger] = None
         self._calls: tuple = (None, 0)  # (forward id, module calls in that forward)
@@ -208,9 +214,9 @@ class ParamGroup:
                                local=self.master.local if direct else None, with_local=direct)
         self.gather = make_param_gather(self.master, self.compute, self.process_group, self.stats, shapes,
                                         self._fp8_tile)
-        self.grads = GradReducer(self.plan, self.rank, self.process_group, self.stats, grad_dtype=self.param_dtype,
-                                 reduce_dtype=self.reduce_dtype, shard_dtype=self.orig_dtype, device=self.device,
-                                 shapes=shapes, replicate_group=self.replicate_group)
+        self.grads = GradReducer(self.plan, self.rank, self.process_group, self.stats, reduce_dtype=self.reduce_dtype,
+                                 shard_dtype=self.orig_dtype, device=self.device, shapes=shapes,
+                                 replicate_group=self.replicate_group)
         self.params: List[RaggedParam] = []
         for i, (m, p) in enumerate(zip(self.managed, templates)):
             start, end = self.master.local_range(i)
@@ -254,8 +260,8 @@ class ParamGroup:
         return [p.unsharded for p in self.params]
 
     @property
-    def sharded_grad(self) -> DBuffer:
-        """The sharded gradients' buffer (``.local`` holds them; ``param.grad`` are views)."""
+    def sharded_grad(self) -> GradShard:
+        """The sharded gradients' buffer (``.live``: the shard or ``None``; ``param.grad`` are views)."""
         return self.grads.sharded
 
     @property
@@ -350,8 +356,8 @@ class ParamGroup:
 
     # ---- backward --------------------------------------------------------------------
     def begin_backward(self) -> bool:
-        """Pre-backward: the full parameters are installed (a recompute reads them) and the
-        full gradient buffer is ready. True the first time in this backward."""
+        """Pre-backward: the full parameters are installed (a recompute reads them). True the
+        first time in this backward."""
         self.unshard()
         self.wait_for_unshard()
         self.to_unsharded_params()
@@ -360,8 +366,6 @@ class ParamGroup:
         if progress.started:
             return False
         progress.started = True
-        if self._grad_indices:
-            self.grads.prepare()
         return True
 
     def _on_grad_accumulated(self, index: int, param: torch.Tensor) -> None:
@@ -374,9 +378,11 @@ class ParamGroup:
                 "by another module, or stored and used later). Apply fully_shard to a module whose forward contains "
                 "every use of the parameter (e.g. a common parent), or to the root only."
             )
-        param.grad = self.grads.take(index, param.grad)  # grad_reduce [Note: the first gradient is copied in]
+        # param.grad stays autograd's tensor: grad_reduce [Note: gradients are copied in at the reduce-scatter]
         progress.in_backward = True
         progress.arrived.add(index)
+        if self.on_grad is not None:
+            self.on_grad()
         if len(progress.arrived) == len(self._grad_indices):
             self._become_ready(done_with_params=len(self._grad_indices) == len(self.managed))
 
@@ -403,27 +409,20 @@ class ParamGroup:
             self.on_ready(self)
 
     def issue_reduce_scatter(self) -> bool:
-        """Fold stray gradients into the full buffer and start the reduce-scatter; False (and
-        the full gradients kept) while gradient sync is off."""
+        """Copy the gradients in and start the reduce-scatter; False (and the unsharded
+        gradients kept, for the next backward to add into) while gradient sync is off."""
         self.progress.issued = True
         if not self._grad_indices:
             return False
-        for i in self._grad_indices:  # gradients autograd left where no hook took them
-            up = self.params[i].unsharded
-            if up.grad is not None:
-                up.grad = self.grads.take(i, up.grad)
         used = self._used | self.progress.arrived
         if not self.grads.requires_grad_sync:
             self._used = used
-            self.grads.prepare()  # the next synced backward reduces what accumulated here
             return False
         self._used = set()
-        for i in self._grad_indices:
-            self.params[i].unsharded.grad = None
         had_grad = {i for i in self._grad_indices if self.params[i].sharded.grad is not None}
         if self.unused_grads == "none":
             self._usage = (used, had_grad)
-        self.grads.issue(accumulate=bool(had_grad))
+        self.grads.issue(bool(had_grad), [(i, self.params[i].unsharded) for i in self._grad_indices])
         return True
 
     def local_usage(self) -> Optional[List[int]]:

@@ -163,15 +163,24 @@ class RootContext:
                 return  # may still be recomputed: later groups wait for it
             if not group.progress.ready:
                 return
+            if group.requires_grad_sync:
+                self._finish_in_flight()
             if group.issue_reduce_scatter():
-                self._bound_in_flight(group)
+                self.reducing.append(group)
 
-    def _bound_in_flight(self, group: ParamGroup) -> None:
-        """[Note: bounded gradient memory] Keep one reduce-scatter in flight: when a group
-        issues its own, wait for the older ones and free their full gradient buffers, so
-        backward holds at most two groups' full gradients instead of all of them."""
-        self.reducing.append(group)
-        while len(self.reducing) > 1:
+    def reap(self) -> None:
+        """Finish the reduce-scatters that have arrived (each gradient's arrival polls): their
+        inputs are freed as soon as they are done with, never waited for here."""
+        while self.reducing and self.reducing[0].grads.arrived:
+            self.reducing.pop(0).finish_grad_sync()
+
+    def _finish_in_flight(self) -> None:
+        """[Note: bounded gradient memory] One reduce-scatter in flight: before a group copies
+        its gradients into its collective's input, the older reduce-scatter is waited for and
+        its input freed (it ran during this group's backward), so backward holds one group's
+        gradients and one input buffer at most, as PyTorch FSDP2 does by default; one that
+        arrived before is finished at once (:meth:`reap`), which FSDP2 does not do."""
+        while self.reducing:
             self.reducing.pop(0).finish_grad_sync()
 
     def final_callback(self) -> None:
@@ -244,6 +253,7 @@ class FSDPState:
             ctx.states.append(st)
             if st.group is not None:
                 st.group.on_ready = ctx.group_ready
+                st.group.on_grad = ctx.reap
         return ctx
 
     # ---- hooks -----------------------------------------------------------------------

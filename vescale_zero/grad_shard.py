@@ -1,0 +1,77 @@
+"""GradShard: the flat buffer of one group's sharded gradients, alive only while held.
+
+::
+
+    plan: world size 3, shard size S; rank 1 owns pieces of A and B
+
+    shard (rank 1)   [A  B     ]   S elements, the master dtype
+                      |  |
+    A_sharded.grad ---+  +--- B_sharded.grad     views (narrow) into the shard
+
+[Note: gradient shards live with their .grad]
+The reducer holds the shard only *weakly*: the parameters' ``.grad`` views (and whatever else a
+caller keeps, e.g. Megatron's ``main_grad``) hold it. It gets storage at a group's first
+reduce-scatter of a window (the output lands in it) and is freed when the last view lets go:
+``optimizer.zero_grad(set_to_none=True)`` (or ``param.grad = None`` everywhere) frees it, as
+PyTorch FSDP2 frees its gradients; ``set_to_none=False`` zeroes the views and so keeps it, and
+the next synced backward adds into it. Forward and the start of backward then run without
+gradient shards, which is where a step's memory peaks.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+
+from .planner import ShardPlan
+
+__all__ = ["GradShard"]
+
+
+class GradShard:
+    """This rank's sharded gradients of one group (see [Note: gradient shards live with their .grad]).
+
+    Args:
+        plan, rank: the group's layout and this rank's index in it.
+        dtype, device: of the shard (the master parameters').
+    """
+
+    def __init__(self, plan: ShardPlan, rank: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.plan, self.rank, self.dtype, self.device = plan, rank, dtype, torch.device(device)
+        self._slices = plan.local_slices(rank)
+        self._ref: Optional[weakref.ref] = None
+
+    @property
+    def live(self) -> Optional[torch.Tensor]:
+        """The shard if something still holds it, else ``None`` (never allocates)."""
+        return None if self._ref is None else self._ref()
+
+    def allocate(self, zero: bool = False) -> torch.Tensor:
+        """The live shard, or a new one (zeroed if ``zero``). The caller holds it: the reducer does not."""
+        shard = self.live
+        if shard is None:
+            make = torch.zeros if zero else torch.empty
+            shard = make(self.plan.shard_size, dtype=self.dtype, device=self.device)
+            self._ref = weakref.ref(shard)
+        return shard
+
+    @property
+    def local(self) -> torch.Tensor:
+        """The shard, given zeroed storage if nothing held it (kept only by whoever keeps it)."""
+        return self.allocate(zero=True)
+
+    def view_of(self, shard: torch.Tensor, index: int) -> torch.Tensor:
+        """This rank's flat piece of tensor ``index`` inside ``shard`` (may be empty)."""
+        start, end, off = self._slices[index]
+        return shard.narrow(0, off, end - start)
+
+    def local_view(self, index: int) -> torch.Tensor:
+        """:meth:`view_of` the shard (given zeroed storage if it had none); the view holds it."""
+        return self.view_of(self.local, index)
+
+    def local_range(self, index: int) -> tuple:
+        """``(start, end)`` of tensor ``index``'s flat elements this rank owns."""
+        start, end, _ = self._slices[index]
+        return start, end
