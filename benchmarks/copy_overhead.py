@@ -29,12 +29,11 @@ AG copy-in  (x gathers) mixed precision: ``_foreach_copy_`` of the    mixed prec
 AG copy-out (x gathers) ``split_with_sizes_copy`` of the rank-major   nothing (parameters are views of the
                         gathered buffer into each parameter           gathered buffer). FP8: dequantize the
                                                                       gathered fp8 buffer into it
-grad accumulate         nothing: autograd's gradient tensor is        zero the buffer's padding, then copy each
-                        taken as is (AccumulateGrad steals it)        first gradient into its view of the full
-                                                                      gradient buffer (later ones add in place)
-RS copy-in              ``_chunk_cat`` of the gradients into the      reduce dtype != param dtype: one ``copy_``
-                        rank-major reduce-scatter input, cast to the  casting the gradient buffer into the
-                        reduce dtype in the same kernel               reduce buffer; else nothing
+grad accumulate         nothing: autograd's gradient tensor is        nothing: autograd's gradient tensor is
+                        taken as is (AccumulateGrad steals it)        taken as is (AccumulateGrad steals it)
+RS copy-in              ``_chunk_cat`` of the gradients into the      zero the input's padding, then one ``copy_``
+                        rank-major reduce-scatter input, cast to the  per gradient into its view of the input,
+                        reduce dtype in the same kernel               cast to the reduce dtype in the same kernel
 RS copy-out             reduce dtype != param's own: a cast of the    reduce dtype != param's own: one ``copy_``
                         output; then ``as_strided`` views per         of the output into the sharded gradient;
                         parameter (no copy)                           else nothing; ``narrow`` views per parameter
@@ -193,12 +192,10 @@ def vescale_system(shapes, m: int, precision: str, device: torch.device, fp8_til
     master = new(orig, with_full=False)
     master.local.normal_()
     compute = new(orig, local=master.local) if param == orig else new(param)
-    grad = new(param, with_local=False)
-    reduced = None if reduce == param else new(reduce, with_local=False)
+    grad = new(reduce, with_local=False)  # GradReducer.full: the reduce-scatter's input
     sharded_grad = new(orig, with_full=False)
-    for buf in (compute, grad, reduced):
-        if buf is not None:
-            buf.allocate(zero=True)
+    for buf in (compute, grad):
+        buf.allocate(zero=True)
     p, o, r = _size(param), _size(orig), _size(reduce)
     kinds: Dict[str, Kernels] = {}
     if fp8_tile:
@@ -227,17 +224,14 @@ def vescale_system(shapes, m: int, precision: str, device: torch.device, fp8_til
     new_grads = [torch.randn(s, dtype=param, device=device) for s in shapes]  # autograd's
     grad_views = [grad.full_view(i) for i in range(len(shapes))]
 
-    def accumulate() -> None:
-        grad.zero_padding()  # GradReducer.prepare: only the padding is zeroed
-        for view, g in zip(grad_views, new_grads):  # GradReducer.take: the first gradient is copied in
+    def copy_in() -> None:  # GradReducer._copy_in: the padding zeroed, each gradient copied (and cast) in
+        grad.zero_padding()
+        for view, g in zip(grad_views, new_grads):
             view.copy_(g)
 
     grad_numel = sum(math.prod(s) for s in shapes)
-    kinds["grad accumulate"] = Kernels(accumulate, (G - grad_numel) * p + 2 * grad_numel * p)
-    if reduced is not None:
-        kinds["RS copy-in"] = Kernels(lambda: reduced.full.copy_(grad.full), G * (p + r))
-    else:
-        kinds["RS copy-in"] = Kernels()
+    kinds["grad accumulate"] = Kernels()  # autograd's gradients stay its own until the reduce-scatter
+    kinds["RS copy-in"] = Kernels(copy_in, (G - grad_numel) * r + grad_numel * (p + r))
     out = sharded_grad.local if reduce == orig else torch.randn(S, dtype=reduce, device=device)
 
     def rs_copy_out() -> None:

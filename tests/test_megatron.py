@@ -1260,15 +1260,15 @@ def test_megatron_hsdp_equals_flat_vescale_fsdp(tmp_path):
     the flat ``--use-vescale-fsdp`` run at 4 ranks: AdamW with clipping (the norm counts one
     instance), 2 micro-batches a step, weights within 1e-6 (absolute; HSDP sums each gradient
     as (a+b)+(c+d) over two collectives, flat as one sum of four), losses and norms within
-    1e-6 relative; all-gathers and reduce-scatters in groups
-    of 2, one all-reduce per group per step across the instances; a dist-checkpoint saved
-    under HSDP resumes in the flat layout, and so do the optimizer shards ``save_sharded``
-    writes (``--ckpt-format torch``; vz.checkpoint, first instance writes). The same holds beside TP=2 and PP=2 (a 3-D mesh
-    over Megatron's groups; dp 2 = 2 instances of one rank), for MoE (ep 2: experts sharded
-    in the instance's expert-data-parallel group, replicated across instances), with ``--vescale-optimizer muon``
-    (Newton-Schulz inside the instance) and in bf16 with fp32 gradient reduction (bf16
-    compute is the same on both; with bf16 reductions the two differ by up to 2e-2, one
-    Adam step, as any two bf16 reduction orders do)."""
+    1e-6 relative; all-gathers and reduce-scatters in groups of 2, one all-reduce per group
+    per step across the instances; a dist-checkpoint saved under HSDP resumes in the flat
+    layout, and so do the optimizer shards ``save_sharded`` writes (``--ckpt-format torch``;
+    vz.checkpoint, the first instance writes). The same holds beside TP=2 and PP=2 (a 3-D
+    mesh over Megatron's groups; dp 2 = 2 instances of one rank), for MoE (ep 2: experts
+    sharded in the instance's expert-data-parallel group, replicated across instances), with
+    ``--vescale-optimizer muon`` (Newton-Schulz inside the instance) and in bf16 with fp32
+    gradient reduction (bf16 compute is the same on both; with bf16 reductions the two differ
+    by up to 2e-2, one Adam step, as any two bf16 reduction orders do)."""
     (tmp_path / "hsdp-ckpt").mkdir()
     cases = {
         "adam+ckpt": (_megatron_hsdp, (HSDP, str(tmp_path / "hsdp-ckpt"))),

@@ -256,7 +256,9 @@ class RaggedEngineMixin:
         device = collective_device(None, groups[0].device if groups else None)  # the all-reduce's: the model's
         flag = torch.zeros((), dtype=torch.float32, device=device)
         for group in groups:
-            buf = group.sharded_grad.local
+            buf = group.sharded_grad.live  # None: no gradient of this group this step
+            if buf is None:
+                continue
             buf.div_(scale)  # one op per group
             flag = torch.maximum(flag, (~torch.isfinite(buf)).any().float())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # overflow on any shard of any rank
