@@ -120,12 +120,38 @@ def _trainer(rank, world_size, stage, out):
         result["save_pretrained"] = "wrote"
     except ValueError as e:
         result["save_pretrained"] = str(e)
-    # resume from checkpoint-SAVE_EVERY (its DeepSpeed checkpoint global_stepN) into a model of other weights
-    resumed = _trainer_job(stage, os.path.join(out, "resumed"), llama(seed=5),
+    # from_pretrained under the ragged config: built partitioned (zero.Init), as under ZeRO-3
+    model, result["from_pretrained"] = _partitioned_from_pretrained(out)
+    # resume from checkpoint-SAVE_EVERY (its DeepSpeed checkpoint global_stepN) into that model (other weights)
+    resumed = _trainer_job(stage, os.path.join(out, "resumed"), model,
                            resume_from=os.path.join(out, f"checkpoint-{SAVE_EVERY}"))
     result["resumed losses"] = {h["step"]: h["loss"] for h in resumed.state.log_history if "loss" in h}
     result["resumed pieces"] = local_pieces(resumed.deepspeed.module)
     return result
+
+
+def _partitioned_from_pretrained(directory):
+    """``LlamaForCausalLM.from_pretrained`` while the Trainer's ragged config is alive: the
+    model is built under ``deepspeed.zero.Init`` and loaded module by module (see
+    integrations/deepspeed/accelerate_stage.py), so every parameter is a ZeRO-3 partition
+    (converted to ragged shards by the engine). Returns the model and what was seen: the
+    fraction of the model's elements this rank holds after the load, and whether the loaded
+    (gathered) weights equal the saved ones."""
+    import deepspeed
+    from transformers import LlamaForCausalLM
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    model = LlamaForCausalLM.from_pretrained(directory)
+    params = list(model.parameters())
+    local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params)
+    with deepspeed.zero.GatheredParameters(params):
+        loaded = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    saved = _saved(directory)
+    return model, {"zero3 enabled": is_deepspeed_zero3_enabled(),
+                   "partitioned": all(hasattr(p, "ds_id") for p in params),
+                   "local fraction": local / sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in params),
+                   "equal to the save": all(torch.equal(loaded[k], v) for k, v in saved.items())
+                   and set(saved) <= set(loaded)}
 
 
 def _saved(directory):
@@ -170,7 +196,14 @@ def test_trainer_saves_the_whole_model_like_zero3(tmp_path):
         assert_close(torch.tensor(list(ours.values())), torch.tensor(list(theirs.values())), "losses", rtol=0,
                      atol=1e-5)
         assert_close(ragged[rank]["eval_loss"], zero3[rank]["eval_loss"], "eval_loss", rtol=0, atol=1e-5)
-    # resumed from checkpoint-SAVE_EVERY: the same steps after it, the same final weights
+    # from_pretrained under "ragged" built the model partitioned: each rank held about half of it
+    # (without the ragged stage reading as ZeRO-3 there: not partitioned, local fraction 1.0)
+    for rank, r in enumerate(ragged):
+        seen = r["from_pretrained"]
+        assert seen["zero3 enabled"] and seen["partitioned"] and seen["equal to the save"], (rank, seen)
+        assert seen["local fraction"] <= 0.5 + 0.01, (rank, seen)
+    # resumed from checkpoint-SAVE_EVERY (into the model from_pretrained built partitioned):
+    # the same steps after it, the same final weights
     for r in ragged:
         resumed = {step: loss for step, loss in r["resumed losses"].items() if step > SAVE_EVERY}
         assert resumed == {step: loss for step, loss in r["losses"].items() if step > SAVE_EVERY}, resumed

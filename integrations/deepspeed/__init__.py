@@ -13,7 +13,8 @@ The import also makes DeepSpeed's own config parser accept "ragged" everywhere i
 config (``deepspeed.checkpointing.configure``, ``DeepSpeedConfig``, ...), lets
 ``deepspeed.zero.Init`` build the model partitioned (converted to ragged shards by
 ``deepspeed.initialize``) and ``GatheredParameters`` gather ragged parameters: see
-:mod:`.parser` and :mod:`.zero_init`.
+:mod:`.parser` and :mod:`.zero_init`. Hugging Face's ``from_pretrained`` then builds a model
+partitioned under a ragged config as under ZeRO-3 (:mod:`.accelerate_stage`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 import deepspeed
 import torch
 
+from .accelerate_stage import present_ragged_as_zero3_to_transformers
 from .config import RAGGED_STAGE, RaggedOptions, parse_ragged_section
 from .engine import RaggedDeepSpeedEngine, RaggedPipelineEngine, RaggedPrecision
 from .parser import RaggedZeroConfig, install, is_ragged_config
@@ -98,3 +100,4 @@ def initialize(*args: Any, **kwargs: Any):
 
 deepspeed.initialize = initialize
 install()
+present_ragged_as_zero3_to_transformers()  # from_pretrained builds under zero.Init (see .accelerate_stage)

@@ -1,4 +1,4 @@
-"""The ZeRO stage accelerate compares: stage "ragged" reads as 3 there.
+"""The ZeRO stage Hugging Face compares: stage "ragged" reads as 3 there.
 
 [Note: the stage accelerate compares]
 accelerate copies ``zero_optimization.stage`` from the config into
@@ -18,19 +18,35 @@ reduce-scatter as DeepSpeed's engine decides when to reduce: by
 ``sync_gradients`` before every ``engine.backward`` (Trainer never enters ``no_sync`` with
 DeepSpeed). So the plugin's ``zero_stage`` reads 3 and accelerate takes its ZeRO-3 branch.
 
-Only that attribute changes. The config dict keeps "ragged", so what reads the dict
-(``HfDeepSpeedConfig.is_zero3()``, transformers' ``is_deepspeed_zero3_enabled()``, i.e.
-``zero.Init`` and ``GatheredParameters`` in model loading; ``get_state_dict``'s ``stage == 3``)
-does not treat the model as ZeRO-3 partitioned: its saves go through :mod:`.saving`.
+[Note: the stage transformers compares]
+``HfDeepSpeedConfig.is_zero3()`` (accelerate's class; transformers' ``HfDeepSpeedConfig``
+and ``HfTrainerDeepSpeedConfig`` derive from it, and ``is_deepspeed_zero3_enabled()`` asks
+it) answers True for a ragged config too: a model is *built* as under ZeRO-3, so that
+``from_pretrained`` (and ``from_config``) construct it inside ``deepspeed.zero.Init`` and load
+the checkpoint through ``GatheredParameters``, one module at a time; no rank ever holds the
+whole model, and ``deepspeed.initialize`` converts the ZeRO-3 partitions into ragged shards
+group by group ([Note: zero.Init under ragged] in :mod:`.zero_init`). The other readers of
+``is_deepspeed_zero3_enabled()`` then also behave as for ZeRO-3, which is right for ragged
+shards: ``generate(synced_gpus=True)`` (every rank must take part in each forward's
+all-gathers), ``resize_token_embeddings`` through ``GatheredParameters`` (ours gathers ragged
+parameters), no ``device_map``. accelerate's ``zero3_init_flag`` defaults to True likewise.
+
+What reads the config *dict* still sees "ragged": ``Accelerator.get_state_dict``'s
+``stage == 3`` does not take DeepSpeed's ZeRO-3 gather (which needs ``ds_*`` attributes),
+and the engine's saves go through :mod:`.saving`.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import sys
+from typing import Any, Callable
 
 from .config import RAGGED_STAGE
 
-__all__ = ["ZERO_STAGE_SEEN_BY_ACCELERATE", "present_ragged_stage_to_accelerate"]
+__all__ = ["ZERO_STAGE_SEEN_BY_ACCELERATE", "present_ragged_stage_to_accelerate",
+           "present_ragged_as_zero3_to_transformers"]
 
 ZERO_STAGE_SEEN_BY_ACCELERATE = 3
 """``DeepSpeedPlugin.zero_stage`` of a ragged config (see the note above)."""
@@ -50,3 +66,23 @@ def present_ragged_stage_to_accelerate() -> None:
     for plugin in plugins.values() if isinstance(plugins, dict) else [plugins]:
         if plugin.hf_ds_config.get_value("zero_optimization.stage") == RAGGED_STAGE:
             plugin.zero_stage = ZERO_STAGE_SEEN_BY_ACCELERATE
+
+
+def _ragged_is_zero3(is_zero3: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    @functools.wraps(is_zero3)
+    def wrapper(self: Any) -> bool:
+        return getattr(self, "_stage", None) == RAGGED_STAGE or is_zero3(self)
+
+    wrapper.__vescale_ragged__ = True
+    return wrapper
+
+
+def present_ragged_as_zero3_to_transformers() -> None:
+    """Make ``HfDeepSpeedConfig.is_zero3()`` True for a ragged config (see [Note: the stage
+    transformers compares]); idempotent, and nothing happens without accelerate."""
+    if importlib.util.find_spec("accelerate") is None:
+        return
+    from accelerate.utils.deepspeed import HfDeepSpeedConfig
+
+    if not getattr(HfDeepSpeedConfig.is_zero3, "__vescale_ragged__", False):
+        HfDeepSpeedConfig.is_zero3 = _ragged_is_zero3(HfDeepSpeedConfig.is_zero3)
