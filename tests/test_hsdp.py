@@ -15,6 +15,8 @@ runs every check, each rank training on its own quarter of the global batch:
   same policy within 2e-2 (bf16 reductions in another order), and fp32 DDP within 5e-2.
 * Muon (communicates inside the group its parameters are sharded over) equals flat
   ``fully_shard`` with Muon within 1e-6.
+* the FP8 all-gather (e4m3 tiles, gathered in the shard group) equals flat ``fully_shard``
+  with the same tiles within 1e-6, and differs from the fp32 gather (it is applied).
 * the block-wise optimizers (8-bit AdamW, Shampoo; granularity = their 13-element blocks)
   equal flat ``fully_shard`` with the same optimizer within 1e-6 (their own tests are
   bit-exact against the unsharded optimizer given equal gradients; HSDP's gradients differ
@@ -56,17 +58,19 @@ WORLD, REPLICAS, SHARD = 4, 2, 2
 STEPS, ACCUM, CLIP, LR = 3, 2, 0.05, 1e-2
 BLOCK = 13  # the block-wise optimizers' block (as their own tests): splits AwkwardLM's tensors unevenly
 DIVIDE = 3.0  # a gradient divide factor that is not the world size
+FP8_TILE = 4  # FP8 all-gather tiles (as tests/test_fp8_gather.py): AwkwardLM's odd shapes give edge tiles
 
 
 def _hsdp_mesh():
     return init_device_mesh("cpu", (REPLICAS, SHARD), mesh_dim_names=("replicate", "shard"))
 
 
-def _shard(mesh, mp_policy=None, granularity=None):
+def _shard(mesh, mp_policy=None, granularity=None, fp8_tile=None):
     model = AwkwardLM(seed=3)
+    kwargs = dict(mesh=mesh, mp_policy=mp_policy, granularity=granularity, fp8_all_gather_tile=fp8_tile)
     for block in model.blocks:
-        vz.fully_shard(block, mesh=mesh, mp_policy=mp_policy, granularity=granularity)
-    return vz.fully_shard(model, mesh=mesh, mp_policy=mp_policy, granularity=granularity)
+        vz.fully_shard(block, **kwargs)
+    return vz.fully_shard(model, **kwargs)
 
 
 def _micro(rank):
@@ -215,6 +219,16 @@ def _all_checks(rank, world, tmp):
         states.append(_train_fsdp(model, opt, rank, clip=False)[0])
     out["muon_vs_flat"] = _close(states[0], states[1], 1e-6)
 
+    # 3b. FP8 all-gather (e4m3 tiles, gathered inside the shard group): HSDP equals flat with
+    # the same tiles; both differ from the fp32 gather (the quantisation is really applied).
+    states = []
+    for m in (mesh, None):
+        model = _shard(m, fp8_tile=FP8_TILE)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.1)
+        states.append(_train_fsdp(model, opt, rank)[0])
+    out["fp8_vs_flat"] = _close(states[0], states[1], 1e-6)
+    out["fp8_vs_fp32"] = max((states[0][k] - hsdp_state[k]).abs().max().item() for k in hsdp_state)
+
     # 4. block-wise optimizers (granularity = their blocks), HSDP vs flat.
     for name, make, granularity in (
         ("adamw8bit", lambda ps: AdamW8bit(ps, lr=LR, weight_decay=0.1, block=BLOCK), AdamW8bit.granularity(BLOCK)),
@@ -296,6 +310,8 @@ def test_hsdp_2x2_equals_ddp_and_flat_fully_shard(tmp_path):
         assert out["bf16_vs_flat"] == {}, out["bf16_vs_flat"]
         assert out["bf16_vs_ddp"] == {}, out["bf16_vs_ddp"]
         assert out["muon_vs_flat"] == {}, out["muon_vs_flat"]
+        assert out["fp8_vs_flat"] == {}, out["fp8_vs_flat"]
+        assert out["fp8_vs_fp32"] > 1e-3, out["fp8_vs_fp32"]
         for name in ("adamw8bit", "shampoo"):
             assert out[f"{name}_vs_flat"] == {}, (name, out[f"{name}_vs_flat"])
             assert out[f"{name}_moved"] > 0, name
