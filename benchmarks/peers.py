@@ -1,7 +1,8 @@
 """vescale-zero against its peers on the same GPT, data and AdamW, in one run.
 
     .venv/bin/python benchmarks/peers.py [--ranks 2 4] [--cycles 2] [--precisions fp32 bf16]
-        [--reduce-scatter both|ours|torch] [--json peers.json]
+        [--reduce-scatter both|ours|torch] [--variants ddp fsdp2 ...] [--compile [--compile-backend B]]
+        [--json peers.json]
 
 Variants: DDP (the no-sharding limit), PyTorch FSDP2 ``fully_shard``, DeepSpeed ZeRO-3,
 vescale-zero ``fully_shard`` and vescale-zero's DeepSpeed ``"stage": "ragged"``; then,
@@ -28,6 +29,20 @@ makes every vescale-zero variant use torch's ``reduce_scatter_tensor`` too (rows
 ``_trs``), so the ratios show what the design buys with the same collective as its peers;
 ``both`` (default) prints both. The switch is ``vescale_zero.collectives.set_reduce_scatter_impl``
 ("native"). On NCCL vescale-zero already calls ``reduce_scatter_tensor``: no ``_trs`` rows.
+
+Variants (``--variants``): run only these (base names, e.g. ``ddp fsdp2 vescale``; default all).
+
+torch.compile (``--compile``): every variant that can compile its transformer blocks, DDP,
+FSDP2 and vescale-zero (``_trs`` included), gets a compiled twin, suffixed ``_c``, printed next
+to it: each block is compiled (``block.compile(backend=--compile-backend)``, inductor by
+default) after the variant has wrapped the model (before ``DistributedDataParallel``, which
+wraps the whole model), so all three are measured identically; the warm-up steps compile. A
+compiled row's ratio columns compare it with its peers' compiled rows, and ``graphs/blk`` is
+the number of graphs Dynamo compiled per block (1 = each block compiles whole; the hooks of
+FSDP2 and vescale-zero run eagerly around it). ZeRO-3, DeepSpeed ragged and the megatron-core
+pair have no compiled twin. The copy and fill columns of a compiled row count only what still
+runs as ATen kernels (inductor's generated kernels are not in them), against the unsharded
+model compiled the same way: compare them between compiled rows only.
 
 Reported per rank:
 
@@ -77,6 +92,8 @@ BF16_VARIANTS = ("fsdp2", "zero3", "vescale", "ds_ragged")  # those with bf16 pa
 MEGATRON_VARIANTS = ("mcore_ddp", "mcore_vescale")
 OURS = ("vescale", "ds_ragged", "mcore_vescale")  # reduce-scatter through vescale_zero.collectives
 TORCH_RS = "_trs"  # suffix: the variant with vescale-zero forced onto torch's reduce_scatter_tensor
+COMPILED = "_c"  # suffix: the variant with each transformer block compiled (--compile)
+COMPILABLE = ("ddp", "fsdp2", "vescale")  # those whose blocks are compiled under --compile
 PRECISIONS = ("fp32", "bf16")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COPY_OPS = {"aten::copy_", "aten::cat", "aten::_chunk_cat", "aten::split_with_sizes_copy", "aten::_foreach_copy_",
@@ -213,11 +230,29 @@ class _RssSampler(threading.Thread):
             time.sleep(0.002)
 
 
-def build_variant(variant: str, cfg, device, args, precision: str = "fp32"):
+def _compile_blocks(model, backend: str) -> None:
+    """``--compile``: each transformer block compiled, its module hooks included (torchtitan's way),
+    through a graph counter of its own (``block.graph_counter``; blocks then compile separately)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    for block in model.blocks:
+        block.graph_counter = CompileCounterWithBackend(backend)
+        block.compile(backend=block.graph_counter)
+
+
+def _graphs_per_block(model) -> float:
+    """Graphs Dynamo handed the backend, per compiled block (:func:`_compile_blocks`)."""
+    counts = [m.graph_counter.frame_count for m in model.modules() if hasattr(m, "graph_counter")]
+    return sum(counts) / len(counts)
+
+
+def build_variant(variant: str, cfg, device, args, precision: str = "fp32", compile_backend=None):
     """``(model or engine, optimizer or None, DeepSpeed engine or None)`` for ``variant``.
 
     ``precision="bf16"``: bf16 parameters and compute, fp32 reduce and fp32 master weights
-    (the ``plain`` baseline is the model in bf16: it only stands for the model's own work)."""
+    (the ``plain`` baseline is the model in bf16: it only stands for the model's own work).
+    ``compile_backend``: compile each block with it once the variant has wrapped the model
+    (one of :data:`COMPILABLE`, or ``plain``)."""
     from vescale_zero.testing import GPT
 
     if precision not in PRECISIONS:
@@ -225,14 +260,20 @@ def build_variant(variant: str, cfg, device, args, precision: str = "fp32"):
     bf16 = precision == "bf16"
     if bf16 and variant not in BF16_VARIANTS + ("plain",):
         raise ValueError(f"{variant} has no bf16-param / fp32-reduce mode here; bf16 variants: {BF16_VARIANTS}")
+    if compile_backend is not None and variant not in COMPILABLE + ("plain",):
+        raise ValueError(f"{variant} is not compiled here; compiled variants: {COMPILABLE}")
     model = GPT(cfg).to(device)
     if variant == "plain":
         if bf16:
             model = model.to(torch.bfloat16)
+        if compile_backend is not None:
+            _compile_blocks(model, compile_backend)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3), None
     if variant == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
+        if compile_backend is not None:
+            _compile_blocks(model, compile_backend)  # DDP wraps the whole model: its blocks compile first
         model = DistributedDataParallel(model)
     elif variant == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -265,6 +306,8 @@ def build_variant(variant: str, cfg, device, args, precision: str = "fp32"):
                 cfg_ds["communication_data_type"] = "fp32"  # ZeRO-3 reduces in bf16 otherwise
         engine, *_ = deepspeed.initialize(model=model, config=cfg_ds)
         return engine, None, engine
+    if compile_backend is not None and variant != "ddp":
+        _compile_blocks(model, compile_backend)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3), None
 
 
@@ -348,10 +391,14 @@ def _profile_collective_waits() -> None:
 
 
 def _split_variant(variant: str):
-    """``"vescale_trs"`` -> ``("vescale", True)``: the base variant and whether it runs torch's reduce-scatter."""
+    """``"vescale_trs_c"`` -> ``("vescale", True, True)``: the base variant, whether it runs torch's
+    reduce-scatter, and whether its blocks are compiled."""
+    compiled = variant.endswith(COMPILED)
+    if compiled:
+        variant = variant[: -len(COMPILED)]
     if variant.endswith(TORCH_RS):
-        return variant[: -len(TORCH_RS)], True
-    return variant, False
+        return variant[: -len(TORCH_RS)], True, compiled
+    return variant, False, compiled
 
 
 def _model_step(model, opt, engine, corpus, args, rank: int, world: int, device):
@@ -375,7 +422,8 @@ def worker(rank: int, world: int, port: int, variant: str, precision: str, args:
            out: Dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
-    base_variant, torch_rs = _split_variant(variant)
+    base_variant, torch_rs, compiled = _split_variant(variant)
+    backend = args.compile_backend if compiled else None
     cuda = torch.cuda.is_available()
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -405,7 +453,7 @@ def worker(rank: int, world: int, port: int, variant: str, precision: str, args:
         model, opt, step = build_megatron_variant(base_variant, args, world)
         engine = None
     else:
-        model, opt, engine = build_variant(base_variant, cfg, device, args, precision)
+        model, opt, engine = build_variant(base_variant, cfg, device, args, precision, backend)
         step = _model_step(model, opt, engine, corpus, args, rank, world, device)
 
     for i in range(args.warmup):
@@ -429,6 +477,7 @@ def worker(rank: int, world: int, port: int, variant: str, precision: str, args:
     sampler.running = False
     sampler.join()
     peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else sampler.peak - base
+    graphs = _graphs_per_block(model) if compiled else None
     from torch.profiler import profile
 
     fallback = _DTYPE_NAME[precision]
@@ -438,7 +487,7 @@ def worker(rank: int, world: int, port: int, variant: str, precision: str, args:
     if megatron:  # another model (megatron-core's GPTModel): no plain baseline to subtract
         traffic["copied"] = traffic["filled"] = None
     else:  # the unsharded model's own copies and fills on the same local batch, subtracted as measured
-        plain, popt, _ = build_variant("plain", cfg, device, args, precision)
+        plain, popt, _ = build_variant("plain", cfg, device, args, precision, backend)
         plain_step = _model_step(plain, popt, None, corpus, args, rank, world, device)
         plain_step(0)  # AdamW's state exists from the first step on, as in the variant's profiled step
         with profile(record_shapes=True) as prof:  # the same work as step(), batch included
@@ -448,7 +497,7 @@ def worker(rank: int, world: int, port: int, variant: str, precision: str, args:
         traffic["filled"] -= own["filled"]
         del plain, popt, plain_step
     gathered = [None] * world
-    dist.all_gather_object(gathered, {"times": times, "peak_mib": peak, **traffic})
+    dist.all_gather_object(gathered, {"times": times, "peak_mib": peak, "graphs_per_block": graphs, **traffic})
     key = f"{world}:{precision}:{variant}"
     if rank == 0:
         out[key] = out.get(key, []) + [gathered]
@@ -483,6 +532,7 @@ def _summarise(runs, args):
         "median_ms": med, "min_ms": min(ms), "max_ms": max(ms),
         "tokens_per_s": args.global_batch * args.seq_len / (med / 1e3),
         "peak_mib": max(r["peak_mib"] for r in per_rank),
+        "graphs_per_block": max((r.get("graphs_per_block") or 0) for r in per_rank) or None,
         **{f"{k}_mib": _median_mib(per_rank, k) for k in TRAFFIC_KEYS},
     }
 
@@ -492,12 +542,19 @@ def variants_for(precision: str, args: argparse.Namespace, cuda: bool) -> List[s
     names = list(VARIANTS if precision == "fp32" else BF16_VARIANTS)
     if precision == "fp32" and not args.no_megatron and _has_megatron():
         names += MEGATRON_VARIANTS
+    if args.variants:
+        names = [v for v in names if v in args.variants]
     out = []
     for v in names:
+        rs = []
         if v not in OURS or cuda or args.reduce_scatter in ("ours", "both"):
-            out.append(v)
+            rs.append(v)
         if v in OURS and not cuda and args.reduce_scatter in ("torch", "both"):
-            out.append(v + TORCH_RS)
+            rs.append(v + TORCH_RS)
+        for name in rs:  # each compiled twin right after its eager row
+            out.append(name)
+            if args.compile and v in COMPILABLE:
+                out.append(name + COMPILED)
     return out
 
 
@@ -506,7 +563,16 @@ def _fmt(x, width: int, digits: int = 2) -> str:
 
 
 def _ratio(rows, v: str, ref: str) -> str:
+    """``v``'s time over ``ref``'s; a compiled row over ``ref``'s compiled row."""
+    if v.endswith(COMPILED):
+        ref += COMPILED
     return f"{rows[v]['median_ms'] / rows[ref]['median_ms']:7.3f}" if ref in rows else f"{'-':>7s}"
+
+
+def _eager_ratio(rows, v: str) -> str:
+    """A compiled row's time over its eager twin's."""
+    eager = v[: -len(COMPILED)] if v.endswith(COMPILED) else None
+    return f"{rows[v]['median_ms'] / rows[eager]['median_ms']:7.3f}" if eager in rows else f"{'-':>7s}"
 
 
 def print_table(world: int, precision: str, rows: Dict[str, Dict], args: argparse.Namespace) -> None:
@@ -516,16 +582,18 @@ def print_table(world: int, precision: str, rows: Dict[str, Dict], args: argpars
     print(f"\n{world} ranks, {backend}, {mp}, GPT {args.layers}x{d_model}, seq {args.seq_len}, "
           f"global batch {args.global_batch}; {args.cycles} cycles x {args.steps} steps per variant")
     print(f"{'variant':14s} {'ms med':>8s} {'min':>7s} {'max':>7s} {'tok/s':>7s} {'peak MiB':>9s} {'AG MiB':>7s} "
-          f"{'RS MiB':>7s} {'AR MiB':>7s} {'copy MiB':>9s} {'fill+acc':>9s} {'/fsdp2':>7s} {'/zero3':>7s} {'/ddp':>7s}")
+          f"{'RS MiB':>7s} {'AR MiB':>7s} {'copy MiB':>9s} {'fill+acc':>9s} {'/fsdp2':>7s} {'/zero3':>7s} {'/ddp':>7s}"
+          + (f" {'/eager':>7s} {'graphs/blk':>10s}" if args.compile else ""))
     for v, r in rows.items():
         if v.startswith("mcore"):
             continue
         print(f"{v:14s} {r['median_ms']:8.1f} {r['min_ms']:7.1f} {r['max_ms']:7.1f} {r['tokens_per_s']:7.0f} "
               f"{r['peak_mib']:9.1f} {_fmt(r['all_gather_mib'], 7)} {_fmt(r['reduce_scatter_mib'], 7)} "
               f"{_fmt(r['all_reduce_mib'], 7)} {_fmt(r['copied_mib'], 9)} {_fmt(r['filled_mib'], 9)} "
-              f"{_ratio(rows, v, 'fsdp2')} {_ratio(rows, v, 'zero3')} {_ratio(rows, v, 'ddp')}")
+              f"{_ratio(rows, v, 'fsdp2')} {_ratio(rows, v, 'zero3')} {_ratio(rows, v, 'ddp')}"
+              + (f" {_eager_ratio(rows, v)} {_fmt(r['graphs_per_block'], 10, 1)}" if args.compile else ""))
     for ours in ("vescale", "vescale" + TORCH_RS):
-        if ours not in rows:
+        if ours not in rows or not {"fsdp2", "zero3"} <= set(rows):
             continue
         r = rows[ours]
         rs = "torch's reduce_scatter_tensor" if ours.endswith(TORCH_RS) else "its own reduce-scatter"
@@ -564,6 +632,11 @@ def main() -> None:
     p.add_argument("--reduce-scatter", choices=("both", "ours", "torch"), default="both",
                    help="vescale-zero's reduce-scatter on gloo: its own (all_to_all), torch's reduce_scatter_tensor "
                         "(as FSDP2 / ZeRO-3; rows suffixed _trs), or both")
+    p.add_argument("--variants", nargs="+", choices=VARIANTS + MEGATRON_VARIANTS,
+                   help="run only these variants (default: all)")
+    p.add_argument("--compile", action="store_true",
+                   help="also run DDP, FSDP2 and vescale-zero with each block compiled (rows suffixed _c)")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --compile")
     p.add_argument("--json", help="write the raw measurements and the summary here")
     p.add_argument("--no-megatron", action="store_true", help="leave out megatron-core DDP vs VeScaleFSDP")
     args = p.parse_args()

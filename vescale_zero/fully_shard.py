@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
+from .eager_hooks import outside_compile
 from .fp8_gather import tile_band_granularity
 from .granularity import GranularityPolicy, resolve_granularities
 from .param_group import GroupState, ManagedParam, ParamGroup
@@ -331,6 +332,7 @@ class _ShardedForStateDict:
     def __init__(self, group: ParamGroup) -> None:
         self.group = group
 
+    @outside_compile
     def __call__(self, *_: Any, **__: Any) -> None:
         if self.group.state is not GroupState.SHARDED and not in_backward_pass():
             self.group.reshard()

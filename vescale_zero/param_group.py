@@ -60,6 +60,7 @@ from torch import nn
 
 from .collectives import CommStats
 from .dbuffer import DBuffer
+from .eager_hooks import outside_compile
 from .grad_reduce import GradReducer
 from .grad_shard import GradShard
 from .param_gather import make_param_gather
@@ -94,6 +95,7 @@ def slot_of(param: torch.Tensor) -> Optional[Tuple["ParamGroup", int]]:
     return None if group is None else (group, entry[2])
 
 
+@outside_compile
 def _grad_accumulated(group_ref: "weakref.ref[ParamGroup]", index: int, param: torch.Tensor) -> None:
     """The post-accumulate-grad hook of a group's parameter ([Note: hooks hold their group weakly])."""
     group = group_ref()
@@ -135,6 +137,7 @@ class InputGradTrigger:
     def __init__(self, group: "ParamGroup") -> None:
         self.group, self.armed, self.fired, self.blind = group, 0, 0, False
 
+    @outside_compile
     def fire(self) -> None:
         self.fired += 1
         if self.fired == self.armed and not self.blind:

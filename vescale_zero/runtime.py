@@ -59,6 +59,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .eager_hooks import outside_compile
 from .param_group import InputGradTrigger, ParamGroup, Part
 
 __all__ = ["FSDPState", "RootContext", "STATE_ATTR", "in_backward_pass"]
@@ -183,6 +184,7 @@ class RootContext:
         while self.reducing:
             self.reducing.pop(0).finish_grad_sync()
 
+    @outside_compile
     def final_callback(self) -> None:
         """End of backward: every participating group reduce-scattered, waited for, resharded."""
         for group in self.reduce_order():
@@ -256,7 +258,8 @@ class FSDPState:
                 st.group.on_grad = ctx.reap
         return ctx
 
-    # ---- hooks -----------------------------------------------------------------------
+    # ---- hooks (eager: eager_hooks [Note: hooks outside the compiled graph]) ---------
+    @outside_compile
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         ctx = self.lazy_init()
         recompute = in_backward_pass()
@@ -284,6 +287,7 @@ class FSDPState:
                     nxt.group.unshard(async_op=True)
         return args, kwargs
 
+    @outside_compile
     def post_forward(self, module: nn.Module, args: tuple, output: Any):
         ctx = self.context
         recompute = in_backward_pass()
@@ -313,6 +317,7 @@ class FSDPState:
         cast = lambda t: t.to(mp.param_dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
         return tree_map(cast, args), tree_map(cast, kwargs)
 
+    @outside_compile
     def _pre_backward(self, forward_id: Optional[int], _grad: torch.Tensor) -> None:
         ctx = self.context
         if not ctx.in_backward:  # the first hook of a backward tells which forward it differentiates

@@ -63,6 +63,7 @@ from torch import nn
 import vescale_zero as vz
 from vescale_zero.checkpoint.format import CHECKPOINT_DOMAIN
 from vescale_zero.comm_device import collective_device
+from vescale_zero.eager_hooks import outside_compile
 from vescale_zero.fully_shard import groups_of
 from vescale_zero.granularity import GranularityPolicy
 from vescale_zero.param_group import ParamGroup
@@ -245,7 +246,7 @@ class VeScaleFSDP(_BaseDataParallel):
         if output_layer is not None:
             # GPTModel reads ``output_layer.weight`` (to pass it as the output weight)
             # before the output layer runs: gather it when the root's forward starts.
-            module.register_forward_pre_hook(lambda *_: output_layer.unshard())
+            module.register_forward_pre_hook(outside_compile(lambda *_: output_layer.unshard()))
         module.set_prefetch(opts.prefetch)
         module.set_unused_grads("zero")  # as Megatron's DDP: main_grad of a parameter no rank used is zero
 
