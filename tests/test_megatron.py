@@ -839,7 +839,7 @@ def _converted_moe_at_ep1(rank: int, world_size: int, argv: List[str], ckpt: str
     with _megatron_job(argv) as (pg, args):
         args.use_vescale_fsdp = True
         model, _, _ = pg.build(args)
-        model_sd = model.sharded_state_dict()
+        model_sd = model.sharded_state_dict(is_loading=True)
         model.load_state_dict(dist_checkpointing.load({"model": model_sd}, ckpt)["model"])
         return _converted_compared(pg, args, converted, model.state_dict(), None, rank)
 
@@ -885,7 +885,7 @@ def _resume_from_megatron(rank: int, world_size: int, argv: List[str], ckpt: str
 
         args.use_vescale_fsdp, args.use_distributed_optimizer = True, False
         model, optimizer, config = pg.build(args)
-        model_sd = model.sharded_state_dict()
+        model_sd = model.sharded_state_dict(is_loading=True)
         loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optimizer.sharded_state_dict(
             model_sd, is_loading=True)}, ckpt)
         model.load_state_dict(loaded["model"])
@@ -907,12 +907,11 @@ def _resume_from_megatron(rank: int, world_size: int, argv: List[str], ckpt: str
                                       for k, v in st.items())
             out["state keys"] = (sorted(state), sorted(ref_state))
         if not distributed:
-            # Back: ours writes torch_dist as Megatron-LM would (the unwrapped model's
-            # sharded_state_dict under full_parameters); Megatron's DDP loads it exactly.
+            # Back: ours writes torch_dist, each rank its own shard (the streamed save, no gather);
+            # Megatron's DDP loads it exactly.
             ours_state, _ = full_optimizer_state(model.module, optimizer.optimizer)
-            with model.full_parameters():
-                model_sd = model.module.sharded_state_dict()
-                dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}, back)
+            model_sd = model.sharded_state_dict()
+            dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}, back)
             args.use_distributed_optimizer = False
             other, other_opt, _ = megatron_loads(back)
             other_state = _full_adam_state(other, other_opt)
@@ -1159,10 +1158,8 @@ def _step_by_step(pg, args, model, optimizer, config, spy=None, ckpt: Optional[s
         losses += run["losses"]
         norms += run["grad_norms"]
         if ckpt is not None and step + 1 == save_after:
-            with model.full_parameters():
-                model_sd = model.module.sharded_state_dict()
-                dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)},
-                                        ckpt)
+            model_sd = model.sharded_state_dict()  # the streamed save: the first instance writes
+            dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}, ckpt)
             optimizer.save_sharded(ckpt + "-vz")  # --ckpt-format torch's optimizer shards (vz.checkpoint)
     return losses, norms
 
@@ -1211,7 +1208,7 @@ def _megatron_hsdp(rank: int, world_size: int, argv: List[str], ckpt: Optional[s
     if ckpt is not None:  # the HSDP checkpoint resumes in the flat layout
         with _megatron_job(argv) as (pg, args):
             model, optimizer, config = pg.build(args)
-            model_sd = model.sharded_state_dict()
+            model_sd = model.sharded_state_dict(is_loading=True)
             loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optimizer.sharded_state_dict(
                 model_sd, is_loading=True)}, ckpt)
             model.load_state_dict(loaded["model"])

@@ -68,6 +68,7 @@ from vescale_zero.granularity import GranularityPolicy
 from vescale_zero.param_group import ParamGroup
 from vescale_zero.state_dict import full_state_dict, load_full_state_dict
 
+from .dist_checkpoint import checkpoint_parameters
 from .hsdp import check_outer_dp_sharding, data_parallel_meshes, ddp_process_groups
 from .meta_init import check_all_or_nothing_on_meta, has_meta_tensors, materialize_megatron
 
@@ -386,11 +387,18 @@ class VeScaleFSDP(_BaseDataParallel):
         ref, param = self._sharded_of.get(id(tensor), (None, None))
         return param if ref is not None and ref() is tensor else None
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None) -> Any:
-        """Megatron's ``sharded_state_dict`` of the wrapped module with full parameters, as
-        Megatron-LM writes it (``unwrap_model(model).sharded_state_dict()``); loads with
-        ``dist_checkpointing.load`` and :meth:`load_state_dict`, also into megatron-core DDP."""
-        with self.full_parameters():
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None,
+                           is_loading: bool = False) -> Any:
+        """Megatron's ``sharded_state_dict`` of the wrapped module, with Megatron's keys and
+        metadata (as Megatron-LM builds it: ``unwrap_model(model).sharded_state_dict()``).
+
+        To save (default): this rank's boxes of its shards, views, no gather (dist_checkpoint.py
+        [Note: streamed dist-checkpoint save]); ``dist_checkpointing.save`` writes each rank's
+        own pieces. With ``is_loading``: full (TP-local) tensors, gathered, for
+        ``dist_checkpointing.load`` (Megatron reshards any layout into them) and then
+        :meth:`load_state_dict`, as megatron-core DDP loads."""
+        context = self.full_parameters() if is_loading else checkpoint_parameters(self)
+        with context:
             return self.module.sharded_state_dict(prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
 
     # ---- ours ------------------------------------------------------------------------

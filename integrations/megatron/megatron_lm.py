@@ -25,6 +25,7 @@ from typing import Any, Callable, List, Optional
 
 from .arguments import validate_vescale_args, vescale_optimizer_block, vescale_optimizer_name, vescale_options_from_args
 from .data_parallel import VeScaleFSDP
+from .dist_checkpoint import checkpoint_parameters
 from .optimizer import VeScaleOptimizer, check_dist_checkpoint_optimizer, get_vescale_optimizer
 
 __all__ = ["use_vescale_fsdp_in_megatron_lm", "unwrap_vescale"]
@@ -140,7 +141,7 @@ def _wrap_checkpointing(training: Any, get_args: Callable[[], Any]) -> None:
         with ExitStack() as stack:
             for chunk in chunks:
                 if fmt == "torch_dist":
-                    stack.enter_context(chunk.full_parameters())
+                    stack.enter_context(checkpoint_parameters(chunk))
                 else:
                     chunk.prepare_state_dict()
                     stack.callback(chunk.release_state_dict)
