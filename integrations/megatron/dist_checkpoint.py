@@ -114,21 +114,47 @@ def checkpoint_parameters(chunk: Any) -> Iterator[None]:
         out = []
         for box in pieces.boxes_within(offset, sh.local_shape):
             offsets, sizes, _ = box
-            data = LocalPieces.take(local, box)
-            st = replace(sh, data=data, dtype=data.dtype, local_shape=tuple(sizes), axis_fragmentations=None,
+            # Prepended axes (Megatron's stacked layers, experts) become leading axes of size 1:
+            # PyTorch's checkpoint takes an irregular chunk by its full-rank shape.
+            data = LocalPieces.take(local, box).view((1,) * pre + tuple(sizes))
+            st = replace(sh, data=data, dtype=data.dtype, local_shape=tuple(data.shape), axis_fragmentations=None,
                          global_offset=sh.global_offset[:pre] + tuple(
                              g + o for g, o in zip(sh.global_offset[pre:], offsets)),
-                         replica_id=_data_parallel_place(sh.replica_id, instance))
+                         prepend_axis_num=0, replica_id=_data_parallel_place(sh.replica_id, instance))
             setattr(st, LOCAL_PIECE, (sp, pieces, box))
             out.append(st)
         return out
 
     def rewrite(value: Any) -> Any:
+        """``value`` with every ShardedTensor on a stand-in replaced by this rank's boxes: one
+        box stays a ShardedTensor, several become a list, none drop the entry (another rank
+        writes that tensor; an empty entry would differ between the ranks' common states)."""
+        if isinstance(value, dict):
+            out = {}
+            for key, item in value.items():
+                item = rewrite(item)
+                if not (isinstance(item, list) and not item) or not _mapped(value[key]):
+                    out[key] = item
+            value.clear()
+            value.update(out)
+            return value
+        if isinstance(value, list):
+            items = []
+            for item in value:
+                got = rewrite(item)
+                items.extend(got if isinstance(got, list) and _mapped(item) else [got])
+            value[:] = items
+            return value
         if isinstance(value, ShardedTensorFactory) and owner(value.data)[0] is not None:
-            return dict_list_map_inplace(rewrite, value.build())  # what Megatron's save would build
-        if isinstance(value, ShardedTensor):
-            return boxes(value)
+            built = rewrite(value.build())  # what Megatron's save would build
+            return built if built else []
+        if isinstance(value, ShardedTensor) and owner(value.data)[0] is not None:
+            got = boxes(value)
+            return got[0] if len(got) == 1 else got
         return value
+
+    def _mapped(value: Any) -> bool:
+        return isinstance(value, (ShardedTensor, ShardedTensorFactory)) and owner(value.data)[0] is not None
 
     targets, overridden = [], []
     module = chunk.module
@@ -143,7 +169,7 @@ def checkpoint_parameters(chunk: Any) -> Iterator[None]:
             original = target.sharded_state_dict
 
             def streamed(*args: Any, _original=original, **kwargs: Any) -> Any:
-                out = dict_list_map_inplace(rewrite, _original(*args, **kwargs))
+                out = rewrite(_original(*args, **kwargs))
                 dict_list_map_inplace(_refuse_meta, out)
                 return out
 
@@ -187,7 +213,7 @@ def state_boxes(boxes: List[Any], state: torch.Tensor, key: str) -> List[Any]:
     parameter's shard: an optimizer state or the fp32 master) instead of the parameter."""
     out = []
     for sh in boxes:
-        data = LocalPieces.take(state.detach(), getattr(sh, LOCAL_PIECE)[2])
+        data = LocalPieces.take(state.detach(), getattr(sh, LOCAL_PIECE)[2]).view(sh.local_shape)
         st = replace(sh, key=key, data=data, dtype=data.dtype)
         setattr(st, LOCAL_PIECE, getattr(sh, LOCAL_PIECE))
         out.append(st)

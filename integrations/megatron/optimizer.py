@@ -395,9 +395,10 @@ class VeScaleOptimizer(MegatronOptimizer):
                     states[_MASTER] = param
                 part = (id(param) in expert) if expert else None
                 chained = f"chained_{int(part)}." if prefix else ""
-                key = mine[0].key
-                tensors[part][key] = {name: state_boxes(mine, tensor, f"{chained}optimizer.state.{name}.{key}")
-                                      for name, tensor in states.items()}
+                key = mine[0].key  # stacked layers share a key: the entry is named by where it starts too
+                tensors[part][f"{key}@{mine[0].global_offset}"] = {
+                    name: state_boxes(mine, tensor, f"{chained}optimizer.state.{name}.{key}")
+                    for name, tensor in states.items()}
         if len(steps) > 1:
             raise ValueError(f"the optimizer's step differs between parameters ({sorted(steps)}); cannot save one step")
         step = torch.tensor([steps.pop() if steps else -1.0], dtype=torch.float64, device=self._device)
