@@ -36,13 +36,17 @@ scales by 1/tokens later).
 
 [Note: dist-checkpoints] Megatron's ``torch_dist`` checkpoints describe every tensor by its
 *full* tensor-parallel-local shape (``ShardedTensor``), with data parallelism as replicas.
-Ragged shards are not a regular grid, so for ``sharded_state_dict`` the module shows
-Megatron full parameters: :meth:`VeScaleFSDP.full_parameters` gathers each group once and
-installs plain full tensors in place of the shards for its duration; Megatron's own
-``sharded_state_dict`` then describes them exactly as under its DDP (same keys, same
-replica ids: data-parallel rank 0 writes), and loading at any TP/PP/DP layout is
-Megatron's reshard followed by :meth:`VeScaleFSDP.load_state_dict`, which keeps each
-rank's range. The optimizer finds its state's full shapes through :meth:`sharded_param_of`.
+Saving, each rank writes its own shard, nothing is gathered: :meth:`VeScaleFSDP.sharded_state_dict`
+(and Megatron-LM's ``save_checkpoint`` under the switch) lets Megatron's own
+``sharded_state_dict`` build the keys and metadata on meta stand-ins of the full parameters,
+then describes this rank's ragged range of each tensor as a few boxes, views of its shard
+(dist_checkpoint.py [Note: streamed dist-checkpoint save]); the optimizer writes Adam's state
+on the same boxes. Loading, the module shows Megatron full parameters:
+:meth:`VeScaleFSDP.full_parameters` gathers each group once and installs plain full tensors in
+place of the shards for its duration, Megatron's loader reshards any TP/PP/DP layout (boxes
+written by any ranks, or Megatron's DDP's regular grid) into them, and
+:meth:`VeScaleFSDP.load_state_dict` keeps each rank's range. The optimizer finds its state's
+full shapes through :meth:`sharded_param_of`.
 """
 
 from __future__ import annotations
@@ -318,8 +322,8 @@ class VeScaleFSDP(_BaseDataParallel):
     @contextmanager
     def full_parameters(self) -> Iterator[None]:
         """Collective. For the duration, the module holds plain full (TP-local) tensors,
-        gathered, instead of its shards: what Megatron's ``sharded_state_dict`` describes
-        and its ``torch_dist`` load fills. Training must not run inside.
+        gathered, instead of its shards: what Megatron's ``torch_dist`` load fills (a save
+        needs none: :meth:`sharded_state_dict`). Training must not run inside.
 
         The gather is :func:`~vescale_zero.state_dict.full_state_dict` (one all-gather per
         group, in turn), but every group's full tensors stay installed for the duration:

@@ -110,13 +110,16 @@ def _chunks_of(model: Any) -> List[VeScaleFSDP]:
 def _wrap_checkpointing(training: Any, get_args: Callable[[], Any]) -> None:
     """Megatron-LM's ``save_checkpoint`` / ``load_checkpoint`` with ``VeScaleFSDP`` chunks.
 
-    ``torch_dist``: they run with full parameters installed (``VeScaleFSDP.full_parameters``),
-    so Megatron's ``sharded_state_dict`` of the unwrapped model describes full tensors and
-    its loader reshards across TP/PP/DP; Adam's state is written in model space by
-    ``VeScaleOptimizer.sharded_state_dict``, per-block optimizer state beside it.
+    ``torch_dist``: the save runs under ``dist_checkpoint.checkpoint_parameters``, so
+    Megatron's ``sharded_state_dict`` of the unwrapped model gives each rank's own boxes of its
+    shards (no gather; dist_checkpoint.py [Note: streamed dist-checkpoint save]), and Adam's
+    state is written in model space on the same boxes by ``VeScaleOptimizer.sharded_state_dict``,
+    per-block optimizer state beside it; the load runs with full parameters installed
+    (``VeScaleFSDP.full_parameters``), into which Megatron's loader reshards across TP/PP/DP.
     ``torch``: data-parallel rank 0 alone asks for the model's state dict, so it is gathered
-    on every rank beforehand; rank 0's file cannot hold every rank's optimizer shards, so
-    they go beside it (see optimizer.py [Note: optimizer checkpoints]).
+    on every rank beforehand (this format still holds the full model during the save); rank 0's
+    file cannot hold every rank's optimizer shards, so they go beside it (see optimizer.py
+    [Note: optimizer checkpoints]).
     """
     try:
         import megatron.training.checkpointing as checkpointing

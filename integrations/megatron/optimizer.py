@@ -25,16 +25,17 @@ checkpoint, at any data-parallel size.
 element-wise optimizer is kept in "model space": ``optimizer.state.exp_avg.<model key>``
 shaped like the model's (TP-local, full) tensor, as Megatron's non-distributed optimizer
 and its distributed optimizer's ``fully_reshardable`` format write it.
-:meth:`VeScaleOptimizer.sharded_state_dict` gathers Adam's and SGD's state into that form
-(one all-gather per group and key) with the model tensor's metadata, so checkpoints move
+:meth:`VeScaleOptimizer.sharded_state_dict` describes Adam's and SGD's state in that form
+with the model tensor's metadata: to save, on the model's boxes (views of this rank's state
+shards, no gather: dist_checkpoint.py); to load, as full tensors, so checkpoints move
 both ways between megatron-core DDP and ``VeScaleFSDP`` at any TP/PP/DP layout. Per-block
 state (8-bit, Shampoo, Muon) has no such form: it is saved with :meth:`save_sharded` and
 the dist-checkpoint holds a pointer to it.
 
 [Note: fp32 masters] In a bf16/fp16 run Megatron's optimizer keeps fp32 master weights and
 writes them as ``optimizer.state.fp32_param.<model key>`` beside the bf16 model tensors;
-its loader asks for them. Ours are the sharded parameters themselves, full fp32 inside
-``full_parameters``: that same tensor is written under both keys, and on load the masters
+its loader asks for them. Ours are the sharded parameters themselves (fp32): the same boxes
+of them are written under both keys, and on load the masters
 are read from ``fp32_param`` (after the model's load put bf16-rounded weights there), so a
 bf16 job moves both ways without rounding its masters.
 """
@@ -283,8 +284,10 @@ class VeScaleOptimizer(MegatronOptimizer):
     def sharded_state_dict(self, model_sharded_state_dict: Dict[str, Any], is_loading: bool = False,
                            metadata: Optional[dict] = None, **unused: Any) -> Dict[str, Any]:
         """Megatron's optimizer ``sharded_state_dict``: model-space ``ShardedTensor``s built on
-        ``model_sharded_state_dict`` (from :meth:`VeScaleFSDP.sharded_state_dict`, or
-        Megatron-LM's ``sharded_state_dict`` under ``VeScaleFSDP.full_parameters``); for
+        ``model_sharded_state_dict`` -- to save, the boxes of :meth:`VeScaleFSDP.sharded_state_dict`
+        (or of Megatron-LM's ``sharded_state_dict`` under ``checkpoint_parameters``), over this
+        rank's state shards; to load (``is_loading``), full tensors on a template built with
+        ``VeScaleFSDP.sharded_state_dict(is_loading=True)`` (or under ``full_parameters``). For
         per-block optimizers, a pointer to the shards :meth:`save_sharded` wrote. Collective."""
         from dataclasses import replace
 
