@@ -1285,6 +1285,11 @@ def _megatron_hsdp(rank: int, world_size: int, argv: List[str], ckpt: Optional[s
             "zero_copy": _zero_copy_violations(model, optimizer),
         }
     if ckpt is not None:  # the HSDP checkpoint resumes in the flat layout
+        from torch.distributed.checkpoint import FileSystemReader
+
+        # who wrote its tensors (files __<rank>_<n>.distcp): the first instance only
+        stored = FileSystemReader(ckpt).read_metadata().storage_data.values()
+        out["writers"] = sorted({int(re.match(r"__(\d+)_", info.relative_path).group(1)) for info in stored})
         with _megatron_job(argv) as (pg, args):
             model, optimizer, config = pg.build(args)
             model_sd = model.sharded_state_dict(is_loading=True)
@@ -1339,7 +1344,8 @@ def test_megatron_hsdp_equals_flat_vescale_fsdp(tmp_path):
     1e-6 relative; all-gathers and reduce-scatters in groups of 2, one all-reduce per group
     per step across the instances; a dist-checkpoint saved under HSDP resumes in the flat
     layout, and so do the optimizer shards ``save_sharded`` writes (``--ckpt-format torch``;
-    vz.checkpoint, the first instance writes). The same holds beside TP=2 and PP=2 (a 3-D
+    vz.checkpoint, the first instance writes; the dist-checkpoint too: each of its ranks its
+    own shard). The same holds beside TP=2 and PP=2 (a 3-D
     mesh over Megatron's groups; dp 2 = 2 instances of one rank), for MoE (ep 2: experts
     sharded in the instance's expert-data-parallel group, replicated across instances), with
     ``--vescale-optimizer muon`` (Newton-Schulz inside the instance) and in bf16 with fp32
@@ -1358,6 +1364,7 @@ def test_megatron_hsdp_equals_flat_vescale_fsdp(tmp_path):
     out = run_cases_on_ranks(cases, 4, timeout=500)
     _check_hsdp(out["adam+ckpt"], 1e-6, shards=(2,))
     for res in out["adam+ckpt"]:
+        assert res["writers"] == [0, 1], res["writers"]  # the streamed save: instance {0, 1} writes, {2, 3} not
         for how in ("resumed", "resumed vz"):
             assert res[how] <= 1e-6, (how, res[how])
             ours, ref = res[f"{how} losses"]
