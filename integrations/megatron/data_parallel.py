@@ -72,7 +72,7 @@ from vescale_zero.granularity import GranularityPolicy
 from vescale_zero.param_group import ParamGroup
 from vescale_zero.state_dict import full_state_dict, load_full_state_dict
 
-from .dist_checkpoint import checkpoint_parameters
+from .dist_checkpoint import STREAMING, checkpoint_parameters
 from .hsdp import check_outer_dp_sharding, data_parallel_meshes, ddp_process_groups
 from .meta_init import check_all_or_nothing_on_meta, has_meta_tensors, materialize_megatron
 
@@ -333,6 +333,9 @@ class VeScaleFSDP(_BaseDataParallel):
         if self._installed is not None:  # nested: already full
             yield
             return
+        if getattr(self, STREAMING, False):
+            raise RuntimeError("VeScaleFSDP.full_parameters() inside checkpoint_parameters() (a streamed save): the "
+                               "module holds meta stand-ins there; use one or the other")
         full = full_state_dict(self.module)
         swapped: List[tuple] = []
         made: Dict[int, nn.Parameter] = {}

@@ -20,10 +20,17 @@ Replica ids stay Megatron's (the tied output layer, tensor-parallel duplicates),
 the data-parallel place (the last item): data-parallel pieces are disjoint now, so every rank
 of an instance writes its own; under HSDP (``--num-distributed-optimizer-instances``) the
 instances hold equal shards and the first one writes (the place is the instance's rank).
-Each box carries ``(sharded parameter, where its data starts in the shard)``
-(:data:`LOCAL_PIECE`): ``VeScaleOptimizer.sharded_state_dict`` writes Adam's state on the
-same boxes from the local state shards. Loading any layout is Megatron's reshard into full
-tensors (``VeScaleFSDP.full_parameters``); boxes written by any rank read back fine.
+Each box carries ``(sharded parameter, its LocalPieces, the box)`` (:data:`LOCAL_PIECE`):
+``VeScaleOptimizer.sharded_state_dict`` writes Adam's state on the same boxes from the local
+state shards. Loading any layout is Megatron's reshard into full tensors
+(``VeScaleFSDP.full_parameters``); boxes written by any rank read back fine.
+
+Details: Megatron's prepended axes (stacked layers, experts) become leading box axes of size 1
+(PyTorch's checkpoint takes an irregular chunk by its full-rank shape); a
+``ShardedTensorFactory`` on a stand-in (a gated MLP's fc1 halves) is built here, as the save
+would, and each of its tensors -- contiguous views of the stand-in -- gets the boxes of its
+part; an entry with no box on this rank is dropped (other ranks write it); anything else
+derived from a stand-in is refused, naming ``full_parameters`` as the way out.
 """
 
 from __future__ import annotations
@@ -39,10 +46,14 @@ from torch import nn
 from vescale_zero.fully_shard import groups_of
 from vescale_zero.state_dict import LocalPieces
 
-__all__ = ["checkpoint_parameters", "LOCAL_PIECE", "boxes_by_parameter", "state_boxes"]
+__all__ = ["checkpoint_parameters", "LOCAL_PIECE", "STREAMING", "boxes_by_parameter", "state_boxes"]
 
 LOCAL_PIECE = "vescale_local_piece"
 """Attribute of a box ``ShardedTensor`` made here: ``(sharded parameter, LocalPieces, box)``."""
+
+
+STREAMING = "_vescale_streaming_save"
+"""Set on a ``VeScaleFSDP`` chunk while :func:`checkpoint_parameters` is on."""
 
 
 def _standin(param: nn.Parameter, pieces: LocalPieces, dtype: torch.dtype) -> nn.Parameter:
@@ -72,10 +83,14 @@ def checkpoint_parameters(chunk: Any) -> Iterator[None]:
     """For the duration, ``chunk.module`` holds meta stand-ins of its sharded parameters and
     the ``sharded_state_dict`` of every module from ``chunk.module`` down to the model gives
     this rank's boxes (see [Note: streamed dist-checkpoint save]). No communication; nothing
-    full is allocated. Saving only: a load needs real tensors (``chunk.full_parameters``)."""
+    full is allocated. Saving only: a load needs real tensors (``chunk.full_parameters``).
+    Nested: the outer one stands."""
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
+    if getattr(chunk, STREAMING, False):
+        yield
+        return
     standins: Dict[int, Tuple[nn.Parameter, nn.Parameter, LocalPieces, int]] = {}
     made: Dict[int, nn.Parameter] = {}
     for group in groups_of(chunk.module):
@@ -175,9 +190,11 @@ def checkpoint_parameters(chunk: Any) -> Iterator[None]:
 
             target.sharded_state_dict = streamed  # an instance attribute: Megatron-LM calls the unwrapped model's
             overridden.append(target)
+    setattr(chunk, STREAMING, True)
     try:
         yield
     finally:
+        setattr(chunk, STREAMING, False)
         for target in overridden:
             del target.sharded_state_dict
         for sub, name, param in swapped:
