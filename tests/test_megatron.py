@@ -839,18 +839,20 @@ def _converted_moe_at_ep1(rank: int, world_size: int, argv: List[str], ckpt: str
     with _megatron_job(argv) as (pg, args):
         args.use_vescale_fsdp = True
         model, _, _ = pg.build(args)
-        model_sd = model.sharded_state_dict()
+        model_sd = model.sharded_state_dict(is_loading=True)
         model.load_state_dict(dist_checkpointing.load({"model": model_sd}, ckpt)["model"])
         return _converted_compared(pg, args, converted, model.state_dict(), None, rank)
 
 
 def _resume_from_megatron(rank: int, world_size: int, argv: List[str], ckpt: str, back: str, source: Dict,
-                          converted: Optional[str]) -> Dict:
+                          converted: Optional[str], saved_by_tp: Optional[Dict[int, Dict]] = None) -> Dict:
     """At another layout VeScaleFSDP loads the checkpoint and trains one more step, against
     Megatron's own: megatron-core DDP + its Adam loading it at this layout, or (distributed
     optimizer, whose torch fallback cannot reload on CPU) the source's continuation. The
     offline-converted checkpoint (``converted``) loads to the same state. Then ours saves
-    torch_dist and megatron-core DDP + its Adam loads it."""
+    torch_dist and megatron-core DDP + its Adam loads it. ``saved_by_tp`` (a checkpoint ours
+    wrote, :func:`_vescale_writes_dist_checkpoint`, by TP rank): also how far the loaded
+    weights and Adam state are from what was saved, and the step from the uninterrupted run's."""
     from tests.megatron_shim import install_cuda_shim, megatron_optimizer_on_cpu
 
     install_cuda_shim()
@@ -885,7 +887,7 @@ def _resume_from_megatron(rank: int, world_size: int, argv: List[str], ckpt: str
 
         args.use_vescale_fsdp, args.use_distributed_optimizer = True, False
         model, optimizer, config = pg.build(args)
-        model_sd = model.sharded_state_dict()
+        model_sd = model.sharded_state_dict(is_loading=True)
         loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optimizer.sharded_state_dict(
             model_sd, is_loading=True)}, ckpt)
         model.load_state_dict(loaded["model"])
@@ -907,12 +909,11 @@ def _resume_from_megatron(rank: int, world_size: int, argv: List[str], ckpt: str
                                       for k, v in st.items())
             out["state keys"] = (sorted(state), sorted(ref_state))
         if not distributed:
-            # Back: ours writes torch_dist as Megatron-LM would (the unwrapped model's
-            # sharded_state_dict under full_parameters); Megatron's DDP loads it exactly.
+            # Back: ours writes torch_dist, each rank its own shard (the streamed save, no gather);
+            # Megatron's DDP loads it exactly.
             ours_state, _ = full_optimizer_state(model.module, optimizer.optimizer)
-            with model.full_parameters():
-                model_sd = model.module.sharded_state_dict()
-                dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}, back)
+            model_sd = model.sharded_state_dict()
+            dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}, back)
             args.use_distributed_optimizer = False
             other, other_opt, _ = megatron_loads(back)
             other_state = _full_adam_state(other, other_opt)
@@ -921,7 +922,41 @@ def _resume_from_megatron(rank: int, world_size: int, argv: List[str], ckpt: str
             out["back state"] = max(_relative_error(v, ours_state[n][k]) for n, st in other_state.items()
                                     for k, v in st.items())
             out["back step"] = float(next(iter(other_opt.chained_optimizers[0].optimizer.state.values()))["step"])
+        if saved_by_tp is not None:
+            from megatron.core import parallel_state
+
+            saved = saved_by_tp[parallel_state.get_tensor_model_parallel_rank()]
+            out["vs saved"] = (max(_relative_error(ours_loaded[k], v) for k, v in saved["saved"].items()),
+                               max(_relative_error(state[n][k], v) for n, st in saved["saved state"].items()
+                                   for k, v in st.items()), sorted(state) == sorted(saved["saved state"]))
+            out["vs uninterrupted"] = max(_relative_error(ours_final[k], v) for k, v in saved["final"].items())
         return out
+
+
+def _vescale_writes_dist_checkpoint(rank: int, world_size: int, argv: List[str], ckpt: str) -> Dict:
+    """VeScaleFSDP + Adam, 2 steps, saved torch_dist by the streamed save (each rank its own
+    shard), then a third step: the TP rank, the full weights and Adam state saved (gathered
+    here, for the comparison) and the final weights."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    from vescale_zero.state_dict import full_optimizer_state
+
+    with _megatron_job(argv) as (pg, args):
+        args.use_vescale_fsdp, args.train_iters = True, 2
+        model, optimizer, config = pg.build(args)
+        pg.train_loop(args, model, optimizer, config)
+        model_sd = model.sharded_state_dict()
+        dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}, ckpt)
+        saved = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+        saved_state = full_optimizer_state(model.module, optimizer.optimizer)[0]
+        args.train_iters = 3
+        pg.train_loop(args, model, optimizer, config, first_step=2)
+        return {"tp": parallel_state.get_tensor_model_parallel_rank(), "saved": saved, "saved state": saved_state,
+                "final": {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}}
+
+
+def _by_tp(written: List[Dict]) -> Dict[int, Dict]:
+    return {res["tp"]: res for res in reversed(written)}
 
 
 DIST_CKPT_CASES = {"tp2-adam": (["--tensor-model-parallel-size", "2"], []),
@@ -929,6 +964,10 @@ DIST_CKPT_CASES = {"tp2-adam": (["--tensor-model-parallel-size", "2"], []),
                    "dp2-distributed-optimizer": ([], ["--use-distributed-optimizer"]),
                    "bf16-adam": ([], ["--bf16"]),
                    "moe-ep2-adam": ([], MOE_EP2)}
+
+
+VESCALE_SAVED_CASES = {"vescale-dp2-adam": [],  # saved by ours (the streamed save) at dp2, resumed at dp3
+                       "vescale-tp2dp2-adam": ["--tensor-model-parallel-size", "2"]}  # at tp2 x dp2, then tp2 x dp1
 
 
 @pytest.fixture(scope="module")
@@ -942,17 +981,20 @@ def megatron_dist_checkpoints(tmp_path_factory) -> Dict[str, Dict]:
     from vescale_zero.checkpoint.sources import convert
 
     root, out = tmp_path_factory.mktemp("megatron_dist_ckpt"), {}
-    for case in DIST_CKPT_CASES:
+    for case in list(DIST_CKPT_CASES) + list(VESCALE_SAVED_CASES):
         paths = tuple(str(root / case / name) for name in ("megatron", "vescale", "converted"))
         for path in (paths[0], paths[1], paths[0] + "-buckets"):
             os.makedirs(path)  # dist_checkpointing.save wants an existing directory
         out[case] = {"paths": paths}
     written = run_cases_on_ranks({case: (_megatron_writes_dist_checkpoint, (DIST_CKPT + source + flags,
                                                                              out[case]["paths"][0]))
-                                  for case, (source, flags) in DIST_CKPT_CASES.items()}, 2, timeout=500)
+                                  for case, (source, flags) in DIST_CKPT_CASES.items()}
+                                 | {"vescale-dp2-adam": (_vescale_writes_dist_checkpoint, (
+                                     DIST_CKPT, out["vescale-dp2-adam"]["paths"][0]))}, 2, timeout=500)
     for case, runs in out.items():
-        runs["written"] = written[case]
-        convert("megatron", runs["paths"][0], runs["paths"][2])  # offline, in this process: no process group
+        if case in written:
+            runs["written"] = written[case]
+            convert("megatron", runs["paths"][0], runs["paths"][2])  # offline, in this process: no process group
 
     def resume(case):
         ckpt, back, converted = out[case]["paths"]
@@ -965,10 +1007,21 @@ def megatron_dist_checkpoints(tmp_path_factory) -> Dict[str, Dict]:
     moe_ckpt, _, moe_converted = out["moe-ep2-adam"]["paths"]
     at3["moe-ep2-adam converted at ep1"] = (_converted_moe_at_ep1, (DIST_CKPT + ["--num-experts", "2"], moe_ckpt,
                                                                     moe_converted))
+    # ours wrote at dp2 and resumes at dp3; at tp2 x dp2 (written beside MoE's resume), resumes at tp2 x dp1
+    ckpt, back, converted = out["vescale-dp2-adam"]["paths"]
+    at3["vescale-dp2-adam resume"] = (_resume_from_megatron, (DIST_CKPT, ckpt, back, written["vescale-dp2-adam"][0],
+                                                              converted, _by_tp(written["vescale-dp2-adam"])))
     at3 = run_cases_on_ranks(at3, 3, timeout=500)
-    at4 = run_cases_on_ranks({"moe-ep2-adam resume": resume("moe-ep2-adam")}, 4, timeout=300)
+    tp2 = DIST_CKPT + VESCALE_SAVED_CASES["vescale-tp2dp2-adam"]
+    ckpt, back, _ = out["vescale-tp2dp2-adam"]["paths"]
+    at4 = run_cases_on_ranks({"moe-ep2-adam resume": resume("moe-ep2-adam"),
+                              "vescale-tp2dp2-adam written": (_vescale_writes_dist_checkpoint, (tp2, ckpt))},
+                             4, timeout=300)
     at2 = run_cases_on_ranks({"tp2-adam converted at tp2": (_converted_loads_at_tp2, (
-        DIST_CKPT + DIST_CKPT_CASES["tp2-adam"][0], out["tp2-adam"]["paths"][2]))}, 2, timeout=300)
+        DIST_CKPT + DIST_CKPT_CASES["tp2-adam"][0], out["tp2-adam"]["paths"][2])),
+        "vescale-tp2dp2-adam resume": (_resume_from_megatron, (
+            tp2, ckpt, back, at4["vescale-tp2dp2-adam written"][0], None,
+            _by_tp(at4["vescale-tp2dp2-adam written"])))}, 2, timeout=300)
     for key, results in {**at3, **at4, **at2}.items():
         case, what = key.split(" ", 1)
         out[case][what] = results
@@ -1023,6 +1076,28 @@ def test_megatron_dist_checkpoint_resumes_in_vescale_fsdp_and_back(tmp_path, meg
     if source[:1] == ["--tensor-model-parallel-size"]:  # the converted checkpoint holds tp1 tensors
         for message in runs["converted at tp2"]:
             assert "TP = PP = EP = 1" in message, message
+
+
+@pytest.mark.parametrize("case", list(VESCALE_SAVED_CASES))
+@pytest.mark.slow
+def test_streamed_dist_checkpoint_resumes_at_another_layout(megatron_dist_checkpoints, case):
+    """VeScaleFSDP + Adam writes torch_dist with the streamed save (each rank its boxes, no
+    gather) at dp2 or tp2 x dp2; at dp3 or tp2 x dp1 VeScaleFSDP loads exactly the weights and
+    Adam state saved (step 2), and so does megatron-core DDP + its Adam; the next step stays
+    within 5e-6 of the uninterrupted run (another data-parallel size sums the gradients in
+    another order) and equals Megatron's own continuation; ours saves again, Megatron loads it
+    exactly; at dp3 the offline-converted checkpoint loads to the same state."""
+    runs = megatron_dist_checkpoints[case]
+    assert runs["resume"], runs
+    for res in runs["resume"]:
+        assert res["vs saved"] == (0.0, 0.0, True), res
+        assert res["weights loaded"] == 0.0 and res["state loaded"] == 0.0 and res["step"] == 2.0, res
+        assert res["state keys"][0] == res["state keys"][1], res
+        assert res["vs uninterrupted"] <= 5e-6 and res["continued"] <= 5e-6, res
+        tail, ref_tail = res["tails"]
+        assert len(tail) == 1 and abs(tail[0] - ref_tail[0]) <= 1e-6 * abs(ref_tail[0]), res
+        assert res["back weights"] == 0.0 and res["back state"] == 0.0 and res["back step"] == 3.0, res
+        assert case != "vescale-dp2-adam" or res["converted"] == (0.0, 0.0, 2.0, True, 0.0), res
 
 
 def _converted_loads_at_tp2(rank: int, world_size: int, argv: List[str], converted: str) -> str:
@@ -1097,7 +1172,7 @@ def _megatron_lm_torch_dist(rank: int, world_size: int, save_dir: str, name: str
     _megatron_lm_stand_in(training, save_checkpoint=save_checkpoint, load_checkpoint=load_checkpoint)
     with _megatron_job(SMALL + ["--global-batch-size", "4"]) as (pg, args):
         mlm_args = add_vescale_fsdp_args(argparse.ArgumentParser()).parse_args(
-            ["--use-vescale-fsdp"] + (["--vescale-optimizer", name] if name != "adam" else []))
+            ["--use-vescale-fsdp"] + (["--vescale-optimizer", name] if not name.startswith("adam") else []))
         mlm_args.gradient_accumulation_fusion = False
         mlm_args.save, mlm_args.no_save_optim, mlm_args.ckpt_format = save_dir, False, "torch_dist"
         use_vescale_fsdp_in_megatron_lm(get_args=lambda: mlm_args)
@@ -1105,6 +1180,7 @@ def _megatron_lm_torch_dist(rank: int, world_size: int, save_dir: str, name: str
         def build():
             pg.seed(args)
             config = pg.transformer_config(args)
+            config.gated_linear_unit = name == "adam-glu"  # Megatron describes fc1 by a ShardedTensorFactory
             chunk = training.DDP(config=config, ddp_config=DistributedDataParallelConfig(),
                                  module=pg.build_model_unwrapped(args, config), disable_bucketing=False)
             return chunk, training.get_megatron_optimizer(pg.optimizer_config(args), [chunk]), config
@@ -1120,7 +1196,8 @@ def _megatron_lm_torch_dist(rank: int, world_size: int, save_dir: str, name: str
         training.load_checkpoint([resumed], resumed_opt)
         loaded = resumed.state_dict()
         loaded_state = [resumed_opt.optimizer.state[p] for p in resumed_opt.get_parameters()]
-        model_space = name == "adam" and len(full_optimizer_state(resumed.module, resumed_opt.optimizer)[0]) > 0
+        model_space = name.startswith("adam") and len(
+            full_optimizer_state(resumed.module, resumed_opt.optimizer)[0]) > 0
         return {
             "weights": all(torch.equal(loaded[k], v) for k, v in saved.items() if torch.is_tensor(v)),
             "optimizer": sum(len(s) for s in saved_state) > 0 and all(
@@ -1131,14 +1208,15 @@ def _megatron_lm_torch_dist(rank: int, world_size: int, save_dir: str, name: str
         }
 
 
-@pytest.mark.parametrize("name", ["adam", "muon"])
+@pytest.mark.parametrize("name", ["adam", "adam-glu", "muon"])
 def test_megatron_lm_torch_dist_checkpoints_resume(tmp_path, name):
-    """Under the switch, Megatron-LM's torch_dist save/load flow works with VeScaleFSDP:
-    weights and optimizer state come back exactly; Adam's state lives in the dist-checkpoint
-    (model space), Muon's per-rank shards beside it."""
+    """Under the switch, Megatron-LM's torch_dist save/load flow works with VeScaleFSDP (the
+    save streamed, each rank its own boxes; with a gated MLP, boxes of the halves Megatron's
+    factory splits fc1 into): weights and optimizer state come back exactly; Adam's state
+    lives in the dist-checkpoint (model space), Muon's per-rank shards beside it."""
     for res in run_on_ranks(_megatron_lm_torch_dist, 2, str(tmp_path), name, timeout=300):
         assert res == {"weights": True, "optimizer": True, "shards beside": name == "muon",
-                       "model space": name == "adam"}, res
+                       "model space": name.startswith("adam")}, res
 
 
 # ---- HSDP: --num-distributed-optimizer-instances ------------------------------------
@@ -1159,10 +1237,8 @@ def _step_by_step(pg, args, model, optimizer, config, spy=None, ckpt: Optional[s
         losses += run["losses"]
         norms += run["grad_norms"]
         if ckpt is not None and step + 1 == save_after:
-            with model.full_parameters():
-                model_sd = model.module.sharded_state_dict()
-                dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)},
-                                        ckpt)
+            model_sd = model.sharded_state_dict()  # the streamed save: the first instance writes
+            dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}, ckpt)
             optimizer.save_sharded(ckpt + "-vz")  # --ckpt-format torch's optimizer shards (vz.checkpoint)
     return losses, norms
 
@@ -1209,9 +1285,14 @@ def _megatron_hsdp(rank: int, world_size: int, argv: List[str], ckpt: Optional[s
             "zero_copy": _zero_copy_violations(model, optimizer),
         }
     if ckpt is not None:  # the HSDP checkpoint resumes in the flat layout
+        from torch.distributed.checkpoint import FileSystemReader
+
+        # who wrote its tensors (files __<rank>_<n>.distcp): the first instance only
+        stored = FileSystemReader(ckpt).read_metadata().storage_data.values()
+        out["writers"] = sorted({int(re.match(r"__(\d+)_", info.relative_path).group(1)) for info in stored})
         with _megatron_job(argv) as (pg, args):
             model, optimizer, config = pg.build(args)
-            model_sd = model.sharded_state_dict()
+            model_sd = model.sharded_state_dict(is_loading=True)
             loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optimizer.sharded_state_dict(
                 model_sd, is_loading=True)}, ckpt)
             model.load_state_dict(loaded["model"])
@@ -1263,7 +1344,8 @@ def test_megatron_hsdp_equals_flat_vescale_fsdp(tmp_path):
     1e-6 relative; all-gathers and reduce-scatters in groups of 2, one all-reduce per group
     per step across the instances; a dist-checkpoint saved under HSDP resumes in the flat
     layout, and so do the optimizer shards ``save_sharded`` writes (``--ckpt-format torch``;
-    vz.checkpoint, the first instance writes). The same holds beside TP=2 and PP=2 (a 3-D
+    vz.checkpoint, the first instance writes; the dist-checkpoint too: each of its ranks its
+    own shard). The same holds beside TP=2 and PP=2 (a 3-D
     mesh over Megatron's groups; dp 2 = 2 instances of one rank), for MoE (ep 2: experts
     sharded in the instance's expert-data-parallel group, replicated across instances), with
     ``--vescale-optimizer muon`` (Newton-Schulz inside the instance) and in bf16 with fp32
@@ -1282,6 +1364,7 @@ def test_megatron_hsdp_equals_flat_vescale_fsdp(tmp_path):
     out = run_cases_on_ranks(cases, 4, timeout=500)
     _check_hsdp(out["adam+ckpt"], 1e-6, shards=(2,))
     for res in out["adam+ckpt"]:
+        assert res["writers"] == [0, 1], res["writers"]  # the streamed save: instance {0, 1} writes, {2, 3} not
         for how in ("resumed", "resumed vz"):
             assert res[how] <= 1e-6, (how, res[how])
             ours, ref = res[f"{how} losses"]

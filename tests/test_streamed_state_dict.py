@@ -194,3 +194,29 @@ def test_broadcast_from_rank0_refuses_groups_narrower_than_the_world():
             vz.load_full_state_dict(model, _reference(), broadcast_from_rank0=True)
     finally:
         dist.destroy_process_group()
+
+
+def test_flat_range_boxes_tile_the_range():
+    """``flat_range_boxes``: in order, contiguous, inside the tensor, at most 2 x ndim - 1 boxes,
+    covering exactly ``[start, end)``, for every range of a few shapes."""
+    import math
+
+    from vescale_zero.state_dict import flat_range_boxes
+
+    assert flat_range_boxes((4, 5), 7, 18) == [((1, 2), (1, 3), 7), ((2, 0), (1, 5), 10), ((3, 0), (1, 3), 15)]
+    assert flat_range_boxes((), 0, 1) == [((), (), 0)] and flat_range_boxes((3, 2), 4, 4) == []
+    for shape in [(3, 4, 5), (2, 1, 3), (7,), (2, 2, 2, 2)]:
+        n = math.prod(shape)
+        strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+        for start in range(n):
+            for end in range(start + 1, n + 1):
+                boxes, pos = flat_range_boxes(shape, start, end), start
+                assert len(boxes) <= 2 * len(shape) - 1
+                for offsets, sizes, flat in boxes:
+                    assert flat == pos == sum(o * s for o, s in zip(offsets, strides))
+                    assert all(o + z <= d for o, z, d in zip(offsets, sizes, shape))
+                    # contiguous: ones, then one partial dim, then whole dims
+                    d = next((k for k, z in enumerate(sizes) if z != 1), len(shape) - 1)
+                    assert tuple(sizes[d + 1:]) == tuple(shape[d + 1:]), (shape, start, end, boxes)
+                    pos += math.prod(sizes)
+                assert pos == end

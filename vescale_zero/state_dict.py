@@ -20,11 +20,22 @@ and of ``torch.optim`` on an unsharded model::
     rank k:   state[p_k]["exp_avg"]  = piece of exp_avg(p)   (shaped like p_k, the shard)
     gather:   the group's pieces laid out as the master shard, one all-gather per key
     result:   {"layer.p": {"exp_avg": full exp_avg(p), ...}, ...}
+
+``flat_range_boxes`` / :class:`LocalPieces` describe a rank's flat range of a tensor as a
+few rectangular boxes, for checkpoint formats that know only boxes (Megatron's
+``ShardedTensor``): a streamed save writes each rank's own pieces, no gather::
+
+    shape (4, 5), flat range [7, 18):   . . . . .
+                                        . . # # #   box ((1, 2), (1, 3))
+                                        # # # # #   box ((2, 0), (1, 5))
+                                        # # # . .   box ((3, 0), (1, 3))
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -36,7 +47,7 @@ from .fully_shard import BUFFER_NEEDS_INIT, groups_of
 from .param_group import GroupState, ParamGroup
 
 __all__ = ["full_state_dict", "load_full_state_dict", "full_optimizer_state", "load_full_optimizer_state",
-           "sharded_params_by_key", "ELEMENT_WISE_STATE"]
+           "sharded_params_by_key", "ELEMENT_WISE_STATE", "flat_range_boxes", "Box", "LocalPieces"]
 
 ELEMENT_WISE_STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
 """Optimizer state keys holding one value per parameter element (torch's Adam/AdamW/SGD)."""
@@ -376,3 +387,69 @@ def load_full_optimizer_state(
             f"the optimizer state holds no entry for {missing[:8]}{'...' if len(missing) > 8 else ''}; "
             "it was saved for another model, or load with --no-load-optim"
         )
+
+
+Box = Tuple[Tuple[int, ...], Tuple[int, ...], int]
+"""``(offsets, sizes, flat_start)``: a rectangular box of a tensor and where it starts in the
+tensor's flat (row-major) order."""
+
+
+def flat_range_boxes(shape: Sequence[int], start: int, end: int) -> List[Box]:
+    """The flat range ``[start, end)`` of a row-major tensor of ``shape`` as rectangular boxes:
+    in flat order, each contiguous (ones, one partial dimension, then whole dimensions), at
+    most ``2 * ndim - 1`` of them, covering exactly the range (a head of part of a row, whole
+    rows, a tail, recursively)."""
+    shape = tuple(int(d) for d in shape)
+    if end <= start:
+        return []
+    if not shape:
+        return [((), (), 0)]
+    inner = math.prod(shape[1:])
+    first, last = start // inner, (end - 1) // inner
+    if first == last:  # inside one row: that row's boxes, one dimension down
+        return [((first,) + o, (1,) + z, first * inner + f)
+                for o, z, f in flat_range_boxes(shape[1:], start - first * inner, end - first * inner)]
+    boxes: List[Box] = []
+    whole_from, whole_to = first, end // inner
+    if start % inner:  # head: the end of row `first`
+        boxes += [((first,) + o, (1,) + z, first * inner + f)
+                  for o, z, f in flat_range_boxes(shape[1:], start % inner, inner)]
+        whole_from = first + 1
+    if whole_to > whole_from:
+        boxes.append(((whole_from,) + (0,) * (len(shape) - 1), (whole_to - whole_from,) + shape[1:],
+                      whole_from * inner))
+    if end % inner:  # tail: the start of row `whole_to`
+        boxes += [((whole_to,) + o, (1,) + z, whole_to * inner + f)
+                  for o, z, f in flat_range_boxes(shape[1:], 0, end % inner)]
+    return boxes
+
+
+@dataclass(frozen=True)
+class LocalPieces:
+    """This rank's flat range ``[start, end)`` of one tensor of ``shape`` (its ragged shard),
+    to be described as boxes (:func:`flat_range_boxes`) whose data are views of the rank's
+    flat local piece -- nothing is gathered or copied."""
+
+    shape: Tuple[int, ...]
+    start: int
+    end: int
+
+    @classmethod
+    def of(cls, group: ParamGroup, index: int) -> "LocalPieces":
+        """Tensor ``index`` of a ``fully_shard`` group, on this rank."""
+        start, end = group.master.local_range(index)
+        return cls(tuple(group.managed[index].shape), start, end)
+
+    def boxes_within(self, offset: int = 0, shape: Optional[Sequence[int]] = None) -> List[Box]:
+        """This rank's boxes of the contiguous sub-tensor of ``shape`` that starts at flat
+        ``offset`` of the tensor (default: the whole tensor), in the sub-tensor's coordinates;
+        each box's third item is where its data starts in the local flat piece."""
+        shape = self.shape if shape is None else tuple(shape)
+        lo, hi = max(self.start, offset), min(self.end, offset + math.prod(shape))
+        return [(o, z, f + offset - self.start) for o, z, f in flat_range_boxes(shape, lo - offset, hi - offset)]
+
+    @staticmethod
+    def take(local: torch.Tensor, box: Box) -> torch.Tensor:
+        """The data of ``box`` (from :meth:`boxes_within`): a view of the flat ``local`` piece."""
+        _, sizes, at = box
+        return local.reshape(-1).narrow(0, at, math.prod(sizes)).view(sizes)

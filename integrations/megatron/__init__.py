@@ -11,9 +11,13 @@ extra_args_provider=add_vescale_fsdp_args)``, then pass ``--use-vescale-fsdp``.
 
 Megatron ``torch_dist`` checkpoints (see data_parallel.py [Note: dist-checkpoints])::
 
-    model_sd = model.sharded_state_dict()                      # full TP-local tensors
+    model_sd = model.sharded_state_dict()                      # this rank's boxes of its shards
     state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}
-    dist_checkpointing.save(state, path)                       # or .load(state, path), then
+    dist_checkpointing.save(state, path)                       # each rank writes its own, no gather
+
+    model_sd = model.sharded_state_dict(is_loading=True)       # full TP-local tensors
+    state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True)}
+    loaded = dist_checkpointing.load(state, path)              # Megatron reshards any layout
     model.load_state_dict(loaded["model"]); optimizer.load_state_dict(loaded["optimizer"])
 """
 

@@ -36,13 +36,17 @@ scales by 1/tokens later).
 
 [Note: dist-checkpoints] Megatron's ``torch_dist`` checkpoints describe every tensor by its
 *full* tensor-parallel-local shape (``ShardedTensor``), with data parallelism as replicas.
-Ragged shards are not a regular grid, so for ``sharded_state_dict`` the module shows
-Megatron full parameters: :meth:`VeScaleFSDP.full_parameters` gathers each group once and
-installs plain full tensors in place of the shards for its duration; Megatron's own
-``sharded_state_dict`` then describes them exactly as under its DDP (same keys, same
-replica ids: data-parallel rank 0 writes), and loading at any TP/PP/DP layout is
-Megatron's reshard followed by :meth:`VeScaleFSDP.load_state_dict`, which keeps each
-rank's range. The optimizer finds its state's full shapes through :meth:`sharded_param_of`.
+Saving, each rank writes its own shard, nothing is gathered: :meth:`VeScaleFSDP.sharded_state_dict`
+(and Megatron-LM's ``save_checkpoint`` under the switch) lets Megatron's own
+``sharded_state_dict`` build the keys and metadata on meta stand-ins of the full parameters,
+then describes this rank's ragged range of each tensor as a few boxes, views of its shard
+(dist_checkpoint.py [Note: streamed dist-checkpoint save]); the optimizer writes Adam's state
+on the same boxes. Loading, the module shows Megatron full parameters:
+:meth:`VeScaleFSDP.full_parameters` gathers each group once and installs plain full tensors in
+place of the shards for its duration, Megatron's loader reshards any TP/PP/DP layout (boxes
+written by any ranks, or Megatron's DDP's regular grid) into them, and
+:meth:`VeScaleFSDP.load_state_dict` keeps each rank's range. The optimizer finds its state's
+full shapes through :meth:`sharded_param_of`.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ from vescale_zero.granularity import GranularityPolicy
 from vescale_zero.param_group import ParamGroup
 from vescale_zero.state_dict import full_state_dict, load_full_state_dict
 
+from .dist_checkpoint import STREAMING, checkpoint_parameters
 from .hsdp import check_outer_dp_sharding, data_parallel_meshes, ddp_process_groups
 from .meta_init import check_all_or_nothing_on_meta, has_meta_tensors, materialize_megatron
 
@@ -318,8 +323,8 @@ class VeScaleFSDP(_BaseDataParallel):
     @contextmanager
     def full_parameters(self) -> Iterator[None]:
         """Collective. For the duration, the module holds plain full (TP-local) tensors,
-        gathered, instead of its shards: what Megatron's ``sharded_state_dict`` describes
-        and its ``torch_dist`` load fills. Training must not run inside.
+        gathered, instead of its shards: what Megatron's ``torch_dist`` load fills (a save
+        needs none: :meth:`sharded_state_dict`). Training must not run inside.
 
         The gather is :func:`~vescale_zero.state_dict.full_state_dict` (one all-gather per
         group, in turn), but every group's full tensors stay installed for the duration:
@@ -329,6 +334,9 @@ class VeScaleFSDP(_BaseDataParallel):
         if self._installed is not None:  # nested: already full
             yield
             return
+        if getattr(self, STREAMING, False):
+            raise RuntimeError("VeScaleFSDP.full_parameters() inside checkpoint_parameters() (a streamed save): the "
+                               "module holds meta stand-ins there; use one or the other")
         full = full_state_dict(self.module)
         swapped: List[tuple] = []
         made: Dict[int, nn.Parameter] = {}
@@ -387,11 +395,18 @@ class VeScaleFSDP(_BaseDataParallel):
         ref, param = self._sharded_of.get(id(tensor), (None, None))
         return param if ref is not None and ref() is tensor else None
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None) -> Any:
-        """Megatron's ``sharded_state_dict`` of the wrapped module with full parameters, as
-        Megatron-LM writes it (``unwrap_model(model).sharded_state_dict()``); loads with
-        ``dist_checkpointing.load`` and :meth:`load_state_dict`, also into megatron-core DDP."""
-        with self.full_parameters():
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None,
+                           is_loading: bool = False) -> Any:
+        """Megatron's ``sharded_state_dict`` of the wrapped module, with Megatron's keys and
+        metadata (as Megatron-LM builds it: ``unwrap_model(model).sharded_state_dict()``).
+
+        To save (default): this rank's boxes of its shards, views, no gather (dist_checkpoint.py
+        [Note: streamed dist-checkpoint save]); ``dist_checkpointing.save`` writes each rank's
+        own pieces. With ``is_loading``: full (TP-local) tensors, gathered, for
+        ``dist_checkpointing.load`` (Megatron reshards any layout into them) and then
+        :meth:`load_state_dict`, as megatron-core DDP loads."""
+        context = self.full_parameters() if is_loading else checkpoint_parameters(self)
+        with context:
             return self.module.sharded_state_dict(prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
 
     # ---- ours ------------------------------------------------------------------------

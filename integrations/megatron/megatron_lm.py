@@ -25,6 +25,7 @@ from typing import Any, Callable, List, Optional
 
 from .arguments import validate_vescale_args, vescale_optimizer_block, vescale_optimizer_name, vescale_options_from_args
 from .data_parallel import VeScaleFSDP
+from .dist_checkpoint import checkpoint_parameters
 from .optimizer import VeScaleOptimizer, check_dist_checkpoint_optimizer, get_vescale_optimizer
 
 __all__ = ["use_vescale_fsdp_in_megatron_lm", "unwrap_vescale"]
@@ -109,13 +110,16 @@ def _chunks_of(model: Any) -> List[VeScaleFSDP]:
 def _wrap_checkpointing(training: Any, get_args: Callable[[], Any]) -> None:
     """Megatron-LM's ``save_checkpoint`` / ``load_checkpoint`` with ``VeScaleFSDP`` chunks.
 
-    ``torch_dist``: they run with full parameters installed (``VeScaleFSDP.full_parameters``),
-    so Megatron's ``sharded_state_dict`` of the unwrapped model describes full tensors and
-    its loader reshards across TP/PP/DP; Adam's state is written in model space by
-    ``VeScaleOptimizer.sharded_state_dict``, per-block optimizer state beside it.
+    ``torch_dist``: the save runs under ``dist_checkpoint.checkpoint_parameters``, so
+    Megatron's ``sharded_state_dict`` of the unwrapped model gives each rank's own boxes of its
+    shards (no gather; dist_checkpoint.py [Note: streamed dist-checkpoint save]), and Adam's
+    state is written in model space on the same boxes by ``VeScaleOptimizer.sharded_state_dict``,
+    per-block optimizer state beside it; the load runs with full parameters installed
+    (``VeScaleFSDP.full_parameters``), into which Megatron's loader reshards across TP/PP/DP.
     ``torch``: data-parallel rank 0 alone asks for the model's state dict, so it is gathered
-    on every rank beforehand; rank 0's file cannot hold every rank's optimizer shards, so
-    they go beside it (see optimizer.py [Note: optimizer checkpoints]).
+    on every rank beforehand (this format still holds the full model during the save); rank 0's
+    file cannot hold every rank's optimizer shards, so they go beside it (see optimizer.py
+    [Note: optimizer checkpoints]).
     """
     try:
         import megatron.training.checkpointing as checkpointing
@@ -140,7 +144,7 @@ def _wrap_checkpointing(training: Any, get_args: Callable[[], Any]) -> None:
         with ExitStack() as stack:
             for chunk in chunks:
                 if fmt == "torch_dist":
-                    stack.enter_context(chunk.full_parameters())
+                    stack.enter_context(checkpoint_parameters(chunk))
                 else:
                     chunk.prepare_state_dict()
                     stack.callback(chunk.release_state_dict)

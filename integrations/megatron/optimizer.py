@@ -25,16 +25,17 @@ checkpoint, at any data-parallel size.
 element-wise optimizer is kept in "model space": ``optimizer.state.exp_avg.<model key>``
 shaped like the model's (TP-local, full) tensor, as Megatron's non-distributed optimizer
 and its distributed optimizer's ``fully_reshardable`` format write it.
-:meth:`VeScaleOptimizer.sharded_state_dict` gathers Adam's and SGD's state into that form
-(one all-gather per group and key) with the model tensor's metadata, so checkpoints move
+:meth:`VeScaleOptimizer.sharded_state_dict` describes Adam's and SGD's state in that form
+with the model tensor's metadata: to save, on the model's boxes (views of this rank's state
+shards, no gather: dist_checkpoint.py); to load, as full tensors, so checkpoints move
 both ways between megatron-core DDP and ``VeScaleFSDP`` at any TP/PP/DP layout. Per-block
 state (8-bit, Shampoo, Muon) has no such form: it is saved with :meth:`save_sharded` and
 the dist-checkpoint holds a pointer to it.
 
 [Note: fp32 masters] In a bf16/fp16 run Megatron's optimizer keeps fp32 master weights and
 writes them as ``optimizer.state.fp32_param.<model key>`` beside the bf16 model tensors;
-its loader asks for them. Ours are the sharded parameters themselves, full fp32 inside
-``full_parameters``: that same tensor is written under both keys, and on load the masters
+its loader asks for them. Ours are the sharded parameters themselves (fp32): the same boxes
+of them are written under both keys, and on load the masters
 are read from ``fp32_param`` (after the model's load put bf16-rounded weights there), so a
 bf16 job moves both ways without rounding its masters.
 """
@@ -66,6 +67,7 @@ from vescale_zero.state_dict import (
 )
 
 from .data_parallel import VeScaleFSDP
+from .dist_checkpoint import boxes_by_parameter, state_boxes
 from .hsdp import replica_rank, shard_group
 
 __all__ = ["VeScaleOptimizer", "get_vescale_optimizer", "SUPPORTED_OPTIMIZERS", "check_dist_checkpoint_optimizer"]
@@ -282,8 +284,10 @@ class VeScaleOptimizer(MegatronOptimizer):
     def sharded_state_dict(self, model_sharded_state_dict: Dict[str, Any], is_loading: bool = False,
                            metadata: Optional[dict] = None, **unused: Any) -> Dict[str, Any]:
         """Megatron's optimizer ``sharded_state_dict``: model-space ``ShardedTensor``s built on
-        ``model_sharded_state_dict`` (from :meth:`VeScaleFSDP.sharded_state_dict`, or
-        Megatron-LM's ``sharded_state_dict`` under ``VeScaleFSDP.full_parameters``); for
+        ``model_sharded_state_dict`` -- to save, the boxes of :meth:`VeScaleFSDP.sharded_state_dict`
+        (or of Megatron-LM's ``sharded_state_dict`` under ``checkpoint_parameters``), over this
+        rank's state shards; to load (``is_loading``), full tensors on a template built with
+        ``VeScaleFSDP.sharded_state_dict(is_loading=True)`` (or under ``full_parameters``). For
         per-block optimizers, a pointer to the shards :meth:`save_sharded` wrote. Collective."""
         from dataclasses import replace
 
@@ -305,6 +309,12 @@ class VeScaleOptimizer(MegatronOptimizer):
                     "does it under use_vescale_fsdp_in_megatron_lm) so the checkpoint can point to it"
                 )
             return {"vescale_zero_checkpoint": self._sharded_checkpoint, **common}
+        boxes = boxes_by_parameter(model_sharded_state_dict)
+        if boxes:  # the streamed save's boxes (dist_checkpoint.py): write the state on them, no gather
+            if is_loading:
+                raise ValueError("the model's sharded state dict holds this rank's boxes (a save's); to load, build it "
+                                 "with VeScaleFSDP.sharded_state_dict(is_loading=True) (full tensors)")
+            return self._streamed_sharded_state_dict(boxes, names, metadata, common)
         meta: Dict[int, Any] = {}
         for sh in nested_values(model_sharded_state_dict):
             if isinstance(sh, (ShardedTensor, ShardedTensorFactory)):
@@ -320,13 +330,7 @@ class VeScaleOptimizer(MegatronOptimizer):
                 step = None
             else:
                 full, step = full_optimizer_state(chunk.module, self.optimizer)
-        # Megatron chains a dense and an expert optimizer when the model has experts, and its
-        # checkpoints follow: {0: dense, 1: experts}, keys prefixed "chained_<i>." unless
-        # the metadata says chained_optim_avoid_prefix. Ours mirror that layout.
-        groups = self.optimizer.state_dict()["param_groups"]
-        expert = {id(p) for g in self.optimizer.param_groups if g.get("is_expert_parallel") for p in g["params"]}
-        parts = [False, True] if expert else [None]
-        prefix = bool(expert) and not (metadata or {}).get("chained_optim_avoid_prefix", False)
+        parts, expert, prefix = self._model_space_parts(metadata)
         tensors: Dict[Optional[bool], Dict[str, Dict[str, Any]]] = {part: {} for part in parts}
         for key, states in full.items():
             sh = meta.get(id(keyed[key]))
@@ -346,6 +350,19 @@ class VeScaleOptimizer(MegatronOptimizer):
                 tensors[part].setdefault(key, {})[name] = replace(sh, **kwargs)
                 if isinstance(sh, ShardedTensor):
                     tensors[part][key][name].validate_metadata_integrity()
+        return self._model_space_out(parts, tensors, step, common)
+
+    def _model_space_parts(self, metadata: Optional[dict]) -> Tuple[List[Optional[bool]], set, bool]:
+        """``(parts, expert parameter ids, prefix)``: Megatron chains a dense and an expert
+        optimizer when the model has experts, and its checkpoints follow: {0: dense, 1: experts},
+        keys prefixed "chained_<i>." unless the metadata says chained_optim_avoid_prefix."""
+        expert = {id(p) for g in self.optimizer.param_groups if g.get("is_expert_parallel") for p in g["params"]}
+        parts: List[Optional[bool]] = [False, True] if expert else [None]
+        return parts, expert, bool(expert) and not (metadata or {}).get("chained_optim_avoid_prefix", False)
+
+    def _model_space_out(self, parts: List[Optional[bool]], tensors: Dict[Optional[bool], Dict[str, Any]],
+                         step: Optional[float], common: Dict[str, Any]) -> Dict[Any, Any]:
+        groups = self.optimizer.state_dict()["param_groups"]
         out = {}
         for part in parts:
             # Where Megatron's own (non-distributed) optimizer keeps the step and its groups
@@ -359,6 +376,37 @@ class VeScaleOptimizer(MegatronOptimizer):
                 counters = {"optimizer": counters}
             out[part] = {_MODEL_SPACE: tensors[part], **counters, **common}
         return out[None] if parts == [None] else {int(part): out[part] for part in parts}
+
+    def _streamed_sharded_state_dict(self, boxes: Dict[int, List[Any]], names: Tuple[str, ...],
+                                     metadata: Optional[dict], common: Dict[str, Any]) -> Dict[Any, Any]:
+        """The model-space state on the model's boxes (dist_checkpoint.py [Note: streamed
+        dist-checkpoint save]): views of this rank's state shards (and of its fp32 masters, the
+        shards themselves); one all-reduce of the step."""
+        parts, expert, prefix = self._model_space_parts(metadata)
+        tensors: Dict[Optional[bool], Dict[str, Any]] = {part: {} for part in parts}
+        steps = set()
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                state = self.optimizer.state.get(param, {})
+                if "step" in state:
+                    steps.add(float(state["step"]))
+                mine = boxes.get(id(param))
+                states = {n: state[n] for n in names if n in state}
+                if not mine or not states:
+                    continue
+                if self._keeps_masters():  # see [Note: fp32 masters]: the fp32 shard itself
+                    states[_MASTER] = param
+                part = (id(param) in expert) if expert else None
+                chained = f"chained_{int(part)}." if prefix else ""
+                key = mine[0].key  # stacked layers share a key: the entry is named by where it starts too
+                tensors[part][f"{key}@{mine[0].global_offset}"] = {
+                    name: state_boxes(mine, tensor, f"{chained}optimizer.state.{name}.{key}")
+                    for name, tensor in states.items()}
+        if len(steps) > 1:
+            raise ValueError(f"the optimizer's step differs between parameters ({sorted(steps)}); cannot save one step")
+        step = torch.tensor([steps.pop() if steps else -1.0], dtype=torch.float64, device=self._device)
+        dist.all_reduce(step, op=dist.ReduceOp.MAX)  # a rank whose shards are all empty has none
+        return self._model_space_out(parts, tensors, step.item() if step.item() >= 0 else None, common)
 
     def _keeps_masters(self) -> bool:
         """Whether Megatron's optimizer for this model keeps fp32 masters (bf16/fp16 runs)."""
