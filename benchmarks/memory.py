@@ -202,7 +202,14 @@ class RoleMarks:
             self.comm |= self.tracker.keys_of([_local(p)])
             if id(p) not in self._seen and p.requires_grad:
                 self._seen.add(id(p))
+                self.hooks.append(p.register_hook(self.grad_arriving))
                 self.hooks.append(p.register_post_accumulate_grad_hook(self.grad_ready))
+
+    def grad_arriving(self, grad) -> None:
+        """[Note: gradients seen as they arrive] The incoming gradient, before it is
+        accumulated: a system's own post-accumulate hook, registered before ours, may copy
+        ``.grad`` into its reduce buffer and drop it before :meth:`grad_ready` sees it."""
+        self.comm |= self.tracker.keys_of([_local(grad)])
 
     def grad_ready(self, p) -> None:
         if p.grad is not None:

@@ -7,7 +7,10 @@
   accumulation (no-sync micro-batches), and with clipping.
 * A training step's peak live tensor bytes are at or under PyTorch FSDP2's on the same model,
   fp32 and bf16 mixed precision, both on torch's own reduce-scatter (the like-for-like setting
-  on gloo: benchmarks/memory.py [Note: what the tracker cannot see]).
+  on gloo: benchmarks/memory.py [Note: what the tracker cannot see]); with one group per layer,
+  and with one group per ``nn.Linear`` inside each layer (nested groups: the backward prefetch
+  follows runtime [Note: backward prefetch order], else the previous layer's last Linear is
+  gathered a layer early).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import gc
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import vescale_zero as vz
 from tests.distributed import run_cases_on_ranks
@@ -37,9 +41,16 @@ def _policy(mp):
     return vz.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mp else None
 
 
-def _vescale_model(mp=False):
+def _block_linears(model):
+    """Every ``nn.Linear`` inside the blocks (the head is tied to the embedding, the root's)."""
+    return [m for block in model.blocks for m in block.modules() if isinstance(m, nn.Linear)]
+
+
+def _vescale_model(mp=False, per_linear=False):
     torch.manual_seed(0)
     model = GPT(CFG)
+    for linear in _block_linears(model) if per_linear else []:
+        vz.fully_shard(linear, mp_policy=_policy(mp))
     vz.fully_shard_layers(model, mp_policy=_policy(mp))
     return model
 
@@ -111,7 +122,7 @@ def _same_training(rank, world_size):
     return out
 
 
-def _fsdp2_model(mp):
+def _fsdp2_model(mp, per_linear=False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -120,8 +131,8 @@ def _fsdp2_model(mp):
     kw = {"mesh": init_device_mesh("cpu", (dist.get_world_size(),))}
     if mp:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.blocks:
-        fully_shard(block, **kw)
+    for unit in (_block_linears(model) if per_linear else []) + list(model.blocks):  # innermost first
+        fully_shard(unit, **kw)
     fully_shard(model, **kw)
     return model
 
@@ -147,12 +158,12 @@ def _peak_vs_fsdp2(rank, world_size):
     previous = set_reduce_scatter_impl("native")
     try:
         out = {}
-        for mp in (False, True):
-            ours = _step_peak(_vescale_model(mp), rank, world_size)
+        for mp, per_linear in ((False, False), (True, False), (False, True)):
+            ours = _step_peak(_vescale_model(mp, per_linear), rank, world_size)
             gc.collect()
-            theirs = _step_peak(_fsdp2_model(mp), rank, world_size)
+            theirs = _step_peak(_fsdp2_model(mp, per_linear), rank, world_size)
             gc.collect()
-            out["bf16" if mp else "fp32"] = (ours, theirs)
+            out[("bf16" if mp else "fp32") + (", group per Linear" if per_linear else "")] = (ours, theirs)
         return out
     finally:
         set_reduce_scatter_impl(previous)

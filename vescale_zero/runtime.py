@@ -8,12 +8,23 @@ forward:  pre-hook   gather the group (one all-gather into compute.full), instal
                      the root, ``reshard_after_forward=False``, or the last group before the
                      root; with grad enabled, a hook on the outputs for backward
 backward: pre-hook   (first gradient of an output) gather again, install the full parameters,
-                     attach gradient views, prefetch the previous group; the first one queues
-                     the final callback
+                     attach gradient views, prefetch the group backward needs next (see
+                     [Note: backward prefetch order]); the first one queues the final callback
           ready      the group's gradients are complete (param_group [Note: when a group's
                      gradients are complete]): reduce-scatter, in the one order below
           final      every participating group reduce-scattered, waited for, resharded
 The forward order is recorded in the first iteration and used for prefetching after it.
+
+[Note: backward prefetch order]
+Backward reaches groups in the reverse order of their forward *post*-hooks, not of their
+pre-hooks: a parent group (a layer's norms around its ``fully_shard`` Linears) runs its
+pre-hook before its children's but its post-hook after theirs, and its pre-backward fires
+first, when its output's gradient arrives, before its children's backward starts. Prefetching
+by the pre-hook order there would gather the group before the parent in forward (the
+previous layer's last Linear) a whole layer of backward too early, one group's full
+parameters more at the peak; the post-hook order (recorded in the first iteration, as the
+forward order) names the parent's last child, then the previous layer's parent, then its
+last child: what backward needs next. PyTorch FSDP2 prefetches by the same order.
 
 [Note: recompute]
 Activation checkpointing runs a module's forward again inside backward, reading the
@@ -110,7 +121,8 @@ class RootContext:
     def __init__(self, root: "FSDPState") -> None:
         self.root = root
         self.states: List[FSDPState] = []
-        self.forward_order: List[FSDPState] = []
+        self.forward_order: List[FSDPState] = []  # by forward pre-hook, first call of each
+        self.post_forward_order: List[FSDPState] = []  # by forward post-hook: [Note: backward prefetch order]
         self.order_frozen = False
         self.forward_id = 0
         self.in_backward = False
@@ -132,10 +144,18 @@ class RootContext:
         return None
 
     def next_in_order(self, state: "FSDPState", step: int) -> Optional["FSDPState"]:
-        if not self.order_frozen or state not in self.forward_order:
+        """The group ``step`` places after ``state`` in the forward (pre-hook) order."""
+        return self._neighbour(self.forward_order, state, step)
+
+    def next_in_backward(self, state: "FSDPState") -> Optional["FSDPState"]:
+        """The group backward reaches after ``state``: [Note: backward prefetch order]."""
+        return self._neighbour(self.post_forward_order, state, -1)
+
+    def _neighbour(self, order: List["FSDPState"], state: "FSDPState", step: int) -> Optional["FSDPState"]:
+        if not self.order_frozen or state not in order:
             return None
-        i = self.forward_order.index(state) + step
-        return self.forward_order[i] if 0 <= i < len(self.forward_order) else None
+        i = order.index(state) + step
+        return order[i] if 0 <= i < len(order) else None
 
     def reduce_order(self) -> List[ParamGroup]:
         """The groups with gradients, in [Note: one order of reduce-scatters]."""
@@ -295,6 +315,8 @@ class FSDPState:
         if self.group is not None and not recompute:  # a recompute's backward needs the params at once
             if self.reshard_after_forward and self is not ctx.root and not (grad_on and self is ctx.last_before_root()):
                 self.group.reshard()
+        if not recompute and not ctx.order_frozen and self not in ctx.post_forward_order:
+            ctx.post_forward_order.append(self)
         if self is ctx.root and not recompute:
             ctx.order_frozen = True
         if grad_on:
@@ -325,6 +347,6 @@ class FSDPState:
             ctx.backward_of = forward_id
             torch.autograd.Variable._execution_engine.queue_callback(ctx.final_callback)
         if self.group is not None and self.group.begin_backward() and self.prefetch:
-            prev = ctx.next_in_order(self, -1)
+            prev = ctx.next_in_backward(self)
             if prev is not None and prev.group is not None and not prev.group.progress.issued:
                 prev.group.unshard(async_op=True)  # a no-op unless it is sharded
