@@ -7,8 +7,13 @@ exact) during ``dist_checkpointing.save`` grow by less than 3/4 of one full copy
 TP-local parameters (what is left is PyTorch's checkpoint writer copying the views it writes:
 about this rank's shard). The gathering save (inside ``VeScaleFSDP.full_parameters()``, what the
 save did before) holds the whole model, and Adam's state gathered on top of it: measured
-here too, it must exceed the same bound, so the bound tells the two apart. A 4-layer
-megatron-core GPTModel at dp2, both ranks.
+here too, it must exceed the same bound, so the bound tells the two apart.
+
+Megatron-LM's ``torch`` format writes the whole model from data-parallel rank 0, so that rank
+holds one full copy (on the CPU); the gather for it (``VeScaleFSDP.prepare_state_dict``) is
+streamed: every rank holds one group's full buffer at a time, the other ranks keep nothing.
+
+A 4-layer megatron-core GPTModel at dp2, both ranks.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ ARGV = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
 
 def _save_extra_bytes(rank: int, world_size: int, argv: List[str], root: str) -> Dict[str, int]:
     """Live tensor bytes beyond those before the save, at its peak, for each way of saving."""
-    from megatron.core import dist_checkpointing
+    import torch
+    from megatron.core import dist_checkpointing, parallel_state
 
     from vescale_zero.testing.live_bytes import LiveBytes
 
@@ -40,7 +46,9 @@ def _save_extra_bytes(rank: int, world_size: int, argv: List[str], root: str) ->
         model, optimizer, config = pg.build(args)
         pg.train_loop(args, model, optimizer, config)  # Adam's state exists
         groups = model.vescale_groups
-        out = {"whole": sum(m.shape.numel() for g in groups for m in g.managed) * groups[0].master.local.element_size()}
+        item = groups[0].master.local.element_size()
+        out = {"whole": sum(m.shape.numel() for g in groups for m in g.managed) * item,
+               "largest group": max(g.plan.global_size for g in groups) * item}
 
         def model_only(sd: Dict) -> Dict:
             return {"model": sd}
@@ -68,6 +76,19 @@ def _save_extra_bytes(rank: int, world_size: int, argv: List[str], root: str) ->
                     before = live.live
                     save(build)
                 out[f"{how} {what}"] = live.peak - before
+
+        # Megatron-LM's torch format: every rank gathers, data-parallel rank 0 alone saves.
+        gc.collect()
+        with LiveBytes() as live:
+            before = live.live
+            model.prepare_state_dict()
+            if parallel_state.get_data_parallel_rank() == 0:
+                torch.save({"model": model.state_dict_for_save_checkpoint()}, os.path.join(root, "torch.pt"))
+            else:  # kept nothing: asking here is an error, not an empty dict or a lone gather (a hang)
+                with pytest.raises(RuntimeError, match="kept nothing"):
+                    model.state_dict()
+            model.release_state_dict()
+            out["torch format"] = live.peak - before
         return out
 
 
@@ -81,3 +102,8 @@ def test_streamed_torch_dist_save_holds_no_full_model(tmp_path):
         assert r["streamed model"] < bound and r["streamed model+adam"] < bound, r
         # The gathering save holds the whole model (and Adam's state gathered on top of it).
         assert r["gathered model"] > r["whole"] and r["gathered model+adam"] > 2 * r["whole"], r
+        # torch format: rank 0 one full copy (+ one group's buffer in flight), rank 1 one group's buffer.
+        if rank == 0:
+            assert r["whole"] <= r["torch format"] <= r["whole"] + r["largest group"], r
+        else:
+            assert r["torch format"] <= r["largest group"], r

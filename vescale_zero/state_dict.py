@@ -117,6 +117,7 @@ def sharded_params_by_key(module: nn.Module) -> Dict[str, nn.Parameter]:
 
 def full_state_dict(
     module: nn.Module, *, rank0_only: bool = False, cpu_offload: bool = False, compute_dtype: bool = False,
+    keep: Optional[bool] = None,
 ) -> Dict[str, torch.Tensor]:
     """The module's ``state_dict()`` with every sharded parameter gathered to its full shape.
 
@@ -132,8 +133,12 @@ def full_state_dict(
             group by group (by default a group's full tensors are views into one buffer).
         compute_dtype: each gathered parameter in its group's compute dtype
             (``mp_policy.param_dtype``: what a 16-bit save holds) instead of its master dtype.
+        keep: whether this rank keeps the result, in place of ``rank0_only``'s rule (for
+            hosts whose saving ranks are not global rank 0 alone: Megatron's torch format
+            saves on data-parallel rank 0 of every model-parallel rank).
     """
-    keep = not rank0_only or dist.get_rank() == 0
+    if keep is None:
+        keep = not rank0_only or dist.get_rank() == 0
     state = module.state_dict(keep_vars=True)
     index = _managed_index(module)
     gathered: Dict[int, torch.Tensor] = {}

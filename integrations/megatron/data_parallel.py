@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
+import torch.distributed as dist
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -292,10 +293,17 @@ class VeScaleFSDP(_BaseDataParallel):
 
     def prepare_state_dict(self) -> None:
         """Gather the full state dict now, on every rank (collective), so that a later
-        :meth:`state_dict` on a subset of ranks -- Megatron-LM's torch checkpoints call it
-        on data-parallel rank 0 only -- needs no communication. :meth:`release_state_dict`
-        drops it."""
-        self._prepared = full_state_dict(self.module)
+        :meth:`state_dict` on the saving ranks -- Megatron-LM's torch checkpoints call it on
+        data-parallel rank 0 only -- needs no communication. :meth:`release_state_dict` drops it.
+
+        Streamed: one group's full buffer on the device at a time, each group copied to the
+        CPU on the ranks that save (data-parallel rank 0, or expert-data-parallel rank 0: the
+        rule differs between Megatron-LM versions) and dropped on the others, which keep
+        nothing."""
+        groups = [g for g in (self.dp_cp_group, self.expt_dp_group) if g is not None]
+        saving = not groups or any(dist.get_rank(g) == 0 for g in groups)
+        self._prepared = full_state_dict(self.module, cpu_offload=True, keep=saving)
+        self._prepared_here = saving
 
     def release_state_dict(self) -> None:
         self._prepared = None
@@ -303,8 +311,15 @@ class VeScaleFSDP(_BaseDataParallel):
     def state_dict(self, prefix: str = "", keep_vars: bool = False, destination: Any = None) -> Dict[str, Any]:
         """The *full* (unsharded) state dict, as Megatron's DDP would give; interchangeable
         with DDP checkpoints. Collective over the data-parallel groups unless
-        :meth:`prepare_state_dict` ran first."""
-        full = getattr(self, "_prepared", None) or full_state_dict(self.module)
+        :meth:`prepare_state_dict` ran first (then on the CPU)."""
+        full = getattr(self, "_prepared", None)
+        if full is not None and not self._prepared_here:
+            raise RuntimeError(
+                "VeScaleFSDP.state_dict() on a rank that is neither data-parallel nor expert-data-parallel rank 0, "
+                "after prepare_state_dict(): that rank kept nothing. Call state_dict() on every rank without "
+                "prepare_state_dict() (collective), or only on those ranks after it")
+        if full is None:
+            full = full_state_dict(self.module)
         out = destination if destination is not None else {}
         for key, value in full.items():
             out[prefix + key] = value
