@@ -233,9 +233,9 @@ def _checks(rank, world_size, everything):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_zero_init_and_gathered_parameters_under_ragged(world_size):
-    """Checks 1-2 at 2 and 3 ranks; 3-4 (rank-count independent) at 2 only, to keep the cost down."""
+    """Checks 1-2 at 1, 2 and 3 ranks; 3-4 (rank-count independent) at 2 only, to keep the cost down."""
     everything = world_size == 2
     results = run_on_ranks(_checks, world_size, everything, timeout=300)
     r0 = results[0]
