@@ -112,7 +112,7 @@ def local_pieces(model) -> Dict[str, tuple]:
         for i, m in enumerate(group.managed):
             start, end = group.master.local_range(i)
             name = f"{prefix}.{m.fqn}" if prefix else m.fqn
-            out[name] = (tuple(m.shape), start, end, group.sharded_params[i].detach().clone())
+            out[name] = (tuple(m.shape), start, end, group.sharded_params[i].to_local().detach().clone())
     return out
 
 

@@ -369,7 +369,8 @@ def _structured_from_config(rank, world_size, via, name):
             opt.step()
             opt.zero_grad()
     # the planner kept the optimizer's blocks whole: every piece starts on a block boundary
-    misaligned = sum(p.sharded_range.start % 13 for p in model.parameters() if p.numel()) if BLOCKS[name] else 0
+    misaligned = (sum(p.sharded_range.start % 13 for p in model.parameters() if p.to_local().numel())
+                  if BLOCKS[name] else 0)
     return {"misaligned": misaligned, "params": local_pieces(model)}
 
 

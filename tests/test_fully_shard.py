@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import vescale_zero as vz
 from tests.distributed import run_cases_on_ranks, run_on_ranks
@@ -203,13 +204,19 @@ def _zero_copy(rank, world_size, mp):
             # sharded params are views into the master shard, grads into the grad shard
             for i, m in enumerate(g.managed):
                 start, end, off = g.plan.local_slices(rank)[i]
+                # a sharded parameter is a DTensor of the global shape whose local tensor is the view
                 sp = g.sharded_params[i]
+                assert isinstance(sp, DTensor) and sp.shape == m.shape, (m.fqn, type(sp), sp.shape)
+                assert sp.to_local().shape == (end - start,), m.fqn
                 if end > start:
-                    assert sp.data_ptr() == g.master.local.data_ptr() + off * g.master.local.element_size(), m.fqn
-                    assert sp.data_ptr() % 16 == 0, (m.fqn, "a rank's piece must start on 16 bytes")
+                    local = sp.to_local()
+                    assert local.data_ptr() == g.master.local.data_ptr() + off * g.master.local.element_size(), m.fqn
+                    assert local.data_ptr() % 16 == 0, (m.fqn, "a rank's piece must start on 16 bytes")
                     if m.requires_grad:
-                        assert (sp.grad.data_ptr()
-                                == g.sharded_grad.local.data_ptr() + off * sp.grad.element_size()), m.fqn
+                        grad = sp.grad.to_local()
+                        assert isinstance(sp.grad, DTensor) and sp.grad.shape == m.shape, m.fqn
+                        assert (grad.data_ptr()
+                                == g.sharded_grad.local.data_ptr() + off * grad.element_size()), m.fqn
             ags = [c for c in calls if c[0] == "ag" and c[1] is g]
             assert ags, "the group was never gathered"
             for _, _, out_ptr, in_ptr, _, views in ags:

@@ -69,7 +69,7 @@ def _frees_at_zero_grad(rank, world_size):
     assert all(s is not None for s in shards)
     for g, shard in zip(groups_of(model), shards):  # every .grad is a view into its group's shard
         for i in g.grad_indices:
-            grad = g.sharded_params[i].grad
+            grad = g.sharded_params[i].grad.to_local()  # the DTensor gradient's local piece
             assert grad.untyped_storage().data_ptr() == shard.data_ptr()
             if grad.numel():  # an empty piece has no address of its own
                 assert grad.data_ptr() == shard.data_ptr() + g.plan.local_slices(rank)[i][2] * shard.element_size()

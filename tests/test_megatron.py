@@ -111,12 +111,13 @@ def _zero_copy_violations(model, optimizer) -> List[str]:
         ghi = glo + group.sharded_grad.local.nbytes
         for i, sp in enumerate(group.sharded_params):
             owned.add(id(sp))
-            if sp.numel() and not lo <= sp.data_ptr() < hi:
+            local = sp.to_local()  # a DTensor's local piece
+            if local.numel() and not lo <= local.data_ptr() < hi:
                 bad.append(f"{group.managed[i].fqn}: parameter outside the master shard")
-            if i in group.grad_indices and sp.numel():
+            if i in group.grad_indices and local.numel():
                 if not glo <= sp.main_grad.data_ptr() < ghi:
                     bad.append(f"{group.managed[i].fqn}: main_grad outside the sharded gradient buffer")
-                if sp.grad is not None and sp.grad.data_ptr() != sp.main_grad.data_ptr():
+                if sp.grad is not None and sp.grad.to_local().data_ptr() != sp.main_grad.data_ptr():
                     bad.append(f"{group.managed[i].fqn}: .grad is not .main_grad")
     for g in optimizer.param_groups:
         for p in g["params"]:

@@ -211,7 +211,8 @@ def _fsdp2_recipe(rank: int, world_size: int) -> None:
     for group in groups_of(meta):
         local = group.master.local
         for p in group.sharded_params:
-            assert p.device.type == "cpu" and p.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
+            storage = p.to_local().untyped_storage()
+            assert p.device.type == "cpu" and storage.data_ptr() == local.untyped_storage().data_ptr()
     assert meta.head.weight is meta.embed.weight
     # ... then load a full state dict: the eager values, and the same training
     vz.load_full_state_dict(meta, eager.state_dict())

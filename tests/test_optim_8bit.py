@@ -26,7 +26,8 @@ def _full_grads(model):
             for i in g.grad_indices:
                 sp = g.sharded_params[i]
                 name = f"{prefix}.{g.managed[i].fqn}" if prefix else g.managed[i].fqn
-                mine[name] = (sp.sharded_range.start, sp.sharded_range.end, sp.sharded_range.shape, sp.grad.clone())
+                rng = sp.sharded_range
+                mine[name] = (rng.start, rng.end, rng.shape, sp.grad.to_local().clone())
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     full = {}

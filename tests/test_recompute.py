@@ -72,6 +72,7 @@ def _grad_pieces(model) -> dict:
             for i, m in enumerate(group.managed):
                 name = f"{prefix}.{m.fqn}" if prefix else m.fqn
                 grad = group.sharded_params[i].grad
+                grad = None if grad is None else grad.to_local()
                 shape, start, end, _ = out[name]
                 out[name] = (shape, start, end, grad.detach().clone() if grad is not None else torch.zeros(end - start))
     return out

@@ -18,6 +18,7 @@ from torch import nn
 
 from .comm_device import collective_device
 from .fully_shard import groups_of
+from .ragged_tensor import local_piece
 
 __all__ = ["clip_grad_norm_", "sharded_grad_norm"]
 
@@ -27,7 +28,7 @@ def _split(module: nn.Module) -> Tuple[List[torch.Tensor], List[torch.Tensor], O
     """``(sharded grads, replicated grads, the groups' process group, their device)``."""
     groups = groups_of(module)
     sharded_ids = {id(p) for g in groups for p in g.sharded_params + g.unsharded_params}
-    sharded = [g.sharded_params[i].grad for g in groups for i in g.grad_indices]
+    sharded = [local_piece(g.sharded_params[i].grad) for g in groups for i in g.grad_indices]
     replicated = [p.grad for p in module.parameters() if id(p) not in sharded_ids and p.grad is not None]
     pgs = {id(g.process_group): g.process_group for g in groups}
     if len(pgs) > 1:
@@ -75,7 +76,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: Union[float, 
             buffer.mul_(coef.to(buffer.dtype))  # one op per group; padding is never read
             lo, hi = buffer.data_ptr(), buffer.data_ptr() + buffer.numel() * buffer.element_size()
         for i in group.grad_indices:  # a .grad the user replaced is not in the buffer
-            g = group.sharded_params[i].grad
+            g = local_piece(group.sharded_params[i].grad)
             if g is not None and g.numel() and not lo <= g.data_ptr() < hi:
                 g.detach().mul_(coef.to(g.dtype))
     _, replicated, _, _ = _split(module)

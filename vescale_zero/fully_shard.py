@@ -102,18 +102,42 @@ class RaggedFSDPModule:
                 st.group.unused_grads = policy
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> nn.Module:
-        """``nn.Module._apply`` (``to_empty``, ``to``) also moves a group built on the meta
-        device: ``model.to_empty(device=d)`` gives each group its persistent shards on ``d``
-        (uninitialised, as ``to_empty`` leaves every tensor), never a full parameter."""
-        module = super()._apply(fn, *args, **kwargs)
+        """``nn.Module._apply`` (``to``, ``to_empty``, ``float()``...) on a sharded module.
+
+        [Note: casting and moving sharded parameters] The group's parameters are views of its
+        buffers, which the gathers read: ``fn`` is not applied to them (torch would swap in new
+        tensors the group never sees) but tried on an empty tensor of the group's dtype and
+        device. A change of either is refused with the supported way; a group built on the meta
+        device moves (``model.to_empty(device=d)`` gives it its persistent shards on ``d``,
+        uninitialised, as ``to_empty`` leaves every tensor), never a full parameter. Buffers and
+        parameters outside the group get ``fn`` as usual."""
         group = self.vescale_group
-        if group is not None and group.device.type == "meta":
-            owner, attr = group.managed[0].owners[0]
-            device = owner._parameters[attr].device  # where fn put the (shard-sized) meta parameter
-            if device.type != "meta":
-                group.leave_meta(device)
-                for buffer in self.buffers():  # empty now: vescale_zero.materialize must fill them
-                    setattr(buffer, BUFFER_NEEDS_INIT, True)
+        if group is None:
+            return super()._apply(fn, *args, **kwargs)
+        with torch.no_grad():
+            probe = fn(torch.empty(0, dtype=group.orig_dtype, device=group.device))
+        moved = probe.device != group.device
+        if probe.dtype != group.orig_dtype or (moved and group.device.type != "meta"):
+            change = (f"to {probe.dtype}" if probe.dtype != group.orig_dtype else f"to {probe.device}")
+            raise ValueError(
+                f"cannot change the sharded parameters of this {type(self).__name__} {change} after fully_shard (they "
+                f"are {group.orig_dtype} on {group.device}, views of its group's buffers). To compute in another "
+                "dtype pass fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=...)); to keep the master "
+                "weights in it, or to use another device, cast / move the model before fully_shard"
+            )
+        held = [(owner, attr, owner._parameters[attr]) for m in group.managed for owner, attr in m.owners
+                if owner._parameters.get(attr) is not None]
+        for owner, attr, _ in held:
+            owner._parameters[attr] = None  # skipped by _apply, keeps its place in the module's order
+        try:
+            module = super()._apply(fn, *args, **kwargs)
+        finally:
+            for owner, attr, param in held:
+                owner._parameters[attr] = param
+        if moved:
+            group.leave_meta(probe.device)
+            for buffer in self.buffers():  # empty now: vescale_zero.materialize must fill them
+                setattr(buffer, BUFFER_NEEDS_INIT, True)
         return module
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
@@ -316,6 +340,7 @@ def fully_shard(
         hook = _ShardedForStateDict(group)
         module.register_state_dict_pre_hook(hook)
         module.register_load_state_dict_pre_hook(hook)
+        module.register_load_state_dict_post_hook(hook.after_load)
     cls = module.__class__
     if cls not in _CLASS_CACHE:
         _CLASS_CACHE[cls] = type(f"RaggedFSDP{cls.__name__}", (RaggedFSDPModule, cls), {})
@@ -336,6 +361,27 @@ class _ShardedForStateDict:
     def __call__(self, *_: Any, **__: Any) -> None:
         if self.group.state is not GroupState.SHARDED and not in_backward_pass():
             self.group.reshard()
+
+    def after_load(self, _module: nn.Module, _incompatible: Any) -> None:
+        """``load_state_dict(sd, assign=True)`` put the state dict's tensors into the modules in
+        place of the sharded parameters: their values go into the shards (this rank's range of
+        a full tensor, or a ragged / DTensor value resharded) and the sharded parameters go back,
+        so the optimizer's parameters and the gathers see the loaded weights."""
+        group = self.group
+        for rp in group.params:
+            for owner, attr in rp.managed.owners:
+                value = owner._parameters.get(attr)
+                if value is None or value is rp.sharded or value is rp.unsharded:
+                    continue
+                if value.dtype != rp.sharded.dtype:
+                    raise ValueError(
+                        f"load_state_dict(assign=True): {rp.managed.fqn!r} is {value.dtype} in the state dict and "
+                        f"{rp.sharded.dtype} in the sharded model; sharded parameters keep their dtype (views of "
+                        "the group's buffers): cast the state dict, or load with assign=False"
+                    )
+                with torch.no_grad():
+                    rp.sharded.copy_(value)
+                owner._parameters[attr] = rp.sharded
 
 
 def sharded_counterpart(param: nn.Parameter) -> nn.Parameter:

@@ -3,15 +3,16 @@
 The ``deepspeed.zero.GatheredParameters`` contract, for sharded parameters of ``fully_shard``::
 
     with gathered_parameters([block.fc.weight, block.fc.bias], modifier_rank=0):
-        block.fc.weight.shape          # the full shape: each parameter object views a full copy
+        block.fc.weight.data.shape     # the full tensor: each parameter object stands for a full copy
         if rank == 0:
             block.fc.weight.zero_()    # load, tie, re-initialise ...
     # exit: rank 0's full tensors are broadcast; every rank keeps its range in its shard
 
 [Note: gathered parameters]
 On entry each group holding one of ``params`` is all-gathered once (master dtype, a buffer
-of this call) and each requested *sharded parameter object* gets ``.data`` = its full view,
-so code holding the object, or reading it from its module, sees the whole tensor. On exit
+of this call) and each requested *sharded parameter object* stands for its full view
+(ragged_tensor [Note: gathered mode]: ``.data`` is the full tensor, ops on the object run on
+it), so code holding the object, or reading it from its module, sees the whole tensor. On exit
 with ``modifier_rank`` that rank's full buffer of each such group is broadcast and every
 rank copies its ranges of the requested parameters into its master shard; then every
 object views its shard again. With ``modifier_rank=None`` the gather is read-only: changes
@@ -69,7 +70,7 @@ def gathered_parameters(params: Union[torch.Tensor, Iterable[torch.Tensor]],
         if group.state is not GroupState.SHARDED and in_backward_pass():
             raise RuntimeError("gathered_parameters / GatheredParameters over sharded parameters runs outside "
                                "backward (their group is gathered for backward now); call it before or after")
-    saved: List[Tuple[torch.Tensor, torch.Tensor]] = []
+    saved: List[torch.Tensor] = []
     flats: List[torch.Tensor] = []
     try:
         with torch.no_grad():
@@ -81,8 +82,8 @@ def gathered_parameters(params: Union[torch.Tensor, Iterable[torch.Tensor]],
                 flats.append(flat)
                 for index, param in items:
                     spec, offset = group.plan.specs[index], group.plan.offsets[index]
-                    saved.append((param, param.data))
-                    param.data = flat.narrow(0, offset, spec.numel).view(group.managed[index].shape)
+                    saved.append(param)
+                    param.enter_gathered(flat.narrow(0, offset, spec.numel).view(group.managed[index].shape))
         yield
         if modifier_rank is not None:
             with torch.no_grad():
@@ -93,5 +94,5 @@ def gathered_parameters(params: Union[torch.Tensor, Iterable[torch.Tensor]],
                         group.master.copy_local_from_full(
                             index, flat.narrow(0, group.plan.offsets[index], group.plan.specs[index].numel))
     finally:
-        for param, shard in saved:
-            param.data = shard
+        for param in saved:
+            param.leave_gathered()

@@ -48,6 +48,7 @@ from .collectives import CommStats, all_reduce
 from .dbuffer import DBuffer
 from .grad_shard import GradShard
 from .planner import ShardPlan
+from .ragged_tensor import like_param, local_piece
 
 __all__ = ["GradReducer"]
 
@@ -153,18 +154,18 @@ class GradReducer:
                     shard.copy_(out)  # one cast per group
             for i, sp in params:
                 if sp.grad is None:
-                    sp.grad = self.sharded.view_of(shard, i)
+                    sp.grad = like_param(self.sharded.view_of(shard, i), sp)
 
     def _accumulate(self, shard: torch.Tensor, reduced: torch.Tensor,
                     params: Sequence[Tuple[int, nn.Parameter]]) -> None:
         views = [(i, sp, self.sharded.view_of(shard, i)) for i, sp in params]
-        if all(sp.grad is None or sp.grad.data_ptr() == view.data_ptr() for _, sp, view in views):
+        if all(sp.grad is None or local_piece(sp.grad).data_ptr() == view.data_ptr() for _, sp, view in views):
             shard.add_(reduced)  # one add per group
             return
         slices = self.plan.local_slices(self.rank)
         for i, sp, view in views:  # a user replaced some .grad: add piece by piece
             start, end, off = slices[i]
-            target = sp.grad if sp.grad is not None else view
+            target = local_piece(sp.grad) if sp.grad is not None else view
             target.add_(reduced.narrow(0, off, end - start))
 
     def zero(self) -> None:

@@ -48,6 +48,7 @@ a silent loss.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import weakref
@@ -66,6 +67,7 @@ from .grad_shard import GradShard
 from .param_gather import make_param_gather
 from .planner import ShardPlan, TensorSpec, plan
 from .ragged_param import ManagedParam, RaggedParam, ShardedRange
+from .ragged_tensor import ragged_spec, shard_mesh
 
 __all__ = ["slot_of", "ManagedParam", "ParamGroup", "GroupState", "ShardedRange", "BackwardProgress",
            "InputGradTrigger", "Part"]
@@ -210,6 +212,7 @@ class ParamGroup:
         objects viewing them, carrying the attributes of ``templates`` (the unsharded ones
         of ``unsharded_templates`` if given)."""
         self.device = torch.device(device)
+        self.mesh = shard_mesh(self.process_group, self.device)
         shapes = [m.shape for m in self.managed]
         self.master = DBuffer(self.plan, self.rank, self.orig_dtype, self.device, shapes=shapes, with_full=False)
         direct = self.param_dtype == self.orig_dtype and not self._fp8_tile
@@ -225,17 +228,42 @@ class ParamGroup:
             start, end = self.master.local_range(i)
             rng = ShardedRange(start, end, tuple(m.shape), self._granularities[i])
             like = unsharded_templates[i] if unsharded_templates is not None else None
-            self.params.append(RaggedParam(m, p, self.master.local_view(i), self.compute.full_view(i), rng,
+            spec = ragged_spec(self.mesh, self.plan.placement(i), m.shape, self.orig_dtype)
+            self.params.append(RaggedParam(m, p, self.master.local_view(i), self.compute.full_view(i), rng, spec,
                                            unsharded_like=like))
             _register_slot(self.params[-1].sharded, self, i)
         self._grad_indices = [i for i, m in enumerate(self.managed) if m.requires_grad]
-        # [Note: hooks hold their group weakly] A hook registered on a tensor lives in C++
-        # where Python's cycle collector cannot see it: a hook holding the group strongly
-        # (group -> unsharded param -> hook -> group) would keep every group, its buffers and
-        # its module alive after the model is dropped.
+        self._hooked: Set[int] = set()
         for i in self._grad_indices:
-            self.params[i].unsharded.register_post_accumulate_grad_hook(
-                functools.partial(_grad_accumulated, weakref.ref(self), i))
+            self._hook_grad(i)
+
+    def _hook_grad(self, index: int) -> None:
+        """[Note: hooks hold their group weakly] A hook registered on a tensor lives in C++
+        where Python's cycle collector cannot see it: a hook holding the group strongly
+        (group -> unsharded param -> hook -> group) would keep every group, its buffers and
+        its module alive after the model is dropped."""
+        if index not in self._hooked:
+            self._hooked.add(index)
+            self.params[index].unsharded.register_post_accumulate_grad_hook(
+                functools.partial(_grad_accumulated, weakref.ref(self), index))
+
+    def follow_requires_grad(self) -> bool:
+        """[Note: requires_grad after sharding] ``p.requires_grad_(flag)`` on a sharded parameter
+        (staged freezing and unfreezing) takes effect at its group's next forward, as with FSDP2:
+        the unsharded parameter follows the flag, so autograd computes (or skips) its gradient
+        and the group reduces what it gets. True if a flag changed (the runtime then re-derives
+        which groups reduce)."""
+        flags = [rp.sharded.requires_grad for rp in self.params]
+        if flags == [m.requires_grad for m in self.managed]:
+            return False
+        for i, (rp, flag) in enumerate(zip(self.params, flags)):
+            if rp.managed.requires_grad != flag:
+                rp.managed = self.managed[i] = dataclasses.replace(rp.managed, requires_grad=flag)
+                rp.unsharded.requires_grad_(flag)
+                if flag:
+                    self._hook_grad(i)
+        self._grad_indices = [i for i, m in enumerate(self.managed) if m.requires_grad]
+        return True
 
     def leave_meta(self, device: torch.device) -> None:
         """Rebuild the group, built on the meta device, on ``device``: only the persistent

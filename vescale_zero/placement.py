@@ -18,12 +18,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Tuple
 
+from torch.distributed.tensor.placement_types import Placement
+
 __all__ = ["RaggedShard"]
 
 
 @dataclass(frozen=True)
-class RaggedShard:
-    """Rank ``k`` owns blocks ``[sum(blocks_per_rank[:k]), sum(blocks_per_rank[:k+1]))``."""
+class RaggedShard(Placement):
+    """Rank ``k`` owns blocks ``[sum(blocks_per_rank[:k]), sum(blocks_per_rank[:k+1]))``.
+
+    A DTensor placement (``vescale_zero.ragged_tensor.RaggedDTensor`` carries it on the shard
+    dimension of its mesh), so torch code can tell a ragged-sharded tensor from others."""
 
     granularity: int
     blocks_per_rank: Tuple[int, ...]
@@ -52,6 +57,9 @@ class RaggedShard:
 
     def local_numel(self, rank: int) -> int:
         return self.blocks_per_rank[rank] * self.granularity
+
+    def __reduce__(self) -> tuple:  # the C++ Placement base does not pickle dataclass fields
+        return (RaggedShard, (self.granularity, self.blocks_per_rank))
 
     def __repr__(self) -> str:
         return f"RaggedShard(g={self.granularity}, blocks={list(self.blocks_per_rank)})"

@@ -6,8 +6,10 @@
         |
         |  split by the group's plan
         v
-    sharded    nn.Parameter, 1-D, a view into master.local    held between forward/backward;
-               [start, end) of the flattened tensor            the optimizer's parameter
+    sharded    nn.Parameter(RaggedDTensor): global shape,     held between forward/backward;
+               RaggedShard placement; its local tensor is      the optimizer's parameter
+               [start, end) of the flattened tensor, a view
+               into master.local
     unsharded  nn.Parameter, full shape, a view into           held while the group is gathered
                compute.full (param_dtype)                       (forward, backward, recompute)
 
@@ -23,6 +25,9 @@ from typing import Optional, Tuple
 
 import torch
 from torch import nn
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+from .ragged_tensor import RaggedDTensor
 
 __all__ = ["ManagedParam", "ShardedRange", "RaggedParam"]
 
@@ -63,16 +68,19 @@ class RaggedParam:
         managed: name, owners and shape.
         original: the module's parameter (its attributes are copied onto both objects).
         sharded_data: this rank's piece, a view into the group's master shard.
+        spec: the layout of the sharded parameter (``ragged_tensor.ragged_spec``): it becomes a
+            :class:`RaggedDTensor` whose local tensor is ``sharded_data``.
         unsharded_data: the whole tensor, a view into the group's full compute buffer.
         sharded_range: what the piece is, set as ``sharded.sharded_range``.
         unsharded_like: whose attributes the unsharded object copies (default ``original``).
     """
 
     def __init__(self, managed: ManagedParam, original: nn.Parameter, sharded_data: torch.Tensor,
-                 unsharded_data: torch.Tensor, sharded_range: ShardedRange,
+                 unsharded_data: torch.Tensor, sharded_range: ShardedRange, spec: DTensorSpec,
                  unsharded_like: Optional[nn.Parameter] = None) -> None:
         self.managed = managed
-        self.sharded = _new_param(sharded_data, original)
+        self.spec = spec
+        self.sharded = _new_param(RaggedDTensor.from_piece(sharded_data, spec), original)
         self.sharded.sharded_range = sharded_range
         self.unsharded = _new_param(unsharded_data, original if unsharded_like is None else unsharded_like)
 

@@ -157,6 +157,10 @@ class RootContext:
         i = order.index(state) + step
         return order[i] if 0 <= i < len(order) else None
 
+    def invalidate_reduce_order(self) -> None:
+        """Which groups have gradients changed (param_group [Note: requires_grad after sharding])."""
+        self._reduce_order = None
+
     def reduce_order(self) -> List[ParamGroup]:
         """The groups with gradients, in [Note: one order of reduce-scatters]."""
         if self._reduce_order is not None:
@@ -289,6 +293,8 @@ class FSDPState:
         args, kwargs = self._cast_inputs(args, kwargs)
         group = self.group
         if group is not None:
+            if not recompute and group.follow_requires_grad():
+                ctx.invalidate_reduce_order()
             if not recompute and not ctx.order_frozen and self not in ctx.forward_order:
                 ctx.forward_order.append(self)
             group.unshard()

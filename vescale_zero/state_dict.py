@@ -45,6 +45,7 @@ from .collectives import all_gather
 from .comm_device import current_device
 from .fully_shard import BUFFER_NEEDS_INIT, groups_of
 from .param_group import GroupState, ParamGroup
+from .ragged_tensor import like_param, local_piece
 
 __all__ = ["full_state_dict", "load_full_state_dict", "full_optimizer_state", "load_full_optimizer_state",
            "sharded_params_by_key", "ELEMENT_WISE_STATE", "flat_range_boxes", "Box", "LocalPieces"]
@@ -78,7 +79,7 @@ def _gather_pieces(group: ParamGroup, pieces: List[Optional[torch.Tensor]], dtyp
     local = torch.zeros(group.plan.shard_size, dtype=dtype, device=group.device)
     for (start, end, shard_off), piece in zip(group.plan.local_slices(group.rank), pieces):
         if piece is not None and end > start:
-            local.narrow(0, shard_off, end - start).copy_(piece.reshape(-1))
+            local.narrow(0, shard_off, end - start).copy_(local_piece(piece).reshape(-1))
     return _full_views(group, local)
 
 
@@ -384,7 +385,7 @@ def load_full_optimizer_state(
                             f"{shape}; the checkpoint must come from the same model (same tensor/pipeline layout)"
                         )
                     piece = value.detach().reshape(-1)[start:end].to(dtype=sp.dtype, device=sp.device)
-                    target[name] = piece.reshape(sp.shape).clone()
+                    target[name] = like_param(piece.clone(), sp)
                 if step is not None:
                     target["step"] = torch.tensor(float(step), dtype=torch.float32)
     if strict and missing:

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vescale_zero.fully_shard import groups_of
+from vescale_zero.ragged_tensor import local_piece
 from vescale_zero.state_dict import LocalPieces
 
 __all__ = ["checkpoint_parameters", "LOCAL_PIECE", "STREAMING", "boxes_by_parameter", "state_boxes"]
@@ -124,7 +125,7 @@ def checkpoint_parameters(chunk: Any) -> Iterator[None]:
         if entry is None:
             return sh
         _, sp, pieces, instance = entry
-        local = sp.detach().reshape(-1)
+        local = local_piece(sp).detach().reshape(-1)
         pre = sh.prepend_axis_num
         out = []
         for box in pieces.boxes_within(offset, sh.local_shape):

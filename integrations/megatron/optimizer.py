@@ -59,6 +59,7 @@ from torch import nn
 from vescale_zero import checkpoint
 from vescale_zero.comm_device import collective_device
 from vescale_zero.optim import AdamW8bit, Muon, Shampoo
+from vescale_zero.ragged_tensor import local_piece
 from vescale_zero.state_dict import (
     full_optimizer_state,
     load_full_optimizer_state,
@@ -126,7 +127,7 @@ class VeScaleOptimizer(MegatronOptimizer):
             expert = not getattr(p, "allreduce", True)
             tp_group = self._etp_group if expert and self._etp_group is not None else self._tp_group
             if param_is_not_tensor_parallel_duplicate(p, tp_group):
-                grads.append(p.grad)
+                grads.append(local_piece(p.grad))  # this rank's piece: the norm adds the pieces up
         return grads
 
     @torch.no_grad()
@@ -161,7 +162,7 @@ class VeScaleOptimizer(MegatronOptimizer):
         """Unscale fp16 gradients; True if any rank found inf/nan (every rank then skips)."""
         if self.grad_scaler is None:
             return False
-        grads = [p.grad for p in self.get_parameters() if p.grad is not None]
+        grads = [local_piece(p.grad) for p in self.get_parameters() if p.grad is not None]
         torch._foreach_mul_(grads, float(1.0 / self.grad_scaler.scale.item()))
         found = torch.zeros(1, dtype=torch.float32, device=self._device)
         for g in grads:
@@ -220,7 +221,7 @@ class VeScaleOptimizer(MegatronOptimizer):
         """This rank's optimizer state (its shards only), and where :meth:`save_sharded`
         last wrote every rank's."""
         out: Dict[str, Any] = {"optimizer": self.optimizer.state_dict(),
-                               "shard_numels": [p.numel() for p in self.get_parameters()]}
+                               "shard_numels": [local_piece(p).numel() for p in self.get_parameters()]}
         if self.grad_scaler is not None:
             out["grad_scaler"] = self.grad_scaler.state_dict()
         if self._sharded_checkpoint is not None:
@@ -256,7 +257,7 @@ class VeScaleOptimizer(MegatronOptimizer):
                 "not a VeScaleOptimizer state dict (no 'optimizer' key); a Megatron optimizer checkpoint "
                 "holds differently laid-out state and cannot be loaded into ragged shards"
             )
-        mine = [p.numel() for p in self.get_parameters()]
+        mine = [local_piece(p).numel() for p in self.get_parameters()]
         if state_dict.get("shard_numels", mine) != mine:
             raise ValueError(
                 "this optimizer state was saved by another data-parallel rank (its shards have other sizes): "

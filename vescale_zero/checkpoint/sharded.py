@@ -57,6 +57,7 @@ from torch import nn
 
 from ..comm_device import collective_device, current_device
 from ..fully_shard import RaggedFSDPModule, groups_of
+from ..ragged_tensor import like_param, local_piece
 from .format import (
     CHECKPOINT_DOMAIN,
     CheckpointError,
@@ -165,7 +166,7 @@ def _save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer
     by_param = {id(p): (name, shape, s, e) for name, p, shape, s, e in managed_pieces(model)}
     for name, p, shape, s, e in managed_pieces(model):
         if id(p) in written:
-            params[name] = (shape, s, e, p.detach().cpu().clone())
+            params[name] = (shape, s, e, local_piece(p).detach().cpu().clone())
     if optimizer is not None:
         span_of = _state_span_fn(optimizer)
         for p, state in optimizer.state.items():
@@ -177,8 +178,8 @@ def _save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer
                 if span is not None:  # per-block state, see [Note: per-block state]
                     first, last, total = span
                     blocks[f"{name}::{key}"] = ((total,), first, last, _to_cpu(value))
-                elif torch.is_tensor(value) and value.dim() == 1 and value.numel() == p.numel() == e - s:
-                    states[f"{name}::{key}"] = (shape, s, e, value.detach().cpu().clone())
+                elif _per_element(value, p, e - s):
+                    states[f"{name}::{key}"] = (shape, s, e, local_piece(value).detach().cpu().clone())
                 else:  # a scalar (e.g. step), or other state tied to this piece
                     scalars[f"{name}::{key}"] = (s, e, _to_cpu(value))
     # A rank holding no piece of its own (a replica other than the first) writes no file.
@@ -204,6 +205,14 @@ def _save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer
         if old is not None:
             shutil.rmtree(old)
     dist.barrier()
+
+
+def _per_element(value: Any, param: torch.Tensor, numel: int) -> bool:
+    """Optimizer state with one value per element of this rank's piece (Adam's moments, 8-bit codes)."""
+    if not torch.is_tensor(value):
+        return False
+    local = local_piece(value)
+    return local.dim() == 1 and local.numel() == local_piece(param).numel() == numel
 
 
 def _to_cpu(value: Any) -> Any:
@@ -326,7 +335,7 @@ def _load_local(path: str, model: nn.Module, optimizer: Optional[torch.optim.Opt
                         "TP = PP = EP = 1, into the model it was converted from") if name in sliced else ""
                 raise CheckpointError(f"{path}: parameter {name!r} of shape {shape} is "
                                       f"{'missing' if got is None else f'saved as {got}'}{hint}")
-            fill(p.detach(), s, e, saved, name)  # not .data: see [Note: load after forward]
+            fill(local_piece(p).detach(), s, e, saved, name)  # not .data: see [Note: load after forward]
         for name, buf in model.named_buffers():
             saved = common["buffers"].get(name)
             piece_name = _whole_name(name, pieces, path) if meta.get("whole") else name
@@ -362,7 +371,7 @@ def _load_local(path: str, model: nn.Module, optimizer: Optional[torch.optim.Opt
                         if key.startswith(name + "::"):
                             t = torch.zeros(e - s, dtype=saved[0][3].dtype, device=p.device)
                             fill(t, s, e, saved, key)
-                            state[key[len(name) + 2 :]] = t
+                            state[key[len(name) + 2 :]] = like_param(t, p)  # a ragged parameter's state is ragged
                     for key, saved in blocks.items():
                         if key.startswith(name + "::"):
                             state[key[len(name) + 2 :]] = _load_blocks(span_of, p, key[len(name) + 2 :], saved, key)

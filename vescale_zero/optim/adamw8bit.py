@@ -23,6 +23,7 @@ from typing import Callable, Iterable, Optional, Set, Tuple
 import torch
 
 from ..quantization import dequantize_blockwise, quantize_blockwise
+from ..ragged_tensor import like_param, local_piece
 from .layout import check_every_rank_piece
 
 __all__ = ["AdamW8bit"]
@@ -99,6 +100,12 @@ class AdamW8bit(torch.optim.Optimizer):
                 f"with fully_shard(..., granularity=AdamW8bit.granularity({block}))"
             )
 
+    @staticmethod
+    def _store(state: dict, param: torch.Tensor, key: str, quantized: Tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Codes (one per element: in the parameter's layout, ragged for a sharded one) and scales."""
+        codes, scales = quantized
+        state[key], state[key + "_scale"] = like_param(codes, param), scales
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable] = None):
         loss = None
@@ -110,26 +117,27 @@ class AdamW8bit(torch.optim.Optimizer):
             lr, (b1, b2), eps, wd, block = (group["lr"], group["betas"], group["eps"], group["weight_decay"],
                                             group["block"])
             for p in group["params"]:
-                if p.grad is None or p.numel() == 0:
+                local = local_piece(p)  # this rank's flat piece (the whole tensor when unsharded)
+                if p.grad is None or local.numel() == 0:
                     continue
                 self._check_layout(p, block)
                 state = self.state[p]
                 if not state:
-                    zeros = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+                    zeros = torch.zeros(local.numel(), dtype=torch.float32, device=local.device)
                     state["step"] = 0
-                    state["exp_avg"], state["exp_avg_scale"] = quantize_blockwise(zeros, block, signed=True)
-                    state["exp_avg_sq"], state["exp_avg_sq_scale"] = quantize_blockwise(zeros, block, signed=False)
+                    self._store(state, p, "exp_avg", quantize_blockwise(zeros, block, signed=True))
+                    self._store(state, p, "exp_avg_sq", quantize_blockwise(zeros, block, signed=False))
                 state["step"] += 1
                 t = state["step"]
-                grad = p.grad.reshape(-1).float()
-                m = dequantize_blockwise(state["exp_avg"], state["exp_avg_scale"], block)
-                v = dequantize_blockwise(state["exp_avg_sq"], state["exp_avg_sq_scale"], block).square_()
+                grad = local_piece(p.grad).reshape(-1).float()
+                m = dequantize_blockwise(local_piece(state["exp_avg"]), state["exp_avg_scale"], block)
+                v = dequantize_blockwise(local_piece(state["exp_avg_sq"]), state["exp_avg_sq_scale"], block).square_()
                 m.mul_(b1).add_(grad, alpha=1 - b1)
                 v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
-                flat = p.view(-1)
+                flat = local.view(-1)
                 flat.mul_(1 - lr * wd)
                 denom = (v.sqrt() / math.sqrt(1 - b2**t)).add_(eps)
-                flat.addcdiv_(m.to(p.dtype), denom.to(p.dtype), value=-lr / (1 - b1**t))
-                state["exp_avg"], state["exp_avg_scale"] = quantize_blockwise(m, block, signed=True)
-                state["exp_avg_sq"], state["exp_avg_sq_scale"] = quantize_blockwise(v.sqrt_(), block, signed=False)
+                flat.addcdiv_(m.to(flat.dtype), denom.to(flat.dtype), value=-lr / (1 - b1**t))
+                self._store(state, p, "exp_avg", quantize_blockwise(m, block, signed=True))
+                self._store(state, p, "exp_avg_sq", quantize_blockwise(v.sqrt_(), block, signed=False))
         return loss

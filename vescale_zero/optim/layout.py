@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..param_group import slot_of
+from ..ragged_tensor import is_ragged
 
 __all__ = ["check_every_rank_piece"]
 
@@ -32,10 +33,10 @@ def check_every_rank_piece(optimizer: str, param: torch.Tensor, fits: Callable[[
     when it steps).
     """
     slot = slot_of(param)
-    if slot is None:
+    if slot is None or not is_ragged(param):
         return
     group, index = slot
-    placement = group.plan.placement(index)
+    placement = param.ragged_placement  # every rank's range of the parameter
     for rank in range(placement.world_size):
         start, end = placement.local_range(rank)
         if end > start and not fits(start, end):
@@ -47,8 +48,7 @@ def check_every_rank_piece(optimizer: str, param: torch.Tensor, fits: Callable[[
 
 
 def _shape(param: torch.Tensor) -> Tuple[int, ...]:
-    rng = getattr(param, "sharded_range", None)
-    return tuple(rng.shape) if rng is not None else tuple(param.shape)
+    return tuple(param.shape)  # global: a sharded parameter is a RaggedDTensor
 
 
 def _where(group) -> str:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from ..comm_device import current_device
 from ..param_group import slot_of
+from ..ragged_tensor import is_ragged, local_piece
 
 __all__ = ["Muon", "newton_schulz", "assign_roots"]
 
@@ -156,7 +157,9 @@ class Muon(torch.optim.Optimizer):
         mine = [(p.sharded_range.start, p.sharded_range.end) if hasattr(p, "sharded_range") else (0, p.numel())
                 for p in params]
         ranges = [mine]
-        if distributed:
+        if distributed and all(is_ragged(p) for p in params):  # every rank's range is in the placement
+            ranges = [[p.ragged_placement.local_range(r) for p in params] for r in range(world)]
+        elif distributed:
             ranges = [None] * world
             with current_device(params[0].device):  # the object collective's device on NCCL
                 dist.all_gather_object(ranges, mine, group=pg)
@@ -204,8 +207,8 @@ class Muon(torch.optim.Optimizer):
             buf = state["momentum_buffer"]
             buf.mul_(group["momentum"]).add_(grad.float())
             direction = grad.float().add(buf, alpha=group["momentum"]) if group["nesterov"] else buf.clone()
-            directions.append(direction.reshape(-1))
-        device = params[0].device
+            directions.append(local_piece(direction).reshape(-1))
+        device = local_piece(params[0]).device
         # 2. pieces to their roots (one all_to_all; splits in matrix order per destination)
         nothing = [torch.empty(0, device=device)]
         send = [torch.cat([directions[k] for k in range(len(params)) if roots[k] == r] or nothing)
@@ -245,9 +248,10 @@ class Muon(torch.optim.Optimizer):
             n = ranges[rank][k][1] - ranges[rank][k][0]
             piece = per_root[r].narrow(0, cursor[r], n)
             cursor[r] += n
+            local = local_piece(p)
             if group["weight_decay"]:
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.add_(piece.view_as(p).to(p.dtype), alpha=-group["lr"])
+                local.mul_(1 - group["lr"] * group["weight_decay"])
+            local.add_(piece.view_as(local).to(local.dtype), alpha=-group["lr"])
         load = [0.0] * world
         for k, r in enumerate(roots):
             load[r] += layout["costs"][k]

@@ -25,6 +25,7 @@ from typing import Callable, Iterable, List, Optional, Set, Tuple
 
 import torch
 
+from ..ragged_tensor import local_piece
 from .layout import check_every_rank_piece
 
 __all__ = ["Shampoo"]
@@ -174,16 +175,17 @@ class Shampoo(torch.optim.Optimizer):
     def _shampoo(self, p: torch.Tensor, group: dict) -> None:
         block = group["block"]
         full_shape, first_row, n_rows = self._full_shape_and_rows(p, block)
-        if p.numel() == 0:
+        local = local_piece(p)  # this rank's flat piece (the whole tensor when unsharded)
+        if local.numel() == 0:
             return
         cols = _matrix_shape(full_shape)[1]
-        g = p.grad.float().view(n_rows, cols)
+        g = local_piece(p.grad).float().view(n_rows, cols)
         state = self.state[p]
         if not state:
             state["step"] = 0
             state["momentum"] = torch.zeros_like(p, dtype=torch.float32)
             state["blocks"] = []
-            square = dict(dtype=torch.float32, device=p.device)
+            square = dict(dtype=torch.float32, device=local.device)
             for r0, r1, c0, c1 in self._blocks(n_rows, cols, block):
                 state["blocks"].append({"L": torch.zeros(r1 - r0, r1 - r0, **square),
                                         "R": torch.zeros(c1 - c0, c1 - c0, **square)})
@@ -200,11 +202,11 @@ class Shampoo(torch.optim.Optimizer):
             u = pre["Li"] @ gb @ pre["Ri"]
             norm_u = u.norm()
             update[r0:r1, c0:c1] = u * (gb.norm() / norm_u) if norm_u > 0 else u
-        m = state["momentum"].view(n_rows, cols)
+        m = local_piece(state["momentum"]).view(n_rows, cols)
         m.mul_(group["momentum"]).add_(update)
         if group["weight_decay"]:
-            p.mul_(1 - group["lr"] * group["weight_decay"])
-        p.add_(m.view_as(p).to(p.dtype), alpha=-group["lr"])
+            local.mul_(1 - group["lr"] * group["weight_decay"])
+        local.add_(m.view_as(local).to(local.dtype), alpha=-group["lr"])
 
     def _adamw(self, p: torch.Tensor, group: dict) -> None:
         state = self.state[p]

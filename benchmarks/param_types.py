@@ -1,0 +1,98 @@
+"""What DTensor parameters cost: the optimizer step on ``RaggedDTensor`` parameters vs on
+plain 1-D tensors (the representation before sharded parameters became DTensors), same run.
+
+    .venv/bin/python benchmarks/param_types.py [--ranks 2] [--rounds 7] [--layers 4] [--d-model 256]
+
+Both optimizers of a pair step the *same storage*: the plain one holds ``nn.Parameter``
+views of the DTensors' local pieces (what the sharded parameters were before), with the same
+gradients (the local pieces of the DTensor gradients). So the only difference measured is
+the DTensor dispatch (``vescale_zero.ragged_tensor`` [Note: ops on ragged tensors]). The
+variants run interleaved, each round every optimizer kind both ways; printed: median ms per
+optimizer step and per training step (forward + backward + step), and the ratio DTensor /
+plain. Absolute times on a shared machine are noise: read the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import vescale_zero as vz
+from vescale_zero.testing import GPT, GPTConfig, SyntheticCorpus
+
+KINDS = {
+    "AdamW foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
+    "AdamW fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+    "SGD momentum": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, foreach=True),
+}
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    cfg = GPTConfig(vocab_size=512, seq_len=64, d_model=args.d_model, n_layers=args.layers, n_heads=8)
+    model = GPT(cfg)
+    vz.fully_shard_layers(model)
+    sharded = [p for p in model.parameters() if p.requires_grad]
+    plain = [torch.nn.Parameter(p.to_local()) for p in sharded]  # views of the same shards
+    opts = {(kind, rep): make(sharded if rep == "dtensor" else plain) for kind, make in KINDS.items()
+            for rep in ("dtensor", "plain")}
+    corpus = SyntheticCorpus(cfg.vocab_size, cfg.seq_len)
+    times: Dict[tuple, List[float]] = {(key, part): [] for key in opts for part in ("opt", "step")}
+    step = 0
+    for round_ in range(args.rounds + 1):  # round 0 warms up (optimizer state, allocator)
+        for key, opt in opts.items():
+            x, y = corpus.batch(step, 8 * world, rank, world)
+            step += 1
+            dist.barrier()
+            t0 = time.perf_counter()
+            model(x, y).backward()
+            if key[1] == "plain":
+                for p, q in zip(sharded, plain):
+                    q.grad = None if p.grad is None else p.grad.to_local()
+            t1 = time.perf_counter()
+            opt.step()
+            t2 = time.perf_counter()
+            opt.zero_grad()
+            model.zero_grad()
+            dist.barrier()
+            if round_:
+                times[(key, "opt")].append(t2 - t1)
+                times[(key, "step")].append(t2 - t0)
+    if rank == 0:
+        out.update({k: statistics.median(v) for k, v in times.items()})
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=256)
+    args = parser.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.Manager().dict()
+    mp.spawn(worker, args=(args.ranks, port, args, out), nprocs=args.ranks)
+    print(f"GPT {args.layers} x {args.d_model}, {args.ranks} ranks (gloo, CPU), median of {args.rounds} rounds")
+    print(f"{'optimizer':<16} {'opt ms DTensor':>15} {'opt ms plain':>13} {'ratio':>6} "
+          f"{'step ms DTensor':>16} {'step ms plain':>14} {'ratio':>6}")
+    for kind in KINDS:
+        od, op = out[((kind, "dtensor"), "opt")] * 1e3, out[((kind, "plain"), "opt")] * 1e3
+        sd, sp = out[((kind, "dtensor"), "step")] * 1e3, out[((kind, "plain"), "step")] * 1e3
+        print(f"{kind:<16} {od:>15.2f} {op:>13.2f} {od / op:>6.3f} {sd:>16.2f} {sp:>14.2f} {sd / sp:>6.3f}")
+
+
+if __name__ == "__main__":
+    main()
