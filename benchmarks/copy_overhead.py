@@ -174,10 +174,11 @@ def fsdp2_system(shapes, m: int, precision: str, device: torch.device) -> System
 
 
 def vescale_plan(shapes, m: int, precision: str, fp8_tile: Optional[int]):
-    """The plan ``fully_shard`` makes: row granularity (FP8: whole tile bands), 16-byte alignment."""
+    """The plan ``fully_shard`` makes: row granularity (FP8: whole tile bands for the matrices,
+    fp8_gather [Note: which tensors are FP8]), 16-byte alignment."""
     orig, param, reduce = PRECISIONS[precision]
-    specs = [TensorSpec(math.prod(s), tile_band_granularity(s, fp8_tile) if fp8_tile else preset_granularity(s, "row"),
-                        str(i)) for i, s in enumerate(shapes)]
+    specs = [TensorSpec(math.prod(s), tile_band_granularity(s, fp8_tile) if fp8_tile and len(s) >= 2
+                        else preset_granularity(s, "row"), str(i)) for i, s in enumerate(shapes)]
     align = max(1, ALIGN_BYTES // min(_size(d) for d in (orig, param, reduce)))
     return plan(specs, m, align=align)
 
@@ -199,21 +200,20 @@ def vescale_system(shapes, m: int, precision: str, device: torch.device, fp8_til
     p, o, r = _size(param), _size(orig), _size(reduce)
     kinds: Dict[str, Kernels] = {}
     if fp8_tile:
-        layout = FP8GatherLayout(pl, shapes, fp8_tile)
-        T = layout.max_scales
-        q_local = torch.zeros(S, dtype=torch.uint8, device=device)
-        s_local = torch.ones(T, dtype=torch.float32, device=device)
-        layout.quantize_local(0, master.local, q_local, s_local)
-        q_full, s_full = q_local.repeat(m), s_local.repeat(m)  # the other ranks' bytes stand in
+        layout = FP8GatherLayout(pl, shapes, fp8_tile, [len(s) >= 2 for s in shapes], param)
+        B = layout.slot_bytes
+        slot = torch.zeros(B, dtype=torch.uint8, device=device)
+        layout.pack_local(0, master.local, slot)
+        gathered = slot.repeat(m)  # the other ranks' bytes stand in
 
         def quantize() -> None:
-            layout.quantize_local(0, master.local, q_local, s_local)
+            layout.pack_local(0, master.local, slot)
 
         def dequantize() -> None:
-            layout.dequantize_full(q_full, s_full, compute.full)
+            layout.unpack_full(gathered, compute.full)
 
-        kinds["AG copy-in"] = Kernels(quantize, S * (o + 1) + T * 4)
-        kinds["AG copy-out"] = Kernels(dequantize, G * (1 + p) + m * T * 4)
+        kinds["AG copy-in"] = Kernels(quantize, S * o + B)
+        kinds["AG copy-out"] = Kernels(dequantize, m * B + G * p)
     elif param != orig:
         kinds["AG copy-in"] = Kernels(lambda: compute.local.copy_(master.local), S * (o + p))
         kinds["AG copy-out"] = Kernels()

@@ -1,6 +1,6 @@
 """Structure-aware optimizers on ragged shards: step time and state memory per rank.
 
-    .venv/bin/python benchmarks/optimizers.py [--ranks 4] [--layers 4] [--d-model 256]
+    .venv/bin/python benchmarks/optimizers.py [--ranks 4] [--layers 4] [--d-model 256] [--only adamw,adamw8bit]
 
 One GPT, sharded with each optimizer's granularity, on ``--ranks`` gloo ranks (or GPUs):
 per optimizer the median optimizer-step time, the optimizer-state bytes on rank 0 and,
@@ -75,6 +75,8 @@ def worker(rank, world, port, args, out):
     corpus = SyntheticCorpus(cfg.vocab_size, cfg.seq_len)
     rows = {}
     for name, (granularity, make) in VARIANTS.items():
+        if args.only and name not in args.only:
+            continue
         torch.manual_seed(0)
         model = GPT(cfg).to(device)
         vz.fully_shard_layers(model, granularity=granularity)
@@ -112,6 +114,8 @@ def main():
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--only", type=lambda s: s.split(","), default=None,
+                   help=f"comma-separated optimizers to time (default all: {','.join(VARIANTS)})")
     args = p.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

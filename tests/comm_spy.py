@@ -1,7 +1,8 @@
 """Test-only: record the core's collectives (who calls what, on which group, how big).
 
 :class:`CommSpy` wraps the names ``vescale_zero.dbuffer`` (all-gather, reduce-scatter) and
-``vescale_zero.grad_reduce`` (the HSDP all-reduce across replicas) call, while installed.
+``vescale_zero.grad_reduce`` (the HSDP all-reduce across replicas) and ``vescale_zero.param_gather``
+(the FP8 gather's byte all-gather) call, while installed.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch.distributed as dist
 
 import vescale_zero.dbuffer as dbuffer_module
 import vescale_zero.grad_reduce as grad_reduce_module
+import vescale_zero.param_gather as param_gather_module
 
 __all__ = ["CommSpy"]
 
@@ -33,14 +35,17 @@ class CommSpy:
 
     @contextlib.contextmanager
     def installed(self):
-        saved = (dbuffer_module.all_gather, dbuffer_module.reduce_scatter, grad_reduce_module.all_reduce)
+        saved = (dbuffer_module.all_gather, dbuffer_module.reduce_scatter, grad_reduce_module.all_reduce,
+                 param_gather_module.all_gather)
         dbuffer_module.all_gather = self._wrap("all_gather", saved[0], 2)
         dbuffer_module.reduce_scatter = self._wrap("reduce_scatter", saved[1], 2)
         grad_reduce_module.all_reduce = self._wrap("all_reduce", saved[2], 1)
+        param_gather_module.all_gather = self._wrap("all_gather", saved[3], 2)
         try:
             yield self
         finally:
-            dbuffer_module.all_gather, dbuffer_module.reduce_scatter, grad_reduce_module.all_reduce = saved
+            (dbuffer_module.all_gather, dbuffer_module.reduce_scatter, grad_reduce_module.all_reduce,
+             param_gather_module.all_gather) = saved
 
     @contextlib.contextmanager
     def window(self, step, micro):

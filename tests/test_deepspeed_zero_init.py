@@ -29,6 +29,7 @@ pytest.importorskip("deepspeed")
 from tests.distributed import run_on_ranks  # noqa: E402
 from tests.memory import TransientBytes  # noqa: E402
 from tests.models import SEQ, VOCAB, assemble, local_pieces, make_batches, rank_slice  # noqa: E402
+from tests.numerics import adam_divergence_bound, reduction_order_bound  # noqa: E402
 from tests.test_deepspeed import ds_config  # noqa: E402
 
 STEPS, BATCH = 3, 12
@@ -58,15 +59,48 @@ def _gpt():
     return GPT(GPTConfig(**GPT_KW))
 
 
-def _train(engine, rank, world_size):
-    losses = []
-    for batch in make_batches(STEPS, BATCH):
+def _train(engine, rank, world_size, first_grads=None):
+    """STEPS steps; with ``first_grads(engine)``, also the full gradients of the first step
+    (after its backward, before its step): ``(losses, grads)``."""
+    losses, grads = [], None
+    for step, batch in enumerate(make_batches(STEPS, BATCH)):
         x, y = rank_slice(batch, rank, world_size)
         loss = engine(x, y)
         engine.backward(loss)
+        if step == 0 and first_grads is not None:
+            grads = first_grads(engine)
         engine.step()
         losses.append(loss.item())
-    return losses
+    return losses if first_grads is None else (losses, grads)
+
+
+def _stage3_grads(engine):
+    from deepspeed.utils import safe_get_full_grad
+
+    return {n: safe_get_full_grad(p).detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def _ragged_grads(engine):
+    from tests.test_optim_8bit import _full_grads
+
+    return _full_grads(engine.module)
+
+
+def _local_grad_magnitudes(weights, rank, world_size):
+    """``sum over ranks of |a_r|``, a_r = rank r's own (unreduced) gradient of the first step,
+    computed by the unsharded model from the same weights: the terms the engines' mean sums."""
+    model = _gpt()
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # the tied head is the embedding's parameter
+            p.copy_(weights[name])
+    x, y = rank_slice(make_batches(STEPS, BATCH)[0], rank, world_size)
+    model(x, y).backward()
+    out = {}
+    for name, p in model.named_parameters():
+        total = p.grad.abs()
+        torch.distributed.all_reduce(total)
+        out[name] = total
+    return out
 
 
 def _stage3_full(deepspeed, module):
@@ -167,7 +201,8 @@ def _checks(rank, world_size, everything):
         model3 = _gpt()
     stage3, *_ = deepspeed.initialize(model=model3, model_parameters=model3.parameters(), config=cfg3)
     out["stage3_built"] = _stage3_full(deepspeed, stage3.module)
-    out["stage3_losses"] = _train(stage3, rank, world_size)
+    out["local_grad_sums"] = _local_grad_magnitudes(out["stage3_built"], rank, world_size)
+    out["stage3_losses"], out["stage3_grads"] = _train(stage3, rank, world_size, _stage3_grads)
     out["stage3_params"] = _stage3_full(deepspeed, stage3.module)
 
     cfg = _config("ragged", world_size)
@@ -185,7 +220,7 @@ def _checks(rank, world_size, everything):
                                 if k.startswith(("ds_", "_ds_")) or k in ("all_gather", "partition")})
     out["zero3_storage_left"] = sum(p.untyped_storage().nbytes() for p in zero3_params)
     out["ragged_built"] = local_pieces(ragged.module)
-    out["ragged_losses"] = _train(ragged, rank, world_size)
+    out["ragged_losses"], out["ragged_grads"] = _train(ragged, rank, world_size, _ragged_grads)
     out["ragged_pieces"] = local_pieces(ragged.module)
 
     # 2. GatheredParameters.
@@ -240,32 +275,30 @@ def test_zero_init_and_gathered_parameters_under_ragged(world_size):
     results = run_on_ranks(_checks, world_size, everything, timeout=300)
     r0 = results[0]
 
-    # 1. zero.Init + ragged == zero.Init + ZeRO-3 (fp32): the converted weights and the losses bit-exact;
-    #    trained parameters to 1e-6 (reductions sum in another order, as in test_deepspeed).
+    # 1. zero.Init + ragged == zero.Init + ZeRO-3 (fp32). What the math guarantees, and no more
+    #    ([Note: comparing runs that sum in another order]):
+    #    * the converted weights and the first step's loss: the same inputs, the same ops: bit-exact;
+    #    * the first step's reduced gradients: each is the mean of the same per-rank gradients a_r, summed
+    #      in another order (ZeRO-3's buckets vs one reduce-scatter per group);
+    #    * the trained weights: within what Adam's steps can move apart.
     assert all(r["built_zero3"] for r in results)
     built = assemble([r["ragged_built"] for r in results])
     assert set(built) == set(r0["stage3_built"])
     for name, value in built.items():
         torch.testing.assert_close(value, r0["stage3_built"][name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
-    assert r0["ragged_losses"] == r0["stage3_losses"]
+    assert r0["ragged_losses"][0] == r0["stage3_losses"][0]
+    grads = r0["ragged_grads"]  # every rank assembles the full gradients
+    assert grads.keys() <= r0["stage3_grads"].keys() and len(grads) >= 10, sorted(grads)
+    for name, value in grads.items():
+        bound = reduction_order_bound(r0["local_grad_sums"][name], world_size)
+        excess = (value - r0["stage3_grads"][name]).abs() - bound
+        assert excess.max() <= 0, f"{name}: gradient {excess.max().item():.3e} past the summation-order bound"
     params = assemble([r["ragged_pieces"] for r in results])
     assert set(params) == set(r0["stage3_params"])
-    # [Note: AdamW on rounding noise] AdamW divides each element's step by its own gradient's
-    # magnitude, so where a gradient is near zero the last-bit difference of another summation
-    # order becomes a visible part of lr (1e-2) per step. Such elements are rare and stay far below
-    # lr; a real error (wrong mean, a lost or doubled piece) moves many elements by much more.
-    # So: every element within 1e-4 (1% of lr), and all but 0.1% of them within 1e-6.
-    total = loose = 0
+    bound = adam_divergence_bound(lr=1e-2, steps=STEPS)
     for name, value in params.items():
-        ref = r0["stage3_params"][name]
-        if name.endswith("qkv.bias"):  # the key bias: zero gradient in exact math (softmax ignores a constant
-            keep = torch.ones_like(value, dtype=torch.bool)  # per query), so AdamW steps on rounding noise;
-            keep[GPT_KW["d_model"]:2 * GPT_KW["d_model"]] = False  # stage 0, 3 and ragged all disagree there
-            value, ref = value[keep], ref[keep]
-        torch.testing.assert_close(value, ref, rtol=0, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
-        total += value.numel()
-        loose += int(((value - ref).abs() > 1e-6 + 1e-6 * ref.abs()).sum())
-    assert loose <= total // 1000, f"{loose} of {total} trained elements differ from ZeRO-3's by more than 1e-6"
+        torch.testing.assert_close(value, r0["stage3_params"][name], rtol=0, atol=bound,
+                                   msg=lambda m, n=name: f"{n}: {m}")
     for r in results:  # no rank held the whole model; nothing of ZeRO-3 remains
         assert r["conversion_peak"] < r["model_bytes"], (r["conversion_peak"], r["model_bytes"])
         # one group's full tensors at a time (ZeRO-3's gather pads each partition a little)

@@ -16,20 +16,55 @@ tile lies on one rank::
 
 scale = amax(tile) / 448 (the largest float8_e4m3fn), ``q = (x / scale) -> e4m3``, so the
 gathered weights equal quantize/dequantize of the unsharded tensor tile by tile, bit for bit.
+
+[Note: which tensors are FP8] FP8 recipes (Transformer Engine, torchao float8) put FP8 on the
+matrices of matmuls and keep norms, biases (and often embeddings) in higher precision: a norm's
+gain near 1.0 has e4m3's 3 mantissa bits (steps of 1/8 near 1, 4% error after scaling), where
+bf16 has 8. By default only tensors of 2+ dimensions are gathered as FP8
+(:func:`default_fp8_filter`); the rest travel in the group's ``param_dtype`` and come back exactly
+as a ``param_dtype`` gather gives them. ``fully_shard(..., fp8_all_gather_filter=...)`` widens or
+narrows the choice. The tile-band granularity applies to the FP8 tensors only.
+
+[Note: one collective per group] Every rank packs its part of the group into one byte slot of
+the same size; one all-gather of bytes moves everything::
+
+    rank k's slot (bytes)   | param_dtype pieces | fp32 scales of its tiles | fp8 pieces | pad |
+                            ^ each section and each piece starts on 16 bytes (vectorised access,
+                              and a valid ``view`` as fp32 / param_dtype)
+
+The slot's size is the largest rank's need (static, from the plan). After the gather each
+piece is written into the full compute buffer at its place (``plan.offsets[i]`` plus its start):
+a loop over pieces, i.e. the group's tensors plus at most one more per rank boundary.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import Callable, List, Sequence, Tuple
 
 import torch
 
-__all__ = ["FP8_MAX", "tile_band_granularity", "quantize_tiles", "dequantize_tiles", "FP8GatherLayout"]
+__all__ = ["FP8_MAX", "FP8Filter", "default_fp8_filter", "tile_band_granularity", "quantize_tiles",
+           "dequantize_tiles", "FP8GatherLayout"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+_ALIGN = 16  # bytes: every section and piece of a rank's gather slot starts on it
+
+FP8Filter = Callable[[str, torch.Tensor], bool]
+"""``(name, parameter) -> gather it as FP8``; ``name`` as in granularity policies (relative to
+the module given to ``fully_shard``)."""
+
+
+def default_fp8_filter(name: str, param: torch.Tensor) -> bool:
+    """Matrices (2+ dimensions) are gathered as FP8; norms, biases and other 1-D tensors in
+    ``param_dtype`` (see [Note: which tensors are FP8])."""
+    return param.dim() >= 2
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
 
 
 def _as_matrix(shape: Sequence[int]) -> Tuple[int, int]:
@@ -80,77 +115,104 @@ def dequantize_tiles(q: torch.Tensor, scales: torch.Tensor, tile: int, dtype: to
 @dataclass(frozen=True)
 class _Piece:
     index: int  # tensor index in the group
-    rows: Tuple[int, int]  # [row_start, row_end) of the tensor's matrix view (1-D: [elem_start, elem_end))
-    cols: int  # -1 for a 1-D tensor
+    start: int  # first element of the piece inside its tensor (flat)
+    numel: int
+    fp8: bool
+    rows: Tuple[int, int]  # FP8 pieces: [row_start, row_end) of the tensor's matrix view (1-D: elements)
+    cols: int  # FP8 pieces: columns of the matrix view; -1 for a 1-D tensor
     shard_offset: int  # element offset inside the owner's shard
-    scale_offset: int  # offset of its scales inside the owner's scale buffer
+    byte_offset: int  # where its values start in the owner's slot
+    scale_byte_offset: int  # FP8 pieces: where its scales start in the owner's slot
     n_scales: int
-
-    @property
-    def numel(self) -> int:
-        span = self.rows[1] - self.rows[0]
-        return span if self.cols < 0 else span * self.cols
 
 
 class FP8GatherLayout:
-    """Where each rank's tile bands and scales sit, for one group's plan (static).
+    """Where each rank's pieces, as FP8 tile bands with their scales or as ``hp_dtype`` values,
+    sit in its gather slot, for one group's plan (static); see [Note: one collective per group].
 
-    [Note: FP8 dequantize per tensor] The gathered float8 bytes have the layout of the full
-    buffer (rank k's shard at ``k*S``), so tensor ``i`` is whole at ``offsets[i]``; only its
-    scales are spread over the ranks' scale slots, in row order. ``scale_index[i]`` (static,
-    on the group's device) picks them out in one ``index_select``, and the tensor is
-    dequantized in one pass: a loop over the group's tensors, independent of world size.
-    """
+    ``fp8[i]`` says whether tensor ``i`` is gathered as FP8 ([Note: which tensors are FP8]); an
+    FP8 tensor's pieces must be whole tile bands (``tile_band_granularity``)."""
 
-    def __init__(self, plan, shapes: Sequence[Sequence[int]], tile: int, device: torch.device = None) -> None:
-        self.plan, self.tile = plan, tile
+    def __init__(self, plan, shapes: Sequence[Sequence[int]], tile: int, fp8: Sequence[bool],
+                 hp_dtype: torch.dtype) -> None:
+        if len(fp8) != len(shapes):
+            raise ValueError(f"fp8 names {len(fp8)} tensors, the group has {len(shapes)}")
+        self.plan, self.tile, self.hp_dtype = plan, tile, hp_dtype
         self.shapes = [tuple(s) for s in shapes]
+        self.fp8 = [bool(f) for f in fp8]
+        hp_size = hp_dtype.itemsize
         self.pieces: List[List[_Piece]] = []
         for rank in range(plan.world_size):
-            pieces, scale_off = [], 0
-            for i, (start, end, shard_off) in enumerate(plan.local_slices(rank)):
-                if end <= start:
-                    continue
+            spans = [(i, start, end, off) for i, (start, end, off) in enumerate(plan.local_slices(rank)) if end > start]
+            hp = [s for s in spans if not self.fp8[s[0]]]
+            lo = [s for s in spans if self.fp8[s[0]]]
+            at, pieces = 0, []
+            for i, start, end, off in hp:  # section 1: param_dtype values
+                pieces.append(_Piece(i, start, end - start, False, (0, 0), -1, off, at, -1, 0))
+                at = _aligned(at + (end - start) * hp_size)
+            tiled = []
+            for i, start, end, off in lo:  # section 2: scales; rows / tiles of each FP8 piece
                 rows, cols = _as_matrix(shapes[i])
                 if rows == 1:  # 1-D: tiles are runs of `tile` elements
-                    piece = _Piece(i, (start, end), -1, shard_off, scale_off, -(-(end - start) // tile))
+                    if start % tile:
+                        raise ValueError(f"tensor {i}: piece [{start}, {end}) does not start on a run of {tile}")
+                    tiled.append((i, start, end, off, (start, end), -1, -(-(end - start) // tile)))
                 else:
                     if start % cols or end % cols:
                         raise ValueError(f"tensor {i}: piece [{start}, {end}) is not whole rows of {cols}")
                     r0, r1 = start // cols, end // cols
-                    piece = _Piece(i, (r0, r1), cols, shard_off, scale_off, -(-(r1 - r0) // tile) * -(-cols // tile))
-                pieces.append(piece)
-                scale_off += piece.n_scales
+                    if r0 % tile:
+                        raise ValueError(f"tensor {i}: piece [{start}, {end}) does not start on a band of {tile} rows")
+                    tiled.append((i, start, end, off, (r0, r1), cols, -(-(r1 - r0) // tile) * -(-cols // tile)))
+            scale_at = {}
+            for t in tiled:
+                scale_at[t[0]] = at
+                at += 4 * t[6]
+            at = _aligned(at)
+            for i, start, end, off, rows, cols, n_scales in tiled:  # section 3: fp8 bytes
+                pieces.append(_Piece(i, start, end - start, True, rows, cols, off, at, scale_at[i], n_scales))
+                at = _aligned(at + end - start)
             self.pieces.append(pieces)
-        self.max_scales = max(1, max((sum(p.n_scales for p in ps) for ps in self.pieces), default=1))
-        positions: List[List[int]] = [[] for _ in self.shapes]
-        for rank, pieces in enumerate(self.pieces):  # rank order = row order of every tensor
-            for p in pieces:
-                first = rank * self.max_scales + p.scale_offset
-                positions[p.index].extend(range(first, first + p.n_scales))
-        self.scale_index = [torch.tensor(pos, dtype=torch.long, device=device) for pos in positions]
+        self.slot_bytes = max(_ALIGN, max(_aligned(max((p.byte_offset + p.numel * (1 if p.fp8 else hp_size)
+                                                         for p in ps), default=0)) for ps in self.pieces))
 
     def _matrix(self, flat: torch.Tensor, piece: _Piece) -> torch.Tensor:
         if piece.cols < 0:  # 1-D: one row per tile run
             return flat.view(1, -1)
         return flat.view(piece.rows[1] - piece.rows[0], piece.cols)
 
-    def quantize_local(self, rank: int, local: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor) -> None:
-        """Quantize ``rank``'s shard ``local`` into ``q_out`` (uint8 view of fp8) and ``s_out``."""
-        q8 = q_out.view(FP8_DTYPE)
-        for p in self.pieces[rank]:
-            q, s = quantize_tiles(self._matrix(local.narrow(0, p.shard_offset, p.numel), p), self.tile)
-            q8.narrow(0, p.shard_offset, p.numel).copy_(q.view(-1))
-            s_out.narrow(0, p.scale_offset, p.n_scales).copy_(s.view(-1))
+    def _scale_grid(self, piece: _Piece) -> Tuple[int, int]:
+        if piece.cols < 0:
+            return 1, piece.n_scales
+        return -(-(piece.rows[1] - piece.rows[0]) // self.tile), -(-piece.cols // self.tile)
 
-    def dequantize_full(self, q_full: torch.Tensor, s_full: torch.Tensor, out: torch.Tensor) -> None:
-        """Gathered fp8 bytes and scales of every rank -> the full buffer ``out``, one pass per
-        tensor (see [Note: FP8 dequantize per tensor])."""
-        q8 = q_full.view(FP8_DTYPE)
-        for i, (shape, offset, spec) in enumerate(zip(self.shapes, self.plan.offsets, self.plan.specs)):
-            if spec.numel == 0:
+    def pack_local(self, rank: int, local: torch.Tensor, slot: torch.Tensor) -> None:
+        """``rank``'s master shard ``local`` into its byte ``slot`` (``slot_bytes`` uint8):
+        FP8 pieces quantized tile by tile with their scales, the others cast to ``hp_dtype``."""
+        for p in self.pieces[rank]:
+            values = local.narrow(0, p.shard_offset, p.numel)
+            if not p.fp8:
+                slot.narrow(0, p.byte_offset, p.numel * self.hp_size).view(self.hp_dtype).copy_(values)
                 continue
-            rows, cols = _as_matrix(shape)
-            q = q8.narrow(0, offset, spec.numel).view(rows, cols)
-            scales = s_full.index_select(0, self.scale_index[i]).view(-(-rows // self.tile), -(-cols // self.tile))
-            out.narrow(0, offset, spec.numel).copy_(dequantize_tiles(q, scales, self.tile, out.dtype).view(-1))
+            q, s = quantize_tiles(self._matrix(values, p), self.tile)
+            slot.narrow(0, p.byte_offset, p.numel).view(FP8_DTYPE).copy_(q.view(-1))
+            slot.narrow(0, p.scale_byte_offset, 4 * p.n_scales).view(torch.float32).copy_(s.view(-1))
+
+    @property
+    def hp_size(self) -> int:
+        return self.hp_dtype.itemsize
+
+    def unpack_full(self, gathered: torch.Tensor, out: torch.Tensor) -> None:
+        """Every rank's slot (``gathered``: ``world_size * slot_bytes`` uint8) -> the full
+        buffer ``out`` (plan layout): FP8 pieces dequantized, the others copied."""
+        hp_size = self.hp_size
+        for rank, pieces in enumerate(self.pieces):
+            slot = gathered.narrow(0, rank * self.slot_bytes, self.slot_bytes)
+            for p in pieces:
+                target = out.narrow(0, self.plan.offsets[p.index] + p.start, p.numel)
+                if not p.fp8:
+                    target.copy_(slot.narrow(0, p.byte_offset, p.numel * hp_size).view(self.hp_dtype))
+                    continue
+                q = self._matrix(slot.narrow(0, p.byte_offset, p.numel).view(FP8_DTYPE), p)
+                s = slot.narrow(0, p.scale_byte_offset, 4 * p.n_scales).view(torch.float32).view(self._scale_grid(p))
+                target.copy_(dequantize_tiles(q, s, self.tile, out.dtype).view(-1))

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from .eager_hooks import outside_compile
-from .fp8_gather import tile_band_granularity
+from .fp8_gather import FP8Filter, default_fp8_filter, tile_band_granularity
 from .granularity import GranularityPolicy, resolve_granularities
 from .param_group import GroupState, ManagedParam, ParamGroup
 from .runtime import STATE_ATTR, FSDPState, in_backward_pass
@@ -251,6 +251,7 @@ def fully_shard(
     granularity: GranularityPolicy = None,
     align_bytes: int = DEFAULT_ALIGN_BYTES,
     fp8_all_gather_tile: Optional[int] = None,
+    fp8_all_gather_filter: Optional[FP8Filter] = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters (those not in a sharded sub-module) as one group.
 
@@ -274,8 +275,15 @@ def fully_shard(
             bytes in each buffer (vectorised and tensor-core kernels want 16 at least).
         fp8_all_gather_tile: gather parameters as float8 (e4m3) with one scale per
             ``tile x tile`` tile (128 is usual) instead of ``param_dtype``: about half the
-            bytes of bf16. The granularity defaults to whole tile bands; a given one must
-            be a multiple of them. See :mod:`vescale_zero.fp8_gather`.
+            bytes of bf16. Only the tensors ``fp8_all_gather_filter`` chooses; the others are
+            gathered in ``param_dtype``, in the same single collective. The granularity of an
+            FP8 tensor defaults to whole tile bands; a given one must be a multiple of them.
+            See :mod:`vescale_zero.fp8_gather`.
+        fp8_all_gather_filter: ``(name, parameter) -> bool``: which tensors
+            ``fp8_all_gather_tile`` gathers as FP8 (names as in ``granularity``). Default
+            :func:`vescale_zero.fp8_gather.default_fp8_filter`: tensors of 2+ dimensions (matrices),
+            so norms and biases keep ``param_dtype`` as FP8 recipes keep them; pass e.g.
+            ``lambda n, p: p.dim() >= 2 and "embed" not in n`` to keep embeddings out too.
 
     Returns:
         ``module``, its class now also a :class:`RaggedFSDPModule`.
@@ -298,16 +306,23 @@ def fully_shard(
 
     group = None
     if named:
+        fp8 = None
         if fp8_all_gather_tile is not None:
-            bands = {n: tile_band_granularity(p.shape, fp8_all_gather_tile) for n, p, _ in named}
+            choose = default_fp8_filter if fp8_all_gather_filter is None else fp8_all_gather_filter
+            fp8 = [bool(choose(n, p)) for n, p, _ in named]
+            # the tile-band rule binds the FP8 tensors only ([Note: which tensors are FP8])
+            bands = {n: tile_band_granularity(p.shape, fp8_all_gather_tile) for (n, p, _), f in zip(named, fp8) if f}
             grans = resolve_granularities([(n, p) for n, p, _ in named], bands if granularity is None else granularity)
             for (n, p, _), g in zip(named, grans):
-                if g % bands[n]:
+                if n in bands and g % bands[n]:
                     raise ValueError(
                         f"fp8_all_gather_tile={fp8_all_gather_tile}: the granularity of {n!r} {tuple(p.shape)} is "
                         f"{g} elements, which cuts its {fp8_all_gather_tile}x{fp8_all_gather_tile} tiles; use a "
-                        f"multiple of {bands[n]} (whole tile bands), or leave granularity unset"
+                        f"multiple of {bands[n]} (whole tile bands), leave granularity unset, or keep {n!r} out of "
+                        "FP8 with fp8_all_gather_filter"
                     )
+        elif fp8_all_gather_filter is not None:
+            raise ValueError("fp8_all_gather_filter chooses tensors for an FP8 gather; set fp8_all_gather_tile too")
         else:
             grans = resolve_granularities([(n, p) for n, p, _ in named], granularity)
         # Every role's buffer (and the float8 bytes of an FP8 gather) keeps its shards and
@@ -325,6 +340,7 @@ def fully_shard(
             align=align,
             fp8_tile=fp8_all_gather_tile,
             replicate_group=replicate_pg,
+            fp8=fp8,
         )
         label = type(module).__name__
         for p in [p for _, p, _ in named] + group.sharded_params + group.unsharded_params:

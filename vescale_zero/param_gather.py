@@ -7,9 +7,10 @@ master shard before the collective, one collective (or two), something done afte
     DirectGather    --   (master.local *is* the input)   all-gather              --
     CastGather      master.local -> param_dtype, into    in-place all-gather     --
                     this rank's slot of compute.full
-    FP8TileGather   master.local -> float8 tile bands    2 in-place all-gathers  dequantize into
-                    + scales, into this rank's slots of  (bytes, scales)         compute.full, free
-                    two buffers made for this gather                              those two buffers
+    FP8TileGather   master.local -> float8 tile bands    1 in-place all-gather   dequantize / copy
+                    + scales, other tensors cast to      of bytes                into compute.full,
+                    param_dtype, into this rank's slot                            free the byte buffer
+                    of one byte buffer made for it
 
 [Note: every gather re-reads the master]
 The gather input is made from the master shard on every all-gather, never cached. An
@@ -22,7 +23,7 @@ PyTorch FSDP2 pays the same.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -83,47 +84,47 @@ class CastGather(ParamGather):
 
 
 class FP8TileGather(ParamGather):
-    """Gather float8 (e4m3) tile bands and one fp32 scale per tile; see
-    :mod:`vescale_zero.fp8_gather`. The two gathered buffers (1 byte per element, and the
-    scales) exist only from ``start`` to ``finish``."""
+    """Gather the FP8-chosen tensors as float8 (e4m3) tile bands with one fp32 scale per tile,
+    and the others in ``param_dtype``, in ONE all-gather of bytes; see :mod:`vescale_zero.fp8_gather`
+    ([Note: one collective per group]). The gathered byte buffer exists only from ``start`` to
+    ``finish``."""
 
     def __init__(self, master: DBuffer, compute: DBuffer, process_group: dist.ProcessGroup, stats: CommStats,
                  layout: FP8GatherLayout) -> None:
         super().__init__(master, compute, process_group, stats)
         self.layout = layout
         self._bytes: Optional[torch.Tensor] = None
-        self._scales: Optional[torch.Tensor] = None
 
     def start(self, async_op: bool) -> None:
         plan, rank, device = self.master.plan, self.master.rank, self.master.device
-        size, tiles = plan.shard_size, self.layout.max_scales
-        self._bytes = torch.empty(plan.world_size * size, dtype=torch.uint8, device=device)
-        self._scales = torch.ones(plan.world_size * tiles, dtype=torch.float32, device=device)
-        own_bytes = self._bytes.narrow(0, rank * size, size)
-        own_scales = self._scales.narrow(0, rank * tiles, tiles)
+        size = self.layout.slot_bytes
+        self._bytes = torch.zeros(plan.world_size * size, dtype=torch.uint8, device=device)
+        own = self._bytes.narrow(0, rank * size, size)
         with torch.no_grad():
-            self.layout.quantize_local(rank, self.master.local, own_bytes, own_scales)
-        for full, own in ((self._bytes, own_bytes), (self._scales, own_scales)):
-            work = all_gather(full, own, self.process_group, self.stats, async_op)
-            if work is not None:
-                self._works.append(work)
+            self.layout.pack_local(rank, self.master.local, own)
+        work = all_gather(self._bytes, own, self.process_group, self.stats, async_op)
+        if work is not None:
+            self._works.append(work)
         self.compute.allocate()
 
     def finish(self) -> None:
         super().finish()
         if self._bytes is not None:
             with torch.no_grad():  # through the wire: see DBuffer [Note: version counter]
-                self.layout.dequantize_full(self._bytes, self._scales, self.compute._wire)
-            self._bytes = self._scales = None
+                self.layout.unpack_full(self._bytes, self.compute._wire)
+            self._bytes = None
 
 
 def make_param_gather(master: DBuffer, compute: DBuffer, process_group: dist.ProcessGroup, stats: CommStats,
-                      shapes, fp8_tile: Optional[int]) -> ParamGather:
-    """The strategy for a group: FP8 tiles if ``fp8_tile``, else a cast if the compute dtype
-    differs from the master's, else the direct gather."""
+                      shapes, fp8_tile: Optional[int], fp8: Optional[Sequence[bool]] = None) -> ParamGather:
+    """The strategy for a group: FP8 tiles if ``fp8_tile`` and some tensor is chosen for FP8
+    (``fp8[i]``; default: every tensor of 2+ dimensions, [Note: which tensors are FP8]), else a
+    cast if the compute dtype differs from the master's, else the direct gather."""
     if fp8_tile:
-        layout = FP8GatherLayout(master.plan, shapes, fp8_tile, device=master.device)
-        return FP8TileGather(master, compute, process_group, stats, layout)
+        chosen = [len(s) >= 2 for s in shapes] if fp8 is None else list(fp8)
+        if any(chosen):
+            layout = FP8GatherLayout(master.plan, shapes, fp8_tile, chosen, compute.dtype)
+            return FP8TileGather(master, compute, process_group, stats, layout)
     if compute.dtype != master.dtype:
         return CastGather(master, compute, process_group, stats)
     return DirectGather(master, compute, process_group, stats)

@@ -161,6 +161,7 @@ class ParamGroup:
         align: int = 1,
         fp8_tile: Optional[int] = None,
         replicate_group: Optional[dist.ProcessGroup] = None,
+        fp8: Optional[Sequence[bool]] = None,
     ) -> None:
         dtypes = {p.dtype for p in originals}
         devices = {p.device for p in originals}
@@ -185,6 +186,8 @@ class ParamGroup:
         self.stats = CommStats()
         self._granularities = list(granularities)
         self._fp8_tile = fp8_tile
+        # which tensors an FP8 gather moves as FP8: fp8_gather [Note: which tensors are FP8]
+        self._fp8 = None if fp8 is None else list(fp8)
         self._build(self.device, originals)
         with torch.no_grad():
             for i, p in enumerate(originals):
@@ -219,7 +222,7 @@ class ParamGroup:
         self.compute = DBuffer(self.plan, self.rank, self.param_dtype, self.device, shapes=shapes,
                                local=self.master.local if direct else None, with_local=direct)
         self.gather = make_param_gather(self.master, self.compute, self.process_group, self.stats, shapes,
-                                        self._fp8_tile)
+                                        self._fp8_tile, self._fp8)
         self.grads = GradReducer(self.plan, self.rank, self.process_group, self.stats, reduce_dtype=self.reduce_dtype,
                                  shard_dtype=self.orig_dtype, device=self.device, shapes=shapes,
                                  replicate_group=self.replicate_group)

@@ -48,7 +48,7 @@ from .param_group import GroupState, ParamGroup
 from .ragged_tensor import like_param, local_piece
 
 __all__ = ["full_state_dict", "load_full_state_dict", "full_optimizer_state", "load_full_optimizer_state",
-           "sharded_params_by_key", "ELEMENT_WISE_STATE", "flat_range_boxes", "Box", "LocalPieces"]
+           "restored_step", "sharded_params_by_key", "ELEMENT_WISE_STATE", "flat_range_boxes", "Box", "LocalPieces"]
 
 ELEMENT_WISE_STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
 """Optimizer state keys holding one value per parameter element (torch's Adam/AdamW/SGD)."""
@@ -355,6 +355,22 @@ def full_optimizer_state(
     return out, (steps.pop() if steps else None)
 
 
+def restored_step(value: Any, param: torch.Tensor, group: Mapping[str, Any]) -> Any:
+    """A loaded optimizer ``step`` placed as torch's ``Optimizer.load_state_dict`` places it.
+
+    [Note: where the step lives] torch keeps ``step`` as a CPU tensor for the plain
+    (for-loop / foreach) kernels, which read it on the host, but as an fp32 tensor on the
+    parameter's device for ``fused=True`` and ``capturable=True``, whose kernels (and CUDA
+    graphs) read it on the device and refuse a CPU step ("params and state_steps must be on
+    supported devices"). A step that a checkpoint holds on the CPU therefore moves to the
+    parameter's device, as fp32, when ``param``'s group is fused or capturable, and is kept as
+    it is otherwise (torch's ``_process_value_according_to_param_policy``). Values that are not
+    tensors (our own optimizers count steps in Python ints) are kept as they are."""
+    if torch.is_tensor(value) and (group.get("fused") or group.get("capturable")):
+        return value.to(dtype=torch.float32, device=param.device)
+    return value
+
+
 def load_full_optimizer_state(
     module: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Mapping[str, torch.Tensor]],
     step: Optional[float], strict: bool = True,
@@ -364,7 +380,8 @@ def load_full_optimizer_state(
     parameter the optimizer trains but ``state`` lacks raises ``KeyError``; a tensor of the
     wrong shape always raises ``ValueError``."""
     keys = {id(p): key for key, p in sharded_params_by_key(module).items()}
-    trained = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    trained = set(group_of)
     missing = []
     with torch.no_grad():
         for group in groups_of(module):
@@ -387,7 +404,8 @@ def load_full_optimizer_state(
                     piece = value.detach().reshape(-1)[start:end].to(dtype=sp.dtype, device=sp.device)
                     target[name] = like_param(piece.clone(), sp)
                 if step is not None:
-                    target["step"] = torch.tensor(float(step), dtype=torch.float32)
+                    target["step"] = restored_step(torch.tensor(float(step), dtype=torch.float32), sp,
+                                                   group_of[id(sp)])
     if strict and missing:
         raise KeyError(
             f"the optimizer state holds no entry for {missing[:8]}{'...' if len(missing) > 8 else ''}; "

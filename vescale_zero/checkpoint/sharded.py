@@ -58,6 +58,7 @@ from torch import nn
 from ..comm_device import collective_device, current_device
 from ..fully_shard import RaggedFSDPModule, groups_of
 from ..ragged_tensor import like_param, local_piece
+from ..state_dict import restored_step
 from .format import (
     CHECKPOINT_DOMAIN,
     CheckpointError,
@@ -375,6 +376,8 @@ def _load_local(path: str, model: nn.Module, optimizer: Optional[torch.optim.Opt
                     for key, saved in blocks.items():
                         if key.startswith(name + "::"):
                             state[key[len(name) + 2 :]] = _load_blocks(span_of, p, key[len(name) + 2 :], saved, key)
+                    if "step" in state:  # see [Note: where the step lives] (state_dict.py)
+                        state["step"] = restored_step(state["step"], p, group)
                     if state:
                         optimizer.state[p] = state
     return common["extra"]

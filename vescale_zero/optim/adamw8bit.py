@@ -1,10 +1,12 @@
-"""AdamW with both moments stored in 8 bits, one scale per block of ``block`` elements.
+"""AdamW with both moments stored in 8 bits, one absmax per block of ``block`` elements.
 
-Each parameter's moments are quantized block-wise (:mod:`vescale_zero.quantization`):
-the first moment as int8 (absmax scaling), the second as uint8 *of its square root*
-(linear codes of v itself flush small values to zero, and the update then divides by
-eps; sqrt(v) needs half the dynamic range). The update itself is AdamW's, in fp32.
-State: 2 bytes per element + 8 bytes per block.
+Each parameter's moments are quantized block-wise with the dynamic map of Dettmers et al.
+(:mod:`vescale_zero.quantization`, [Note: the dynamic map]): the first moment with the signed
+map, the second moment (``v`` itself) with the unsigned map, as bitsandbytes' ``AdamW8bit``
+stores them. The update itself is AdamW's, in fp32, in bitsandbytes' order of operations:
+dequantize, ``m = b1*m + (1-b1)*g``, ``v = b2*v + (1-b2)*g*g``, decay, then
+``p -= lr / (1-b1**t) * m / (sqrt(v) / sqrt(1-b2**t) + eps)``, and re-quantize.
+State: 2 bytes per element (uint8 codes) + 8 bytes per block (two fp32 absmax).
 
 [Note: sharded equals unsharded]
 Blocks are counted from the start of the *full* parameter. On a sharded parameter
@@ -13,6 +15,11 @@ and to hold whole blocks (except the parameter's last, partial one), which the p
 guarantees when the parameter is sharded with ``granularity=AdamW8bit.granularity(block)``.
 Every block is then quantized on exactly one rank with exactly the elements it has
 unsharded, so given the same gradients the sharded run equals the unsharded one bit for bit.
+
+[Note: 8-bit state format] State keys: ``exp_avg`` / ``exp_avg_sq`` (uint8 codes) and
+``exp_avg_absmax`` / ``exp_avg_sq_absmax`` (fp32 per block). The linear-code format that
+came before (int8 / uint8-of-sqrt codes with ``*_scale`` keys) means something else: a state
+holding ``exp_avg_scale`` is refused, never read as dynamic codes.
 """
 
 from __future__ import annotations
@@ -71,10 +78,10 @@ class AdamW8bit(torch.optim.Optimizer):
         return lambda name, param: block if param.numel() % block == 0 else max(1, param.numel())
 
     def sharded_state_span(self, param: torch.Tensor, key: str) -> Optional[Tuple[int, int, int]]:
-        """The scales of ``param``'s piece as ``(first, last, total)`` blocks of the full
+        """The absmax of ``param``'s piece as ``(first, last, total)`` blocks of the full
         parameter, so checkpoints re-cut them (:mod:`vescale_zero.checkpoint`); ``None`` for
         per-element state (the codes) and the step."""
-        if key not in ("exp_avg_scale", "exp_avg_sq_scale"):
+        if key not in ("exp_avg_absmax", "exp_avg_sq_absmax"):
             return None
         block = next(g["block"] for g in self.param_groups if any(q is param for q in g["params"]))
         self._check_layout(param, block)
@@ -102,9 +109,9 @@ class AdamW8bit(torch.optim.Optimizer):
 
     @staticmethod
     def _store(state: dict, param: torch.Tensor, key: str, quantized: Tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Codes (one per element: in the parameter's layout, ragged for a sharded one) and scales."""
-        codes, scales = quantized
-        state[key], state[key + "_scale"] = like_param(codes, param), scales
+        """Codes (one per element: in the parameter's layout, ragged for a sharded one) and each block's absmax."""
+        codes, absmax = quantized
+        state[key], state[key + "_absmax"] = like_param(codes, param), absmax
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable] = None):
@@ -127,11 +134,17 @@ class AdamW8bit(torch.optim.Optimizer):
                     state["step"] = 0
                     self._store(state, p, "exp_avg", quantize_blockwise(zeros, block, signed=True))
                     self._store(state, p, "exp_avg_sq", quantize_blockwise(zeros, block, signed=False))
+                elif "exp_avg_scale" in state:
+                    raise ValueError(
+                        "AdamW8bit: this optimizer state holds linear 8-bit codes ('exp_avg_scale'), written before "
+                        "AdamW8bit quantized with the dynamic map; it cannot be read as dynamic codes. Start the "
+                        "optimizer state afresh (load the model weights only)")
                 state["step"] += 1
                 t = state["step"]
                 grad = local_piece(p.grad).reshape(-1).float()
-                m = dequantize_blockwise(local_piece(state["exp_avg"]), state["exp_avg_scale"], block)
-                v = dequantize_blockwise(local_piece(state["exp_avg_sq"]), state["exp_avg_sq_scale"], block).square_()
+                m = dequantize_blockwise(local_piece(state["exp_avg"]), state["exp_avg_absmax"], block, signed=True)
+                v = dequantize_blockwise(local_piece(state["exp_avg_sq"]), state["exp_avg_sq_absmax"], block,
+                                         signed=False)
                 m.mul_(b1).add_(grad, alpha=1 - b1)
                 v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
                 flat = local.view(-1)
@@ -139,5 +152,5 @@ class AdamW8bit(torch.optim.Optimizer):
                 denom = (v.sqrt() / math.sqrt(1 - b2**t)).add_(eps)
                 flat.addcdiv_(m.to(flat.dtype), denom.to(flat.dtype), value=-lr / (1 - b1**t))
                 self._store(state, p, "exp_avg", quantize_blockwise(m, block, signed=True))
-                self._store(state, p, "exp_avg_sq", quantize_blockwise(v.sqrt_(), block, signed=False))
+                self._store(state, p, "exp_avg_sq", quantize_blockwise(v, block, signed=False))
         return loss
