@@ -60,7 +60,9 @@ allocated until the synced backward adds its own gradients and reduce-scatters i
   reduce-scatter. It is what FSDP2 holds (its fp32 ``unsharded_accumulated_grad`` per
   parameter), and a backward without sync runs no collective at all, which is what the user
   asked for when turning sync off (a single node's many micro-batches; a slow network between
-  replicas).
+  replicas). Measured (tests/test_grad_accumulation.py, a 3-layer GPT, 159296 planned elements,
+  2 ranks): 637184 B held while accumulating (318592 B in bf16 before), FSDP2 637184 B; the
+  step's peak 1342600 B, FSDP2's 1345032 B.
 * an early reduce-scatter per micro-batch into an fp32 sharded accumulator: ``4 * S`` bytes
   per group (``1/m`` of the above), but one collective per group per micro-batch instead of
   per step (k times the gradient traffic for k micro-batches). That is exactly what running
