@@ -47,7 +47,7 @@ do. Autograd cannot: it adds every later gradient into ``.grad`` in the paramete
 bf16 compute summed 32 micro-batches to 0.9-1% relative error, and fp16 with a loss scale
 overflowed in the sum where every single micro-batch was finite.
 
-So when a group's backward ends without sync (:meth:`GradReducer.accumulate`), its gradients
+So when a group's backward ends without sync (:meth:`GradReducer.accumulate_unsynced`), its gradients
 go into ``full``, in the reduce dtype: copied (cast) by the first backward of the window,
 added by every later one, each autograd ``.grad`` dropped at once. ``full`` then stays
 allocated until the synced backward adds its own gradients and reduce-scatters it (or
@@ -73,9 +73,12 @@ allocated until the synced backward adds its own gradients and reduce-scatters i
 When the parameters already compute in the reduce dtype (fp32 training, or bf16 reduce of
 bf16 compute), autograd's ``.grad`` is already the accumulator: nothing moves until the
 synced backward copies it in, as before (:attr:`GradReducer.accumulates_in_full` is false),
-so such training pays no extra copy and no extra buffer. The synced path is unchanged when
-nothing was accumulated: ``full`` is allocated at ``issue`` and freed at ``finish``, one
-group in flight ([Note: gradients are copied in at the reduce-scatter]).
+so such training pays no extra copy and no extra buffer. A reduce dtype narrower than the
+compute dtype (fp32 compute, bf16 reduce) also keeps summing in the wider ``.grad``: FSDP2
+would cast the sum down to the reduce dtype; we never accumulate in less than autograd does.
+The synced path is unchanged when nothing was accumulated: ``full`` is allocated at ``issue``
+and freed at ``finish``, one group in flight ([Note: gradients are copied in at the
+reduce-scatter]).
 """
 
 from __future__ import annotations
