@@ -1453,8 +1453,13 @@ def test_megatron_hsdp_equals_flat_vescale_fsdp(tmp_path):
     mesh over Megatron's groups; dp 2 = 2 instances of one rank), for MoE (ep 2: experts
     sharded in the instance's expert-data-parallel group, replicated across instances), with
     ``--vescale-optimizer muon`` (Newton-Schulz inside the instance) and in bf16 with fp32
-    gradient reduction (bf16 compute is the same on both; with bf16 reductions the two differ
-    by up to 2e-2, one Adam step, as any two bf16 reduction orders do)."""
+    gradient accumulation and reduction: within 2e-2 there. Each rank's fp32 sum of its bf16
+    micro-gradients (grad_reduce [Note: accumulating in the reduce dtype]) has full fp32
+    precision, so the two reduction orders give masters an fp32 ulp apart; one that flips the
+    rounding of a bf16 compute weight makes the gradients differ at bf16 level, which Adam's
+    normalised step can turn into up to ~lr (1e-2) per step for a near-zero component, as any
+    two bf16 reduction orders do (measured 3.4e-4; when micro-gradients were summed in bf16,
+    sums of a few bf16 numbers were exact in fp32 in either order and the runs matched to 1e-6)."""
     (tmp_path / "hsdp-ckpt").mkdir()
     cases = {
         "adam+ckpt": (_megatron_hsdp, (HSDP, str(tmp_path / "hsdp-ckpt"))),
@@ -1477,4 +1482,4 @@ def test_megatron_hsdp_equals_flat_vescale_fsdp(tmp_path):
     _check_hsdp(out["pp2"], 1e-6, shards=(1,), dp=2, flat=(2,))
     _check_hsdp(out["moe-ep2"], 1e-6, shards=(1, 2), flat=(2, 4))
     _check_hsdp(out["muon"], 1e-6, shards=(2,))
-    _check_hsdp(out["bf16"], 1e-6, shards=(2,))
+    _check_hsdp(out["bf16"], 2e-2, shards=(2,))
