@@ -8,8 +8,11 @@ One group owns, per rank::
     gather input    master.local, or this rank's slot of compute.full (a cast), or of a
                     float8 buffer (FP8 tiles): see vescale_zero.param_gather
     full grads      the unsharded params' .grad param_dtype    first gradient .. reduce-scatter issued
-                    (autograd's own tensors)
-    reduce input    grads.full                  reduce_dtype   reduce-scatter issued .. finished
+                    (autograd's own tensors)                   (or the end of a backward without sync)
+    reduce input    grads.full                  reduce_dtype   reduce-scatter issued .. finished; also
+                                                               the gradients accumulated without sync
+                                                               (grad_reduce [Note: accumulating in the
+                                                               reduce dtype])
     sharded grads   grads.sharded (GradShard)   param's own    first reduce-scatter .. zero_grad(set_to_none)
                                                                (``param.grad`` views hold it: grad_shard
                                                                [Note: gradient shards live with their .grad])
@@ -225,7 +228,7 @@ class ParamGroup:
                                         self._fp8_tile, self._fp8)
         self.grads = GradReducer(self.plan, self.rank, self.process_group, self.stats, reduce_dtype=self.reduce_dtype,
                                  shard_dtype=self.orig_dtype, device=self.device, shapes=shapes,
-                                 replicate_group=self.replicate_group)
+                                 replicate_group=self.replicate_group, grad_dtype=self.param_dtype)
         self.params: List[RaggedParam] = []
         for i, (m, p) in enumerate(zip(self.managed, templates)):
             start, end = self.master.local_range(i)
@@ -443,14 +446,16 @@ class ParamGroup:
             self.on_ready(self)
 
     def issue_reduce_scatter(self) -> bool:
-        """Copy the gradients in and start the reduce-scatter; False (and the unsharded
-        gradients kept, for the next backward to add into) while gradient sync is off."""
+        """Copy the gradients in and start the reduce-scatter; False while gradient sync is off
+        (the gradients then accumulate, for the next synced backward: grad_reduce [Note:
+        accumulating in the reduce dtype])."""
         self.progress.issued = True
         if not self._grad_indices:
             return False
         used = self._used | self.progress.arrived
         if not self.grads.requires_grad_sync:
             self._used = used
+            self.grads.accumulate_unsynced([(i, self.params[i].unsharded) for i in self._grad_indices])
             return False
         self._used = set()
         had_grad = {i for i in self._grad_indices if self.params[i].sharded.grad is not None}
