@@ -59,7 +59,7 @@ def _sharded_grads(model) -> Dict[str, tuple]:
                 start, end = group.master.local_range(i)
                 name = f"{prefix}.{group.managed[i].fqn}" if prefix else group.managed[i].fqn
                 grad = group.sharded_params[i].grad
-                out[name] = (start, end, None if grad is None else grad.detach().clone())
+                out[name] = (start, end, None if grad is None else grad.to_local().detach().clone())
     return out
 
 
