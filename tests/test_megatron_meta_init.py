@@ -100,8 +100,11 @@ def _materialise_peak(rank: int, world_size: int, argv: List[str]) -> Dict:
         grads = sum(g.sharded_grad.live.nbytes for g in groups if g.sharded_grad.live is not None)
         one_group = max(sum(m.shape.numel() for m in g.managed) * g.master.local.element_size() for g in groups)
         tp = args.tensor_model_parallel_size
-        return {"persistent": after - before, "shards": masters + grads, "masters": masters,
-                "materialised": materialised["live"] - before, "transient": materialised["peak"] - materialised["live"],
+        # each shard group's DeviceMesh (the sharded parameters are DTensors on it) holds its ranks as a tensor
+        meshes = sum(m.mesh.untyped_storage().nbytes() for m in {id(g.mesh): g.mesh for g in groups}.values())
+        return {"persistent": after - before - meshes, "shards": masters + grads, "masters": masters,
+                "materialised": materialised["live"] - before - meshes,
+                "transient": materialised["peak"] - materialised["live"],
                 "one_group": one_group, "master_weight": largest * tp, "whole": whole, "groups": len(groups)}
 
 

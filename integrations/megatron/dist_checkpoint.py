@@ -231,7 +231,7 @@ def state_boxes(boxes: List[Any], state: torch.Tensor, key: str) -> List[Any]:
     parameter's shard: an optimizer state or the fp32 master) instead of the parameter."""
     out = []
     for sh in boxes:
-        data = LocalPieces.take(state.detach(), getattr(sh, LOCAL_PIECE)[2]).view(sh.local_shape)
+        data = LocalPieces.take(local_piece(state).detach(), getattr(sh, LOCAL_PIECE)[2]).view(sh.local_shape)
         st = replace(sh, key=key, data=data, dtype=data.dtype)
         setattr(st, LOCAL_PIECE, getattr(sh, LOCAL_PIECE))
         out.append(st)
