@@ -240,8 +240,10 @@ def fully_shard(
             reduce-scattered in the shard group, and its reduced shard all-reduced across
             replicas (grad_reduce [Note: HSDP]), the mean over all ranks, as DDP gives.
         reshard_after_forward: free the full parameters after forward (re-gathered in
-            backward); ``False`` keeps them until backward ends. The root never reshards
-            after forward.
+            backward); ``False`` keeps them until backward ends. The root keeps its group
+            gathered after a forward with grad, for backward. Outside forward and backward
+            the modules always hold the sharded parameters, and a forward with grad disabled
+            leaves nothing gathered (runtime [Note: nothing stays gathered after forward]).
         mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy``: ``param_dtype`` for
             compute and gathers, ``reduce_dtype`` for the gradient reduce-scatter; the
             sharded (master) parameters keep the module's dtype.
@@ -324,10 +326,11 @@ def fully_shard(
 
 
 class _ShardedForStateDict:
-    """[Note: state dicts see the shards] A group left gathered (the root after a forward
-    with no backward, ``reshard_after_forward=False``) holds full parameters in the modules.
-    Saving must see the sharded parameters, and loading must write them and drop the stale
-    full ones, so both reshard the group first (outside forward and backward)."""
+    """[Note: state dicts see the shards] A group still gathered for a backward to come (the
+    root, ``reshard_after_forward=False``) holds full buffers, though its modules hold the
+    sharded parameters (runtime [Note: nothing stays gathered after forward]). Loading must
+    write the shards and drop the stale full ones, so saving and loading reshard the group
+    first (outside forward and backward); a backward that follows gathers it again."""
 
     def __init__(self, group: ParamGroup) -> None:
         self.group = group

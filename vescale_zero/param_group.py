@@ -192,6 +192,9 @@ class ParamGroup:
         self.needs_init = self.device.type == "meta"
 
         self.state = GroupState.SHARDED
+        # the root forward whose pre-hook or prefetch last gathered or used it while gathered;
+        # None once resharded: runtime [Note: nothing stays gathered after forward]
+        self.gathered_for: Optional[int] = None
         self.progress = BackwardProgress()
         self.on_ready: Optional[Callable[["ParamGroup"], None]] = None  # set by the runtime
         self.on_grad: Optional[Callable[[], None]] = None  # set by the runtime: each gradient's arrival
@@ -313,6 +316,7 @@ class ParamGroup:
         self.gather.release()
         self.to_sharded_params()
         self.state = GroupState.SHARDED
+        self.gathered_for = None
 
     # ---- forward bookkeeping ---------------------------------------------------------
     def note_forward(self, grad_enabled: bool, forward_id: int) -> None:
