@@ -8,7 +8,7 @@ forward:  pre-hook   (the root: a new forward, [Note: nothing stays gathered aft
           post-hook  reshard (free compute.full, install the sharded parameters) unless it is
                      the root, ``reshard_after_forward=False``, or the group kept for the
                      start of backward ([Note: orders]); with grad enabled, a hook on the
-                     outputs for backward
+                     outputs for backward ([Note: output views])
 backward: pre-hook   (first gradient of an output) gather again, install the full parameters,
                      attach gradient views, prefetch the group backward needs next (see
                      [Note: backward prefetch order]); the first one queues the final callback
@@ -55,6 +55,14 @@ alike on every rank:
     ([Note: backward prefetch order]), recorded per forward (pipeline schedules run the
     next micro-batches' forwards before this backward).
 The reduce-scatter order is the first forward's ([Note: one order of reduce-scatters]).
+
+[Note: output views]
+The pre-backward hook is registered on each output that requires grad, and, for an output
+that is a view, on its base instead: an in-place change of a view (``h = block(x);
+h.mul_(2)``) replaces the view's autograd history and drops hooks registered on the view,
+while a hook on the base's gradient still fires before the module's own backward nodes run
+(PyTorch FSDP2 only warns, and backward then reads freed parameters). A view of one of the
+module's positional inputs keeps its own hook: nothing of the module runs in its backward.
 
 [Note: backward prefetch order]
 Backward reaches groups in the reverse order of their forward *post*-hooks, not of their
@@ -154,6 +162,24 @@ def _arm_input_trigger(trigger: Optional[InputGradTrigger], args: tuple, kwargs:
     for i, out in zip(slots, outs):
         leaves[i] = out
     return tree_unflatten(leaves, spec)
+
+
+def _pre_backward_targets(output: Any, args: tuple) -> List[torch.Tensor]:
+    """The tensors whose gradients announce a module's backward: each output that requires
+    grad, or its base if it is a view of something made inside the module ([Note: output
+    views]; a view of an input has no backward inside the module)."""
+    inputs = {id(a._base if a._base is not None else a) for a in args if torch.is_tensor(a)}
+    targets: List[torch.Tensor] = []
+    seen: Set[int] = set()
+    for t in tree_flatten(output)[0]:
+        if not (torch.is_tensor(t) and t.requires_grad):
+            continue
+        base = t._base
+        target = base if base is not None and base.requires_grad and id(base) not in inputs else t
+        if id(target) not in seen:
+            seen.add(id(target))
+            targets.append(target)
+    return targets
 
 
 _ORDERS_KEPT = 64
@@ -437,11 +463,11 @@ class FSDPState:
             else:
                 ctx.note_post_forward(self)
         if grad_on:
-            tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
-            if tensors:
+            targets = _pre_backward_targets(output, args)
+            if targets:
                 fid = ctx.backward_of if recompute else ctx.forward_id
                 hook = functools.partial(self._pre_backward, fid)
-                torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
+                torch.autograd.graph.register_multi_grad_hook(targets, hook, mode="any")
         mp = self.mp_policy
         if mp is not None and mp.output_dtype is not None:
             output = tree_map(
