@@ -426,6 +426,8 @@ class ParamGroup:
             self._used = used
             return False
         self._used = set()
+        # grad_shard [Note: a kept gradient stays the caller's]
+        self.grads.sharded.disown_unless_held_by(self.params[i].sharded.grad for i in self._grad_indices)
         had_grad = {i for i in self._grad_indices if self.params[i].sharded.grad is not None}
         if self.unused_grads == "none":
             self._usage = (used, had_grad)
