@@ -116,6 +116,17 @@ class RaggedFSDPModule:
                     setattr(buffer, BUFFER_NEEDS_INIT, True)
         return module
 
+    def __deepcopy__(self, memo: Dict[int, Any]) -> nn.Module:
+        """Refused: a copy would share or duplicate this rank's shards and hold the process
+        groups (PyTorch FSDP2 refuses too)."""
+        raise RuntimeError(
+            f"copy.deepcopy of a fully_shard module ({type(self).__name__}) is not supported: its parameters are "
+            "this rank's shards of collective buffers and it holds process groups, neither of which can be copied "
+            "(torch.optim.swa_utils.AveragedModel and EMA helpers deepcopy the model too). Make the copy before "
+            "fully_shard (and shard the copy as well if it must be sharded), or build an unsharded copy from "
+            "vz.full_state_dict(model) (on every rank; it returns the full tensors) with load_state_dict."
+        )
+
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         for m in self.modules() if recurse else [self]:
             st = getattr(m, _STATE, None)
