@@ -182,6 +182,32 @@ def _pre_backward_targets(output: Any, args: tuple) -> List[torch.Tensor]:
     return targets
 
 
+class _Order:
+    """Modules' states in the order of their first hook in one forward ([Note: orders]),
+    with O(1) membership and position (a model may have thousands of groups)."""
+
+    def __init__(self) -> None:
+        self.states: List["FSDPState"] = []
+        self._position: Dict[int, int] = {}
+
+    def add(self, state: "FSDPState") -> bool:
+        """Append ``state`` unless it is in already; True if it was appended."""
+        if id(state) in self._position:
+            return False
+        self._position[id(state)] = len(self.states)
+        self.states.append(state)
+        return True
+
+    def position(self, state: "FSDPState") -> Optional[int]:
+        return self._position.get(id(state))
+
+    def at(self, position: int) -> Optional["FSDPState"]:
+        return self.states[position] if 0 <= position < len(self.states) else None
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+
 _ORDERS_KEPT = 64
 """Post-hook orders kept for backwards still to come (pipeline micro-batches in flight);
 older ones belong to forwards never differentiated (evaluation forwards with grad)."""
@@ -198,11 +224,10 @@ class RootContext:
         self.forward_grad = False  # the current (or last) root forward runs with grad enabled
         # [Note: orders]: pre-hook orders (first call of each) of this and the previous root
         # forward, post-hook orders by forward id, the first forward's order for the reduce-scatters
-        self.order: List[FSDPState] = []
-        self._in_order: Set[int] = set()
-        self.previous_order: List[FSDPState] = []
+        self.order = _Order()
+        self.previous_order = _Order()
         self.departed = True  # this forward left the previous one's order: no more forward prefetch
-        self.post_orders: Dict[int, List[FSDPState]] = {}
+        self.post_orders: Dict[int, _Order] = {}
         self.first_order: Optional[List[FSDPState]] = None
         self.kept: Optional[FSDPState] = None  # gathered past its post-hook: [Note: orders]
         self.in_backward = False
@@ -219,9 +244,9 @@ class RootContext:
             group = state.group
             if group is not None and group.state is not GroupState.SHARDED and group.gathered_for is not None:
                 group.reshard()  # left gathered by an earlier forward that no backward followed
-        self.order, self._in_order = [], set()
-        self.departed = not self.previous_order
-        self.post_orders[self.forward_id] = []
+        self.order = _Order()
+        self.departed = not len(self.previous_order)
+        self.post_orders[self.forward_id] = _Order()
         if len(self.post_orders) > _ORDERS_KEPT:
             del self.post_orders[min(self.post_orders)]
         self.kept = None
@@ -233,20 +258,16 @@ class RootContext:
             state.grad_in = self.forward_id
         if self.kept is not None and self.kept is not state:
             self.release_kept()
-        if id(state) in self._in_order:
-            return False
         position = len(self.order)
-        if position >= len(self.previous_order) or self.previous_order[position] is not state:
+        if not self.order.add(state):
+            return False
+        if self.previous_order.at(position) is not state:
             self.departed = True
-        self.order.append(state)
-        self._in_order.add(id(state))
         return True
 
     def note_post_forward(self, state: "FSDPState") -> None:
         """A (non-recompute) post-hook of a group other than the root."""
-        post = self.post_orders.setdefault(self.forward_id, [])
-        if state not in post:
-            post.append(state)
+        self.post_orders.setdefault(self.forward_id, _Order()).add(state)
         if state.group is None:
             return
         if self.kept is not None and self.kept is not state:
@@ -264,9 +285,7 @@ class RootContext:
     def end_forward(self, grad_enabled: bool) -> None:
         """The root's post-hook (not a recompute): [Note: nothing stays gathered after forward]."""
         fid = self.forward_id
-        post = self.post_orders.setdefault(fid, [])
-        if self.root not in post:
-            post.append(self.root)
+        self.post_orders.setdefault(fid, _Order()).add(self.root)
         for state in self.states:
             group = state.group
             if group is None or group.state is GroupState.SHARDED:
@@ -278,28 +297,25 @@ class RootContext:
         self.kept, self.in_forward = None, False
         self.previous_order = self.order
         if self.first_order is None:
-            self.first_order = list(self.order)
+            self.first_order = list(self.order.states)
 
     def next_in_forward(self, state: "FSDPState") -> Optional["FSDPState"]:
         """The group to prefetch after ``state``'s first call in this forward ([Note: orders])."""
         if self.departed:
             return None
-        position = len(self.order)  # ``state`` was the last one appended
-        return self.previous_order[position] if position < len(self.previous_order) else None
+        return self.previous_order.at(len(self.order))  # ``state`` was the last one added
 
     def next_in_backward(self, state: "FSDPState") -> Optional["FSDPState"]:
         """The group backward reaches after ``state``: [Note: backward prefetch order]."""
         order = self.post_orders.get(self.backward_of)
-        if not order or state not in order:
-            return None
-        i = order.index(state) - 1
-        return order[i] if i >= 0 else None
+        position = order.position(state) if order is not None else None
+        return order.at(position - 1) if position is not None else None
 
     def reduce_order(self) -> List[ParamGroup]:
         """The groups with gradients, in [Note: one order of reduce-scatters]."""
         if self._reduce_order is not None:
             return self._reduce_order
-        first = self.first_order if self.first_order is not None else self.order
+        first = self.first_order if self.first_order is not None else self.order.states
         seen = set(map(id, first))
         states = list(reversed(first)) + [s for s in reversed(self.states) if id(s) not in seen]
         order = [s.group for s in states if s.group is not None and s.group.grad_indices]
