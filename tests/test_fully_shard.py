@@ -236,15 +236,14 @@ def _zero_copy(rank, world_size, mp):
         n_ag = sum(1 for c in calls if c[0] == "ag")
         n_rs = sum(1 for c in calls if c[0] == "rs")
         # blocks gather twice (forward, backward), the root once; one reduce-scatter each.
-        # From the second step the last block stays gathered from its forward into its
-        # backward (runtime [Note: last group]): one gather fewer.
-        assert (n_ag, n_rs) == ((5 if step == 0 else 4), 3), (step, n_ag, n_rs)
-        # once the forward order is known (after the first forward) the next group is
-        # prefetched asynchronously: blocks 1 (by the root) and 0 (by block 1) in the first
-        # backward (runtime [Note: backward prefetch order]); from the second step on block 1
-        # stays gathered after forward, and blocks 0 and 1 are prefetched in forward
+        # The last block stays gathered from its forward into its backward, from the first
+        # step on (runtime [Note: orders]: the group kept for backward): one gather fewer.
+        assert (n_ag, n_rs) == (4, 3), (step, n_ag, n_rs)
+        # block 0 is prefetched asynchronously in backward by block 1 (runtime [Note: backward
+        # prefetch order]); from the second step on, once a forward order is known, blocks 0
+        # (by the root) and 1 (by block 0) are prefetched in forward too
         n_async = sum(1 for c in calls if c[0] == "ag" and c[4])
-        assert n_async == (3 if step else 2), (step, n_async)
+        assert n_async == (3 if step else 1), (step, n_async)
         # reduce-scatters run in backward order: block 1, block 0, root
         assert [c[1] for c in calls if c[0] == "rs"] == [groups[1], groups[0], groups[2]]
         # while gathered by hand, every full parameter is a view into the full buffer

@@ -140,6 +140,17 @@ class RaggedFSDPModule:
                 setattr(buffer, BUFFER_NEEDS_INIT, True)
         return module
 
+    def __deepcopy__(self, memo: Dict[int, Any]) -> nn.Module:
+        """Refused: a copy would share or duplicate this rank's shards and hold the process
+        groups (PyTorch FSDP2 refuses too)."""
+        raise RuntimeError(
+            f"copy.deepcopy of a fully_shard module ({type(self).__name__}) is not supported: its parameters are "
+            "this rank's shards of collective buffers and it holds process groups, neither of which can be copied "
+            "(torch.optim.swa_utils.AveragedModel and EMA helpers deepcopy the model too). Make the copy before "
+            "fully_shard (and shard the copy as well if it must be sharded), or build an unsharded copy from "
+            "vz.full_state_dict(model) (on every rank; it returns the full tensors) with load_state_dict."
+        )
+
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         for m in self.modules() if recurse else [self]:
             st = getattr(m, _STATE, None)
@@ -265,8 +276,10 @@ def fully_shard(
             reduce-scattered in the shard group, and its reduced shard all-reduced across
             replicas (grad_reduce [Note: HSDP]), the mean over all ranks, as DDP gives.
         reshard_after_forward: free the full parameters after forward (re-gathered in
-            backward); ``False`` keeps them until backward ends. The root never reshards
-            after forward.
+            backward); ``False`` keeps them until backward ends. The root keeps its group
+            gathered after a forward with grad, for backward. Outside forward and backward
+            the modules always hold the sharded parameters, and a forward with grad disabled
+            leaves nothing gathered (runtime [Note: nothing stays gathered after forward]).
         mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy``: ``param_dtype`` for
             compute and gathers, ``reduce_dtype`` for the gradient reduce-scatter; the
             sharded (master) parameters keep the module's dtype.
@@ -365,10 +378,11 @@ def fully_shard(
 
 
 class _ShardedForStateDict:
-    """[Note: state dicts see the shards] A group left gathered (the root after a forward
-    with no backward, ``reshard_after_forward=False``) holds full parameters in the modules.
-    Saving must see the sharded parameters, and loading must write them and drop the stale
-    full ones, so both reshard the group first (outside forward and backward)."""
+    """[Note: state dicts see the shards] A group still gathered for a backward to come (the
+    root, ``reshard_after_forward=False``) holds full buffers, though its modules hold the
+    sharded parameters (runtime [Note: nothing stays gathered after forward]). Loading must
+    write the shards and drop the stale full ones, so saving and loading reshard the group
+    first (outside forward and backward); a backward that follows gathers it again."""
 
     def __init__(self, group: ParamGroup) -> None:
         self.group = group

@@ -76,7 +76,7 @@ def gathered_parameters(params: Union[torch.Tensor, Iterable[torch.Tensor]],
         with torch.no_grad():
             for group, items in groups:
                 if group.state is not GroupState.SHARDED:
-                    group.reshard()  # left gathered after a forward without backward: its shards are current
+                    group.reshard()  # gathered for a backward to come: it gathers the written shards again
                 flat = torch.empty(group.plan.global_size, dtype=group.master.local.dtype, device=group.device)
                 all_gather(flat, group.master.local, group.process_group)
                 flats.append(flat)

@@ -261,14 +261,13 @@ class GradReducer:
 
     def zero(self) -> None:
         """Drop what the reducer holds: an unfinished reduce-scatter's input, the gradients
-        accumulated without sync, and a sharded gradient still held elsewhere (zeroed). The
-        unsharded ``.grad`` are the caller's."""
+        accumulated without sync, and the sharded gradient (persistent views see it zeroed;
+        grad_shard [Note: a kept gradient stays the caller's]). The unsharded ``.grad`` are the
+        caller's."""
         if self._pending is not None:
             work = self._pending[0]
             work.wait()
             self._pending = None
         self.full.free()
         self._holds_accumulated = False
-        shard = self.sharded.live  # still held (Megatron's main_grad): zeroed; else already freed
-        if shard is not None:
-            shard.zero_()
+        self.sharded.forget()  # Megatron's main_grad: zeroed; a kept .grad: left to its holder

@@ -16,12 +16,24 @@ reduce-scatter of a window (the output lands in it) and is freed when the last v
 PyTorch FSDP2 frees its gradients; ``set_to_none=False`` zeroes the views and so keeps it, and
 the next synced backward adds into it. Forward and the start of backward then run without
 gradient shards, which is where a step's memory peaks.
+
+[Note: a kept gradient stays the caller's]
+A shard that is alive while no parameter's ``.grad`` views it any more is held by someone
+else: a caller that kept ``g = p.grad`` across ``zero_grad(set_to_none=True)`` (PCGrad,
+GradNorm, logging). The next reduce must not write into it -- autograd gives such a
+parameter a new ``.grad`` and leaves the kept tensor alone -- so the reducer forgets it
+(:meth:`GradShard.disown_unless_held_by`) and the next reduce gets a new shard. Views taken
+with :meth:`GradShard.persistent_view` (Megatron's ``main_grad``, read after every reduce)
+instead keep the shard the group's for its life. Checking costs nothing when nothing held
+the shard (it is ``None``) and one data-pointer comparison when a ``.grad`` still views it.
+A parameter whose ``.grad`` alone was set to ``None`` while others still view the shard gets
+its range zeroed and reused (a view of that range kept elsewhere sees it).
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 
@@ -42,6 +54,7 @@ class GradShard:
         self.plan, self.rank, self.dtype, self.device = plan, rank, dtype, torch.device(device)
         self._slices = plan.local_slices(rank)
         self._ref: Optional[weakref.ref] = None
+        self._persistent = False  # persistent_view handed out: the shard is the group's for life
 
     @property
     def live(self) -> Optional[torch.Tensor]:
@@ -61,6 +74,34 @@ class GradShard:
     def local(self) -> torch.Tensor:
         """The shard, given zeroed storage if nothing held it (kept only by whoever keeps it)."""
         return self.allocate(zero=True)
+
+    def disown_unless_held_by(self, grads: Iterable[Optional[torch.Tensor]]) -> None:
+        """Forget the live shard unless one of ``grads`` (the parameters' ``.grad``) views it or
+        persistent views were handed out: [Note: a kept gradient stays the caller's]."""
+        shard = self.live
+        if shard is None or self._persistent:
+            return
+        lo = shard.data_ptr()
+        hi = lo + shard.numel() * shard.element_size()
+        if not any(g is not None and lo <= g.data_ptr() < hi for g in grads):
+            self._ref = None
+
+    def forget(self) -> None:
+        """Stop using the live shard (its holders keep it) unless persistent views were handed
+        out, in which case it is zeroed: the next reduce starts from zero either way."""
+        shard = self.live
+        if shard is None:
+            return
+        if self._persistent:
+            shard.zero_()
+        else:
+            self._ref = None
+
+    def persistent_view(self, index: int) -> torch.Tensor:
+        """:meth:`local_view` for a holder that keeps it for the group's life and reads it after
+        every reduce (Megatron's ``main_grad``): the shard is then reused, never replaced."""
+        self._persistent = True
+        return self.local_view(index)
 
     def view_of(self, shard: torch.Tensor, index: int) -> torch.Tensor:
         """This rank's flat piece of tensor ``index`` inside ``shard`` (may be empty)."""

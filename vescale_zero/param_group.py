@@ -200,6 +200,9 @@ class ParamGroup:
         self.needs_init = self.device.type == "meta"
 
         self.state = GroupState.SHARDED
+        # the root forward whose pre-hook or prefetch last gathered or used it while gathered;
+        # None once resharded: runtime [Note: nothing stays gathered after forward]
+        self.gathered_for: Optional[int] = None
         self.progress = BackwardProgress()
         self.on_ready: Optional[Callable[["ParamGroup"], None]] = None  # set by the runtime
         self.on_grad: Optional[Callable[[], None]] = None  # set by the runtime: each gradient's arrival
@@ -347,6 +350,7 @@ class ParamGroup:
         self.gather.release()
         self.to_sharded_params()
         self.state = GroupState.SHARDED
+        self.gathered_for = None
 
     # ---- forward bookkeeping ---------------------------------------------------------
     def note_forward(self, grad_enabled: bool, forward_id: int) -> None:
@@ -458,6 +462,8 @@ class ParamGroup:
             self.grads.accumulate_unsynced([(i, self.params[i].unsharded) for i in self._grad_indices])
             return False
         self._used = set()
+        # grad_shard [Note: a kept gradient stays the caller's]
+        self.grads.sharded.disown_unless_held_by(self.params[i].sharded.grad for i in self._grad_indices)
         had_grad = {i for i in self._grad_indices if self.params[i].sharded.grad is not None}
         if self.unused_grads == "none":
             self._usage = (used, had_grad)

@@ -1,19 +1,68 @@
 """The forward/backward hooks of ``fully_shard`` modules, and what one root's iteration shares.
 
 [Note: the iteration]
-forward:  pre-hook   gather the group (one all-gather into compute.full), install its full
-                     parameters, prefetch the next group in forward order (async); with grad
+forward:  pre-hook   (the root: a new forward, [Note: nothing stays gathered after forward])
+                     gather the group (one all-gather into compute.full), install its full
+                     parameters, prefetch the next group ([Note: orders]); with grad
                      enabled, an autograd node on the inputs (the input trigger)
           post-hook  reshard (free compute.full, install the sharded parameters) unless it is
-                     the root, ``reshard_after_forward=False``, or the last group before the
-                     root; with grad enabled, a hook on the outputs for backward
+                     the root, ``reshard_after_forward=False``, or the group kept for the
+                     start of backward ([Note: orders]); with grad enabled, a hook on the
+                     outputs for backward ([Note: output views])
 backward: pre-hook   (first gradient of an output) gather again, install the full parameters,
                      attach gradient views, prefetch the group backward needs next (see
                      [Note: backward prefetch order]); the first one queues the final callback
           ready      the group's gradients are complete (param_group [Note: when a group's
                      gradients are complete]): reduce-scatter, in the one order below
           final      every participating group reduce-scattered, waited for, resharded
-The forward order is recorded in the first iteration and used for prefetching after it.
+
+[Note: nothing stays gathered after forward]
+Outside forward and backward every module holds its *sharded* parameters, so
+``parameters()``, ``named_parameters()``, ``state_dict()``, an optimizer built then and
+``gathered_parameters`` see the shards whether or not a forward ran, and no full copy
+outlives a change of the master shards:
+  * a root forward that ran with grad disabled (evaluation, generation, a sanity check)
+    reshards every group that did not run with grad in it at its end, the root's and
+    ``reshard_after_forward=False`` ones included (PyTorch FSDP2 keeps the root gathered);
+  * after a root forward with grad, the groups backward will want first stay gathered (the
+    root, ``reshard_after_forward=False``, the kept group) but the modules get their sharded
+    parameters back; pre-backward installs the full ones again (no new all-gather), and a
+    group gathered only by a prefetch that its forward never used is resharded;
+  * a root forward that finds groups still gathered by an earlier forward (no backward came:
+    an evaluation forward with grad, a pipeline schedule's next micro-batch) reshards them
+    first: an optimizer step, a load or any write to the shards may have come in between,
+    and nothing rank-consistent tells (a version counter misses ``.data`` writes and fused
+    optimizers; whether to all-gather must be decided alike on every rank). A backward
+    still to come gathers them again; re-gathering costs one all-gather of such a group per
+    forward that follows another without a backward in between (a pipeline's warm-up),
+    never in a plain forward+backward loop, where the final callback resharded everything.
+
+[Note: orders]
+Orders are re-recorded by every root forward (a model may run its groups in another order
+from one iteration to the next: conditional blocks, routing), and every rank runs the same
+groups in the same order (each gather is a collective), so every decision below is taken
+alike on every rank:
+  * forward prefetch: the group that followed this one in the previous root forward,
+    while this forward has run the same groups in the same order so far; once it departs
+    from it, nothing more is prefetched in it (a prefetched group it never runs is
+    resharded at its end);
+  * the group kept for backward: each group's post-hook keeps it gathered until another
+    group's pre- or post-hook runs; the one still kept when the root's forward ends is
+    the first one backward needs (its output is the last one made), so it is not
+    gathered again. Until the next group starts the kept group is all that is held beyond
+    what the previous group's forward held, so the peak does not grow;
+  * backward prefetch: the post-hook order of the forward being differentiated
+    ([Note: backward prefetch order]), recorded per forward (pipeline schedules run the
+    next micro-batches' forwards before this backward).
+The reduce-scatter order is the first forward's ([Note: one order of reduce-scatters]).
+
+[Note: output views]
+The pre-backward hook is registered on each output that requires grad, and, for an output
+that is a view, on its base instead: an in-place change of a view (``h = block(x);
+h.mul_(2)``) replaces the view's autograd history and drops hooks registered on the view,
+while a hook on the base's gradient still fires before the module's own backward nodes run
+(PyTorch FSDP2 only warns, and backward then reads freed parameters). A view of one of the
+module's positional inputs keeps its own hook: nothing of the module runs in its backward.
 
 [Note: backward prefetch order]
 Backward reaches groups in the reverse order of their forward *post*-hooks, not of their
@@ -22,8 +71,8 @@ pre-hook before its children's but its post-hook after theirs, and its pre-backw
 first, when its output's gradient arrives, before its children's backward starts. Prefetching
 by the pre-hook order there would gather the group before the parent in forward (the
 previous layer's last Linear) a whole layer of backward too early, one group's full
-parameters more at the peak; the post-hook order (recorded in the first iteration, as the
-forward order) names the parent's last child, then the previous layer's parent, then its
+parameters more at the peak; the post-hook order (recorded by every forward, [Note: orders])
+names the parent's last child, then the previous layer's parent, then its
 last child: what backward needs next. PyTorch FSDP2 prefetches by the same order.
 
 [Note: recompute]
@@ -62,7 +111,7 @@ only involve its own ranks, which run the same modules in the same order.
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set
 
 import torch
 import torch.distributed as dist
@@ -71,7 +120,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .eager_hooks import outside_compile
-from .param_group import InputGradTrigger, ParamGroup, Part
+from .param_group import GroupState, InputGradTrigger, ParamGroup, Part
 
 __all__ = ["FSDPState", "RootContext", "STATE_ATTR", "in_backward_pass"]
 
@@ -115,47 +164,152 @@ def _arm_input_trigger(trigger: Optional[InputGradTrigger], args: tuple, kwargs:
     return tree_unflatten(leaves, spec)
 
 
+def _pre_backward_targets(output: Any, args: tuple) -> List[torch.Tensor]:
+    """The tensors whose gradients announce a module's backward: each output that requires
+    grad, or its base if it is a view of something made inside the module ([Note: output
+    views]; a view of an input has no backward inside the module)."""
+    inputs = {id(a._base if a._base is not None else a) for a in args if torch.is_tensor(a)}
+    targets: List[torch.Tensor] = []
+    seen: Set[int] = set()
+    for t in tree_flatten(output)[0]:
+        if not (torch.is_tensor(t) and t.requires_grad):
+            continue
+        base = t._base
+        target = base if base is not None and base.requires_grad and id(base) not in inputs else t
+        if id(target) not in seen:
+            seen.add(id(target))
+            targets.append(target)
+    return targets
+
+
+class _Order:
+    """Modules' states in the order of their first hook in one forward ([Note: orders]),
+    with O(1) membership and position (a model may have thousands of groups)."""
+
+    def __init__(self) -> None:
+        self.states: List["FSDPState"] = []
+        self._position: Dict[int, int] = {}
+
+    def add(self, state: "FSDPState") -> bool:
+        """Append ``state`` unless it is in already; True if it was appended."""
+        if id(state) in self._position:
+            return False
+        self._position[id(state)] = len(self.states)
+        self.states.append(state)
+        return True
+
+    def position(self, state: "FSDPState") -> Optional[int]:
+        return self._position.get(id(state))
+
+    def at(self, position: int) -> Optional["FSDPState"]:
+        return self.states[position] if 0 <= position < len(self.states) else None
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+
+_ORDERS_KEPT = 64
+"""Post-hook orders kept for backwards still to come (pipeline micro-batches in flight);
+older ones belong to forwards never differentiated (evaluation forwards with grad)."""
+
+
 class RootContext:
     """Shared by every fully_shard module under one root, for its forwards and backwards."""
 
     def __init__(self, root: "FSDPState") -> None:
         self.root = root
         self.states: List[FSDPState] = []
-        self.forward_order: List[FSDPState] = []  # by forward pre-hook, first call of each
-        self.post_forward_order: List[FSDPState] = []  # by forward post-hook: [Note: backward prefetch order]
-        self.order_frozen = False
         self.forward_id = 0
+        self.in_forward = False  # between the root's pre- and post-hook (not a recompute)
+        self.forward_grad = False  # the current (or last) root forward runs with grad enabled
+        # [Note: orders]: pre-hook orders (first call of each) of this and the previous root
+        # forward, post-hook orders by forward id, the first forward's order for the reduce-scatters
+        self.order = _Order()
+        self.previous_order = _Order()
+        self.departed = True  # this forward left the previous one's order: no more forward prefetch
+        self.post_orders: Dict[int, _Order] = {}
+        self.first_order: Optional[List[FSDPState]] = None
+        self.kept: Optional[FSDPState] = None  # gathered past its post-hook: [Note: orders]
         self.in_backward = False
         self.backward_of: Optional[int] = None  # the forward id the current backward differentiates
         self.reducing: List[ParamGroup] = []  # reduce-scatters issued, not yet waited on
         self._reduce_order: Optional[List[ParamGroup]] = None
 
-    # ---- orders ------------------------------------------------------------------------
-    def last_before_root(self) -> Optional["FSDPState"]:
-        """[Note: last group] The group that runs forward last before the root finishes is
-        the first one backward needs: resharding it after forward would only gather it
-        again at once. It stays gathered (from the second iteration, once the order is
-        known); peak memory is unchanged, since backward holds it at that point anyway."""
-        if not self.order_frozen:
-            return None
-        for state in reversed(self.forward_order):
-            if state is not self.root:
-                return state
-        return None
+    # ---- a root forward ----------------------------------------------------------------
+    def begin_forward(self, grad_enabled: bool) -> None:
+        """The root's pre-hook (not a recompute): [Note: nothing stays gathered after forward]."""
+        self.forward_id += 1
+        self.in_forward, self.forward_grad = True, grad_enabled
+        for state in self.states:
+            group = state.group
+            if group is not None and group.state is not GroupState.SHARDED and group.gathered_for is not None:
+                group.reshard()  # left gathered by an earlier forward that no backward followed
+        self.order = _Order()
+        self.departed = not len(self.previous_order)
+        self.post_orders[self.forward_id] = _Order()
+        if len(self.post_orders) > _ORDERS_KEPT:
+            del self.post_orders[min(self.post_orders)]
+        self.kept = None
 
-    def next_in_order(self, state: "FSDPState", step: int) -> Optional["FSDPState"]:
-        """The group ``step`` places after ``state`` in the forward (pre-hook) order."""
-        return self._neighbour(self.forward_order, state, step)
+    def note_pre_forward(self, state: "FSDPState", grad_enabled: bool) -> bool:
+        """A (non-recompute) pre-hook; True if it is the group's first call in this forward."""
+        state.ran_in = self.forward_id
+        if grad_enabled:
+            state.grad_in = self.forward_id
+        if self.kept is not None and self.kept is not state:
+            self.release_kept()
+        position = len(self.order)
+        if not self.order.add(state):
+            return False
+        if self.previous_order.at(position) is not state:
+            self.departed = True
+        return True
+
+    def note_post_forward(self, state: "FSDPState") -> None:
+        """A (non-recompute) post-hook of a group other than the root."""
+        self.post_orders.setdefault(self.forward_id, _Order()).add(state)
+        if state.group is None:
+            return
+        if self.kept is not None and self.kept is not state:
+            self.release_kept()
+        if state.reshard_after_forward and self.in_forward:
+            self.kept = state  # until another group's hook runs: [Note: orders]
+        elif state.reshard_after_forward or not self.forward_grad:
+            state.group.reshard()  # called outside the root's forward, or no backward can follow it
+
+    def release_kept(self) -> None:
+        kept, self.kept = self.kept, None
+        if kept.group.state is not GroupState.SHARDED:
+            kept.group.reshard()
+
+    def end_forward(self, grad_enabled: bool) -> None:
+        """The root's post-hook (not a recompute): [Note: nothing stays gathered after forward]."""
+        fid = self.forward_id
+        self.post_orders.setdefault(fid, _Order()).add(self.root)
+        for state in self.states:
+            group = state.group
+            if group is None or group.state is GroupState.SHARDED:
+                continue
+            if state.ran_in != fid or (not grad_enabled and state.grad_in != fid):
+                group.reshard()  # prefetched for nothing, or no backward can follow
+            else:
+                group.to_sharded_params()  # stays gathered for backward; the modules show the shards
+        self.kept, self.in_forward = None, False
+        self.previous_order = self.order
+        if self.first_order is None:
+            self.first_order = list(self.order.states)
+
+    def next_in_forward(self, state: "FSDPState") -> Optional["FSDPState"]:
+        """The group to prefetch after ``state``'s first call in this forward ([Note: orders])."""
+        if self.departed:
+            return None
+        return self.previous_order.at(len(self.order))  # ``state`` was the last one added
 
     def next_in_backward(self, state: "FSDPState") -> Optional["FSDPState"]:
         """The group backward reaches after ``state``: [Note: backward prefetch order]."""
-        return self._neighbour(self.post_forward_order, state, -1)
-
-    def _neighbour(self, order: List["FSDPState"], state: "FSDPState", step: int) -> Optional["FSDPState"]:
-        if not self.order_frozen or state not in order:
-            return None
-        i = order.index(state) + step
-        return order[i] if 0 <= i < len(order) else None
+        order = self.post_orders.get(self.backward_of)
+        position = order.position(state) if order is not None else None
+        return order.at(position - 1) if position is not None else None
 
     def invalidate_reduce_order(self) -> None:
         """Which groups have gradients changed (param_group [Note: requires_grad after sharding])."""
@@ -165,10 +319,11 @@ class RootContext:
         """The groups with gradients, in [Note: one order of reduce-scatters]."""
         if self._reduce_order is not None:
             return self._reduce_order
-        seen = set(map(id, self.forward_order))
-        states = list(reversed(self.forward_order)) + [s for s in reversed(self.states) if id(s) not in seen]
+        first = self.first_order if self.first_order is not None else self.order.states
+        seen = set(map(id, first))
+        states = list(reversed(first)) + [s for s in reversed(self.states) if id(s) not in seen]
         order = [s.group for s in states if s.group is not None and s.group.grad_indices]
-        if self.order_frozen:
+        if self.first_order is not None:
             self._reduce_order = order
         return order
 
@@ -224,6 +379,9 @@ class RootContext:
                 state.group.end_backward(self.backward_of)
         for group, used_anywhere in usage:
             group.drop_unused_grads(used_anywhere)
+        if self.backward_of is not None:
+            for fid in [f for f in self.post_orders if f <= self.backward_of]:
+                del self.post_orders[fid]
         self.in_backward = False
         self.backward_of = None
 
@@ -265,6 +423,8 @@ class FSDPState:
         self.mp_policy = mp_policy
         self.prefetch = True
         self.context: Optional[RootContext] = None
+        self.ran_in = 0  # the last root forward whose pre-hook ran this module (not a recompute)
+        self.grad_in = 0  # ... with grad enabled
 
     # ---- lazy root discovery ---------------------------------------------------------
     def lazy_init(self) -> RootContext:
@@ -289,48 +449,47 @@ class FSDPState:
         recompute = in_backward_pass()
         grad_on = torch.is_grad_enabled()
         if self is ctx.root and not recompute:
-            ctx.forward_id += 1
+            ctx.begin_forward(grad_on)
         args, kwargs = self._cast_inputs(args, kwargs)
+        first_call = False if recompute else ctx.note_pre_forward(self, grad_on)
         group = self.group
         if group is not None:
             if not recompute and group.follow_requires_grad():
                 ctx.invalidate_reduce_order()
-            if not recompute and not ctx.order_frozen and self not in ctx.forward_order:
-                ctx.forward_order.append(self)
             group.unshard()
             group.wait_for_unshard()
             group.to_unsharded_params()
             if recompute:
                 group.note_recompute(grad_on)
             else:
+                group.gathered_for = ctx.forward_id
                 group.note_forward(grad_on, ctx.forward_id)
             if grad_on:
                 trigger = group.input_trigger(None if recompute else ctx.forward_id)
                 args, kwargs = _arm_input_trigger(trigger, args, kwargs)
-            if not recompute and self.prefetch:
-                nxt = ctx.next_in_order(self, +1)
-                if nxt is not None and nxt.group is not None:
-                    nxt.group.unshard(async_op=True)
+        if first_call and self.prefetch:
+            nxt = ctx.next_in_forward(self)
+            if nxt is not None and nxt.group is not None:
+                nxt.group.unshard(async_op=True)
+                nxt.group.gathered_for = ctx.forward_id
         return args, kwargs
 
     @outside_compile
     def post_forward(self, module: nn.Module, args: tuple, output: Any):
         ctx = self.context
-        recompute = in_backward_pass()
+        recompute = in_backward_pass()  # a recompute's backward needs the params at once
         grad_on = torch.is_grad_enabled()
-        if self.group is not None and not recompute:  # a recompute's backward needs the params at once
-            if self.reshard_after_forward and self is not ctx.root and not (grad_on and self is ctx.last_before_root()):
-                self.group.reshard()
-        if not recompute and not ctx.order_frozen and self not in ctx.post_forward_order:
-            ctx.post_forward_order.append(self)
-        if self is ctx.root and not recompute:
-            ctx.order_frozen = True
+        if not recompute:
+            if self is ctx.root:
+                ctx.end_forward(grad_on)
+            else:
+                ctx.note_post_forward(self)
         if grad_on:
-            tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
-            if tensors:
+            targets = _pre_backward_targets(output, args)
+            if targets:
                 fid = ctx.backward_of if recompute else ctx.forward_id
                 hook = functools.partial(self._pre_backward, fid)
-                torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
+                torch.autograd.graph.register_multi_grad_hook(targets, hook, mode="any")
         mp = self.mp_policy
         if mp is not None and mp.output_dtype is not None:
             output = tree_map(

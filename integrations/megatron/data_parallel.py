@@ -185,7 +185,7 @@ class VeScaleFSDP(_BaseDataParallel):
         dense, expert = _checkpoint_domains(groups)
         for group in self._groups:
             for i in group.grad_indices:
-                group.sharded_params[i].main_grad = group.sharded_grad.local_view(i)
+                group.sharded_params[i].main_grad = group.sharded_grad.persistent_view(i)
             for sp in group.sharded_params:
                 setattr(sp, CHECKPOINT_DOMAIN, expert if _is_expert(sp) else dense)
 
