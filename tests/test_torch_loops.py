@@ -96,6 +96,7 @@ def _max_diff(model: nn.Module, ref: nn.Module, grads: bool = False) -> float:
         if grads:
             group, index = _slot(model, name)
             mine = group.sharded_params[index].grad
+            mine = None if mine is None else mine.to_local()  # the DTensor gradient's piece
             theirs = theirs.grad
             if mine is None or theirs is None:
                 assert mine is None and theirs is None, f"{name}: gradient on one side only"
@@ -215,7 +216,7 @@ def kept_grad_after_set_to_none(rank, world_size):
     params = [p for p in model.parameters() if p.requires_grad]
     (first, first_whole), (second, second_whole) = _batches(rank, world_size, 2)
     model(*first).backward()
-    kept = [p.grad for p in params]  # PCGrad / GradNorm keep each task's gradients
+    kept = [p.grad.to_local() for p in params]  # PCGrad / GradNorm keep each task's gradients (pieces)
     values = [g.clone() for g in kept]
     for p in params:
         p.grad = None  # what zero_grad(set_to_none=True) does
@@ -223,7 +224,7 @@ def kept_grad_after_set_to_none(rank, world_size):
     ref(*second_whole).backward()
     changed = max((k - v).abs().max().item() if k.numel() else 0.0 for k, v in zip(kept, values))
     return {"kept_changed_by": changed, "new_grads_diff": _max_diff(model, ref, grads=True),
-            "aliased": any(k.data_ptr() == p.grad.data_ptr() for k, p in zip(kept, params) if k.numel())}
+            "aliased": any(k.data_ptr() == p.grad.to_local().data_ptr() for k, p in zip(kept, params) if k.numel())}
 
 
 # ---- forward order re-recorded each iteration ---------------------------------------------------

@@ -70,7 +70,7 @@ from .grad_shard import GradShard
 from .param_gather import make_param_gather
 from .planner import ShardPlan, TensorSpec, plan
 from .ragged_param import ManagedParam, RaggedParam, ShardedRange
-from .ragged_tensor import ragged_spec, shard_mesh
+from .ragged_tensor import local_piece, ragged_spec, shard_mesh
 
 __all__ = ["slot_of", "ManagedParam", "ParamGroup", "GroupState", "ShardedRange", "BackwardProgress",
            "InputGradTrigger", "Part"]
@@ -463,7 +463,8 @@ class ParamGroup:
             return False
         self._used = set()
         # grad_shard [Note: a kept gradient stays the caller's]
-        self.grads.sharded.disown_unless_held_by(self.params[i].sharded.grad for i in self._grad_indices)
+        self.grads.sharded.disown_unless_held_by(local_piece(self.params[i].sharded.grad)
+                                                 for i in self._grad_indices)
         had_grad = {i for i in self._grad_indices if self.params[i].sharded.grad is not None}
         if self.unused_grads == "none":
             self._usage = (used, had_grad)
