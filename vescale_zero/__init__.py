@@ -10,6 +10,7 @@ from .granularity import preset_granularity, resolve_granularities
 from .materialize import materialize
 from .placement import RaggedShard
 from .planner import ShardPlan, TensorSpec, plan
+from .ragged_tensor import RaggedDTensor, local_piece
 from .report import ShardingReport, reset_comm_stats, sharding_report
 from .state_dict import full_state_dict, load_full_state_dict
 
@@ -27,6 +28,8 @@ __all__ = [
     "RaggedFSDPModule",
     "MixedPrecisionPolicy",
     "RaggedShard",
+    "RaggedDTensor",
+    "local_piece",
     "TensorSpec",
     "ShardPlan",
     "plan",

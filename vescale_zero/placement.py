@@ -15,12 +15,13 @@ element-wise sharding (ZeRO-3, FSDP1) is ``granularity = 1``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Tuple
+from typing import List, Sequence, Tuple
 
 from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["RaggedShard"]
+__all__ = ["RaggedShard", "Box", "flat_range_boxes"]
 
 
 @dataclass(frozen=True)
@@ -63,3 +64,38 @@ class RaggedShard(Placement):
 
     def __repr__(self) -> str:
         return f"RaggedShard(g={self.granularity}, blocks={list(self.blocks_per_rank)})"
+
+
+Box = Tuple[Tuple[int, ...], Tuple[int, ...], int]
+"""``(offsets, sizes, flat_start)``: a rectangular box of a tensor and where it starts in the
+tensor's flat (row-major) order."""
+
+
+def flat_range_boxes(shape: Sequence[int], start: int, end: int) -> List[Box]:
+    """The flat range ``[start, end)`` of a row-major tensor of ``shape`` as rectangular boxes:
+    in flat order, each contiguous (ones, one partial dimension, then whole dimensions), at
+    most ``2 * ndim - 1`` of them, covering exactly the range (a head of part of a row, whole
+    rows, a tail, recursively)."""
+    shape = tuple(int(d) for d in shape)
+    if end <= start:
+        return []
+    if not shape:
+        return [((), (), 0)]
+    inner = math.prod(shape[1:])
+    first, last = start // inner, (end - 1) // inner
+    if first == last:  # inside one row: that row's boxes, one dimension down
+        return [((first,) + o, (1,) + z, first * inner + f)
+                for o, z, f in flat_range_boxes(shape[1:], start - first * inner, end - first * inner)]
+    boxes: List[Box] = []
+    whole_from, whole_to = first, end // inner
+    if start % inner:  # head: the end of row `first`
+        boxes += [((first,) + o, (1,) + z, first * inner + f)
+                  for o, z, f in flat_range_boxes(shape[1:], start % inner, inner)]
+        whole_from = first + 1
+    if whole_to > whole_from:
+        boxes.append(((whole_from,) + (0,) * (len(shape) - 1), (whole_to - whole_from,) + shape[1:],
+                      whole_from * inner))
+    if end % inner:  # tail: the start of row `whole_to`
+        boxes += [((whole_to,) + o, (1,) + z, whole_to * inner + f)
+                  for o, z, f in flat_range_boxes(shape[1:], 0, end % inner)]
+    return boxes

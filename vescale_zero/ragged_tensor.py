@@ -48,7 +48,7 @@ from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_typ
 from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach_types
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .placement import RaggedShard
+from .placement import RaggedShard, flat_range_boxes
 
 __all__ = ["RaggedDTensor", "ragged_spec", "shard_mesh", "local_piece", "is_ragged", "like_param"]
 
@@ -242,8 +242,6 @@ class RaggedDTensor(DTensor):
 
     # ---- torch.distributed.checkpoint ------------------------------------------------
     def _boxes(self) -> list:
-        from .state_dict import flat_range_boxes  # noqa: PLC0415 - state_dict imports the runtime
-
         start, end = self.local_range
         return flat_range_boxes(tuple(self.shape), start, end)
 
