@@ -68,7 +68,9 @@ def shard_mesh(group: dist.ProcessGroup, device: torch.device) -> DeviceMesh:
     backend's device type (it is rebuilt when the group leaves the meta device)."""
     device_type = device.type
     if device_type == "meta":
-        device_type = "cpu" if dist.get_backend(group) == "gloo" else torch.accelerator.current_accelerator().type
+        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        use_accelerator = accelerator is not None and dist.get_backend(group) != "gloo"
+        device_type = accelerator.type if use_accelerator else "cpu"
     key = (id(group), device_type)
     hit = _MESHES.get(key)
     if hit is None or hit[0] is not group:
