@@ -21,6 +21,7 @@ import weakref
 from typing import Dict, List, Tuple
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -53,12 +54,14 @@ class TransientBytes(TorchDispatchMode):
         self._refs[key] = weakref.ref(storage, freed)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs or {}))[0]
+        inputs = {_plain(t).untyped_storage().data_ptr() for t in tree_flatten((args, kwargs or {}))[0]
                   if isinstance(t, torch.Tensor)}
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() and (
-                    t.untyped_storage().data_ptr() not in inputs):
+            if not isinstance(t, torch.Tensor):
+                continue
+            t = _plain(t)
+            if t.untyped_storage().nbytes() and t.untyped_storage().data_ptr() not in inputs:
                 self._track(t)
         return out
 
@@ -76,3 +79,8 @@ class TransientBytes(TorchDispatchMode):
     def kept(self) -> int:
         """Bytes of the tracked storages still alive (what the call returned)."""
         return sum(ref().nbytes() for ref in self._refs.values() if ref() is not None)
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding the storage: a DTensor's (our sharded parameters') local tensor."""
+    return t._local_tensor if isinstance(t, DTensor) else t

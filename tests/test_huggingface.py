@@ -403,7 +403,8 @@ def _train_variant(family: str, reentrant: Optional[bool], tie: bool, world: Opt
             t = tensors(p)
             r = getattr(p, "sharded_range", None)  # (start, end, shape, granularity) of the full flat tensor
             start, end, shape = (r.start, r.end, r.shape) if r is not None else (0, p.numel(), p.shape)
-            out[name] = (start, end, tuple(shape), None if t is None else t.detach().clone())
+            local = None if t is None else (t.to_local() if r is not None else t)  # a DTensor's piece
+            out[name] = (start, end, tuple(shape), None if local is None else local.detach().clone())
         return out
 
     steps = []
