@@ -52,10 +52,8 @@ a silent loss.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import weakref
-from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -67,18 +65,14 @@ from .dbuffer import DBuffer
 from .eager_hooks import outside_compile
 from .grad_reduce import GradReducer
 from .grad_shard import GradShard
+from .group_progress import BackwardProgress, ForwardRecord, GroupState, InputGradTrigger, Part
 from .param_gather import make_param_gather
 from .planner import ShardPlan, TensorSpec, plan
 from .ragged_param import ManagedParam, RaggedParam, ShardedRange
 from .ragged_tensor import local_piece, ragged_spec, shard_mesh
 
-__all__ = ["slot_of", "ManagedParam", "ParamGroup", "GroupState", "ShardedRange", "BackwardProgress",
+__all__ = ["slot_of", "ManagedParam", "ParamGroup", "GroupState", "ShardedRange", "BackwardProgress", "ForwardRecord",
            "InputGradTrigger", "Part"]
-
-
-_FORWARDS_KEPT = 1024
-"""Forwards a group remembers while their backward has not run (pipeline micro-batches in
-flight); older ones were never differentiated (evaluation forwards with grad enabled)."""
 
 
 _SLOTS: Dict[int, Tuple["weakref.ref", "weakref.ref", int]] = {}  # id(sharded param) -> (param, group, index)
@@ -106,47 +100,6 @@ def _grad_accumulated(group_ref: "weakref.ref[ParamGroup]", index: int, param: t
     group = group_ref()
     if group is not None:
         group._on_grad_accumulated(index, param)
-
-
-class GroupState(enum.Enum):
-    SHARDED = "sharded"
-    UNSHARDING = "unsharding"  # all-gather issued, not yet waited on
-    UNSHARDED = "unsharded"
-
-
-class Part(enum.Enum):
-    """What a group does in a backward (runtime [Note: one order of reduce-scatters])."""
-
-    TAKES_PART = "takes part"  # ran forward with grad in the forward being differentiated, or seen in backward
-    MAY_TAKE_PART = "may take part"  # ran that forward only under no_grad: a reentrant checkpoint may recompute it
-    NONE = "none"  # did not run in that forward
-
-
-@dataclass
-class BackwardProgress:
-    """Where one group stands in the current backward; a new one when the backward ends."""
-
-    in_backward: bool = False  # pre-backward, a recompute, a gradient or an input trigger was seen in it
-    started: bool = False  # pre-backward ran: full params installed, gradient views attached
-    arrived: Set[int] = field(default_factory=set)  # indices whose gradient was accumulated
-    ready: bool = False  # its gradients are complete ([Note: when a group's gradients are complete])
-    issued: bool = False  # its reduce-scatter is issued (or skipped: no gradient sync)
-
-
-class InputGradTrigger:
-    """Counts the calls of a module (in one forward, or among one backward's recomputes)
-    whose input gradients are still to come; when all have come, the group is ready. A call
-    whose inputs need no gradient can never tell when its backward is over: it makes the
-    trigger ``blind`` (the group then waits for its gradients or the end of backward)."""
-
-    def __init__(self, group: "ParamGroup") -> None:
-        self.group, self.armed, self.fired, self.blind = group, 0, 0, False
-
-    @outside_compile
-    def fire(self) -> None:
-        self.fired += 1
-        if self.fired == self.armed and not self.blind:
-            self.group.inputs_done()
 
 
 class ParamGroup:
@@ -187,7 +140,6 @@ class ParamGroup:
         specs = [TensorSpec(p.numel(), g, m.fqn) for m, p, g in zip(managed, originals, granularities)]
         self.plan: ShardPlan = plan(specs, self.world_size, align=align)
         self.stats = CommStats()
-        self._granularities = list(granularities)
         self._fp8_tile = fp8_tile
         # which tensors an FP8 gather moves as FP8: fp8_gather [Note: which tensors are FP8]
         self._fp8 = None if fp8 is None else list(fp8)
@@ -206,10 +158,7 @@ class ParamGroup:
         self.progress = BackwardProgress()
         self.on_ready: Optional[Callable[["ParamGroup"], None]] = None  # set by the runtime
         self.on_grad: Optional[Callable[[], None]] = None  # set by the runtime: each gradient's arrival
-        self._forward_trigger: Optional[tuple] = None  # (forward id, weakref to its InputGradTrigger)
-        self._recompute_trigger: Optional[InputGradTrigger] = None
-        self._calls: tuple = (None, 0)  # (forward id, module calls in that forward)
-        self._forwards: Dict[int, bool] = {}  # forward id -> ran with grad enabled in it (else only without)
+        self.forwards = ForwardRecord()  # the forwards it ran in, and their input triggers
         self.unused_grads = "none"  # see [Note: unused everywhere]
         self._used: Set[int] = set()  # indices with a gradient since the last synced backward
         self._usage: Optional[tuple] = None  # (used here, had a sharded .grad before) of the synced backward
@@ -234,11 +183,9 @@ class ParamGroup:
                                  replicate_group=self.replicate_group, grad_dtype=self.param_dtype)
         self.params: List[RaggedParam] = []
         for i, (m, p) in enumerate(zip(self.managed, templates)):
-            start, end = self.master.local_range(i)
-            rng = ShardedRange(start, end, tuple(m.shape), self._granularities[i])
             like = unsharded_templates[i] if unsharded_templates is not None else None
             spec = ragged_spec(self.mesh, self.plan.placement(i), m.shape, self.orig_dtype)
-            self.params.append(RaggedParam(m, p, self.master.local_view(i), self.compute.full_view(i), rng, spec,
+            self.params.append(RaggedParam(m, p, self.master.local_view(i), self.compute.full_view(i), spec,
                                            unsharded_like=like))
             _register_slot(self.params[-1].sharded, self, i)
         self._grad_indices = [i for i, m in enumerate(self.managed) if m.requires_grad]
@@ -352,22 +299,14 @@ class ParamGroup:
         self.state = GroupState.SHARDED
         self.gathered_for = None
 
-    # ---- forward bookkeeping ---------------------------------------------------------
+    # ---- forward bookkeeping (group_progress.ForwardRecord) ---------------------------
     def note_forward(self, grad_enabled: bool, forward_id: int) -> None:
         """The module runs forward (not a recompute inside backward) in root forward ``forward_id``."""
-        fid, calls = self._calls
-        self._calls = (forward_id, calls + 1 if fid == forward_id else 1)
-        if not self._grad_indices:
-            return
-        self._forwards[forward_id] = self._forwards.get(forward_id, False) or grad_enabled
-        if len(self._forwards) > _FORWARDS_KEPT:  # forwards never differentiated (evaluation)
-            del self._forwards[min(self._forwards)]
+        self.forwards.note(grad_enabled, forward_id, bool(self._grad_indices))
 
     def part_in(self, forward_id: Optional[int]) -> Part:
         """What this group does in the backward of root forward ``forward_id``."""
-        if self.progress.in_backward or self._forwards.get(forward_id):
-            return Part.TAKES_PART
-        return Part.MAY_TAKE_PART if forward_id in self._forwards else Part.NONE
+        return self.forwards.part_in(forward_id, self.progress.in_backward)
 
     def note_recompute(self, grad_enabled: bool) -> None:
         """The module runs forward inside backward (activation recompute)."""
@@ -375,25 +314,11 @@ class ParamGroup:
             self.progress.in_backward = True
 
     def input_trigger(self, forward_id: Optional[int]) -> Optional[InputGradTrigger]:
-        """The trigger to arm for one more call whose input gradients will come: per forward
-        (``forward_id``), or, for a recompute inside backward (``None``), per backward --
-        only when the module ran once in its forward, so one recompute is all of it."""
+        """The trigger to arm for one more call whose input gradients will come (see
+        :meth:`ForwardRecord.input_trigger`); ``None`` for a group without gradients."""
         if not self._grad_indices:
             return None
-        if forward_id is None:
-            if self._calls[1] != 1:
-                return None
-            if self._recompute_trigger is None:
-                self._recompute_trigger = InputGradTrigger(self)
-            trigger = self._recompute_trigger
-        else:
-            fid, ref = self._forward_trigger or (None, None)
-            trigger = ref() if fid == forward_id and ref is not None else None
-            if trigger is None:
-                trigger = InputGradTrigger(self)
-                self._forward_trigger = (forward_id, weakref.ref(trigger))
-        trigger.armed += 1
-        return trigger
+        return self.forwards.input_trigger(forward_id, lambda: InputGradTrigger(self.inputs_done))
 
     # ---- backward --------------------------------------------------------------------
     def begin_backward(self) -> bool:
@@ -497,10 +422,7 @@ class ParamGroup:
         Forwards up to it are done with; later ones (pipeline schedules run the next
         micro-batches' forwards first) keep their records."""
         self.progress = BackwardProgress()
-        self._recompute_trigger = None
-        if forward_id is not None:
-            for fid in [f for f in self._forwards if f <= forward_id]:
-                del self._forwards[fid]
+        self.forwards.end_backward(forward_id)
 
     def zero_grad(self) -> None:
         """Drop every gradient of the group: locally accumulated full gradients (from

@@ -21,7 +21,7 @@ from typing import List, Sequence, Tuple
 
 from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["RaggedShard", "Box", "flat_range_boxes"]
+__all__ = ["RaggedShard", "ShardedRange", "Box", "flat_range_boxes"]
 
 
 @dataclass(frozen=True)
@@ -99,3 +99,16 @@ def flat_range_boxes(shape: Sequence[int], start: int, end: int) -> List[Box]:
         boxes += [((whole_to,) + o, (1,) + z, whole_to * inner + f)
                   for o, z, f in flat_range_boxes(shape[1:], 0, end % inner)]
     return boxes
+
+
+@dataclass(frozen=True)
+class ShardedRange:
+    """Which flat elements ``[start, end)`` of a full tensor of ``shape`` this rank's piece
+    holds, and the block size its layout keeps whole: a view of a ragged tensor's placement on
+    this rank (``RaggedDTensor.sharded_range``, derived, never stored), what the
+    structure-aware optimizers read."""
+
+    start: int
+    end: int
+    shape: Tuple[int, ...]
+    granularity: int

@@ -27,21 +27,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
+from .placement import ShardedRange
 from .ragged_tensor import RaggedDTensor
 
 __all__ = ["ManagedParam", "ShardedRange", "RaggedParam"]
-
-
-@dataclass(frozen=True)
-class ShardedRange:
-    """Which flat elements ``[start, end)`` of a full parameter of ``shape`` a sharded
-    parameter holds, and the block size its layout keeps whole (structure-aware optimizers
-    read it as ``param.sharded_range``)."""
-
-    start: int
-    end: int
-    shape: Tuple[int, ...]
-    granularity: int
 
 
 @dataclass(frozen=True)
@@ -71,17 +60,15 @@ class RaggedParam:
         spec: the layout of the sharded parameter (``ragged_tensor.ragged_spec``): it becomes a
             :class:`RaggedDTensor` whose local tensor is ``sharded_data``.
         unsharded_data: the whole tensor, a view into the group's full compute buffer.
-        sharded_range: what the piece is, set as ``sharded.sharded_range``.
         unsharded_like: whose attributes the unsharded object copies (default ``original``).
     """
 
     def __init__(self, managed: ManagedParam, original: nn.Parameter, sharded_data: torch.Tensor,
-                 unsharded_data: torch.Tensor, sharded_range: ShardedRange, spec: DTensorSpec,
+                 unsharded_data: torch.Tensor, spec: DTensorSpec,
                  unsharded_like: Optional[nn.Parameter] = None) -> None:
         self.managed = managed
         self.spec = spec
         self.sharded = _new_param(RaggedDTensor.from_piece(sharded_data, spec), original)
-        self.sharded.sharded_range = sharded_range
         self.unsharded = _new_param(unsharded_data, original if unsharded_like is None else unsharded_like)
 
     @property

@@ -48,7 +48,7 @@ from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_typ
 from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach_types
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .placement import RaggedShard, flat_range_boxes
+from .placement import RaggedShard, ShardedRange, flat_range_boxes
 
 __all__ = ["RaggedDTensor", "ragged_spec", "shard_mesh", "local_piece", "is_ragged", "like_param"]
 
@@ -143,6 +143,12 @@ class RaggedDTensor(DTensor):
     @property
     def shard_group(self) -> dist.ProcessGroup:
         return self._spec.mesh.get_group(self._spec.mesh.ndim - 1)
+
+    @property
+    def sharded_range(self) -> ShardedRange:
+        """This rank's piece as ``(start, end, global shape, granularity)``, from the placement."""
+        start, end = self.local_range
+        return ShardedRange(start, end, tuple(self.shape), self.ragged_placement.granularity)
 
     @property
     def local_range(self) -> Tuple[int, int]:

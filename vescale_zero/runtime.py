@@ -120,7 +120,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .eager_hooks import outside_compile
-from .param_group import GroupState, InputGradTrigger, ParamGroup, Part
+from .group_progress import GroupState, InputGradTrigger, Part
+from .param_group import ParamGroup
 
 __all__ = ["FSDPState", "RootContext", "STATE_ATTR", "in_backward_pass"]
 

@@ -426,8 +426,8 @@ class LocalPieces:
 
     @classmethod
     def of(cls, group: ParamGroup, index: int) -> "LocalPieces":
-        """Tensor ``index`` of a ``fully_shard`` group, on this rank."""
-        start, end = group.master.local_range(index)
+        """Tensor ``index`` of a ``fully_shard`` group, on this rank (from its placement)."""
+        start, end = group.sharded_params[index].local_range
         return cls(tuple(group.managed[index].shape), start, end)
 
     def boxes_within(self, offset: int = 0, shape: Optional[Sequence[int]] = None) -> List[Box]:

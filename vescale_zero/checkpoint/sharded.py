@@ -89,7 +89,7 @@ def managed_pieces(model: nn.Module) -> List[Tuple[str, nn.Parameter, Tuple[int,
             continue
         group = module.vescale_group
         for i, m in enumerate(group.managed):
-            start, end = group.master.local_range(i)
+            start, end = group.sharded_params[i].local_range  # from the placement
             name = f"{prefix}.{m.fqn}" if prefix else m.fqn
             domain = getattr(group.sharded_params[i], CHECKPOINT_DOMAIN, None)
             out.append((f"{domain}/{name}" if domain else name, group.sharded_params[i], tuple(m.shape), start, end))
