@@ -67,7 +67,6 @@ class RaggedParam:
                  unsharded_data: torch.Tensor, spec: DTensorSpec,
                  unsharded_like: Optional[nn.Parameter] = None) -> None:
         self.managed = managed
-        self.spec = spec
         self.sharded = _new_param(RaggedDTensor.from_piece(sharded_data, spec), original)
         self.unsharded = _new_param(unsharded_data, original if unsharded_like is None else unsharded_like)
 

@@ -156,10 +156,11 @@ class Muon(torch.optim.Optimizer):
         rank = dist.get_rank(pg) if distributed else 0
         mine = [(p.sharded_range.start, p.sharded_range.end) if hasattr(p, "sharded_range") else (0, p.numel())
                 for p in params]
-        ranges = [mine]
-        if distributed and all(is_ragged(p) for p in params):  # every rank's range is in the placement
+        if not distributed:
+            ranges = [mine]
+        elif all(is_ragged(p) for p in params):  # every rank's range is in the placement
             ranges = [[p.ragged_placement.local_range(r) for p in params] for r in range(world)]
-        elif distributed:
+        else:
             ranges = [None] * world
             with current_device(params[0].device):  # the object collective's device on NCCL
                 dist.all_gather_object(ranges, mine, group=pg)
