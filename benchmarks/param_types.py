@@ -1,15 +1,24 @@
 """What DTensor parameters cost: the optimizer step on ``RaggedDTensor`` parameters vs on
-plain 1-D tensors (the representation before sharded parameters became DTensors), same run.
+plain 1-D tensors (the representation before sharded parameters became DTensors), same run,
+and the same pair for PyTorch FSDP2 (its ``Shard(0)`` DTensor parameters vs plain views of
+its own shards).
 
     .venv/bin/python benchmarks/param_types.py [--ranks 2] [--rounds 7] [--layers 4] [--d-model 256]
+        [--systems vescale fsdp2]
 
 Both optimizers of a pair step the *same storage*: the plain one holds ``nn.Parameter``
 views of the DTensors' local pieces (what the sharded parameters were before), with the same
 gradients (the local pieces of the DTensor gradients). So the only difference measured is
-the DTensor dispatch (``vescale_zero.ragged_tensor`` [Note: ops on ragged tensors]). The
-variants run interleaved, each round every optimizer kind both ways; printed: median ms per
-optimizer step and per training step (forward + backward + step), and the ratio DTensor /
-plain. Absolute times on a shared machine are noise: read the ratios.
+the DTensor dispatch (``vescale_zero.ragged_tensor`` [Note: ops on ragged tensors]; for
+FSDP2, torch's DTensor dispatch). The variants run interleaved, each round every system and
+optimizer kind both ways; printed: median ms per optimizer step and per training step
+(forward + backward + step), and the ratio DTensor / plain. Absolute times on a shared
+machine are noise: read the ratios.
+
+What a DTensor costs is per tensor and per op (one call from the dispatcher into Python
+per ``_foreach_*`` op, about a microsecond per tensor in its lists, and a wrapper per
+output of an out-of-place op), not per element: the ratio falls as tensors grow
+(``--d-model``), and on a GPU that host time overlaps the kernels already queued.
 """
 
 from __future__ import annotations
@@ -35,28 +44,48 @@ KINDS = {
 }
 
 
+def _vescale(model: torch.nn.Module) -> torch.nn.Module:
+    vz.fully_shard_layers(model)
+    return model
+
+
+def _fsdp2(model: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+SYSTEMS = {"vescale": _vescale, "fsdp2": _fsdp2}
+
+
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     cfg = GPTConfig(vocab_size=512, seq_len=64, d_model=args.d_model, n_layers=args.layers, n_heads=8)
-    model = GPT(cfg)
-    vz.fully_shard_layers(model)
-    sharded = [p for p in model.parameters() if p.requires_grad]
-    plain = [torch.nn.Parameter(p.to_local()) for p in sharded]  # views of the same shards
-    opts = {(kind, rep): make(sharded if rep == "dtensor" else plain) for kind, make in KINDS.items()
-            for rep in ("dtensor", "plain")}
+    models = {system: build(GPT(cfg)) for system, build in SYSTEMS.items() if system in args.systems}
+    params = {}
+    for system, model in models.items():
+        sharded = [p for p in model.parameters() if p.requires_grad]
+        params[system] = (sharded, [torch.nn.Parameter(p.to_local()) for p in sharded])  # views of the same shards
+    opts = {(system, kind, rep): make(params[system][rep == "plain"]) for system in models
+            for kind, make in KINDS.items() for rep in ("dtensor", "plain")}
     corpus = SyntheticCorpus(cfg.vocab_size, cfg.seq_len)
     times: Dict[tuple, List[float]] = {(key, part): [] for key in opts for part in ("opt", "step")}
     step = 0
     for round_ in range(args.rounds + 1):  # round 0 warms up (optimizer state, allocator)
         for key, opt in opts.items():
+            system, _, rep = key
+            model, (sharded, plain) = models[system], params[system]
             x, y = corpus.batch(step, 8 * world, rank, world)
             step += 1
             dist.barrier()
             t0 = time.perf_counter()
             model(x, y).backward()
-            if key[1] == "plain":
+            if rep == "plain":
                 for p, q in zip(sharded, plain):
                     q.grad = None if p.grad is None else p.grad.to_local()
             t1 = time.perf_counter()
@@ -79,6 +108,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--systems", nargs="+", choices=tuple(SYSTEMS), default=list(SYSTEMS))
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -86,12 +116,14 @@ def main() -> None:
     out = mp.Manager().dict()
     mp.spawn(worker, args=(args.ranks, port, args, out), nprocs=args.ranks)
     print(f"GPT {args.layers} x {args.d_model}, {args.ranks} ranks (gloo, CPU), median of {args.rounds} rounds")
-    print(f"{'optimizer':<16} {'opt ms DTensor':>15} {'opt ms plain':>13} {'ratio':>6} "
+    print(f"{'system':<8} {'optimizer':<14} {'opt ms DTensor':>15} {'opt ms plain':>13} {'ratio':>6} "
           f"{'step ms DTensor':>16} {'step ms plain':>14} {'ratio':>6}")
-    for kind in KINDS:
-        od, op = out[((kind, "dtensor"), "opt")] * 1e3, out[((kind, "plain"), "opt")] * 1e3
-        sd, sp = out[((kind, "dtensor"), "step")] * 1e3, out[((kind, "plain"), "step")] * 1e3
-        print(f"{kind:<16} {od:>15.2f} {op:>13.2f} {od / op:>6.3f} {sd:>16.2f} {sp:>14.2f} {sd / sp:>6.3f}")
+    for system in args.systems:
+        for kind in KINDS:
+            od, op = out[((system, kind, "dtensor"), "opt")] * 1e3, out[((system, kind, "plain"), "opt")] * 1e3
+            sd, sp = out[((system, kind, "dtensor"), "step")] * 1e3, out[((system, kind, "plain"), "step")] * 1e3
+            print(f"{system:<8} {kind:<14} {od:>15.2f} {op:>13.2f} {od / op:>6.3f} "
+                  f"{sd:>16.2f} {sp:>14.2f} {sd / sp:>6.3f}")
 
 
 if __name__ == "__main__":

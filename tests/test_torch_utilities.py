@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 import vescale_zero as vz
 from tests.distributed import run_cases_on_ranks
 from tests.models import AwkwardLM, make_batches, rank_slice
+from vescale_zero.optim import AdamW8bit
 
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3, 4 ranks
 RTOL, ATOL = 1e-6, 1e-6
@@ -201,10 +202,27 @@ def _hook_case(rank, world):
     return out
 
 
+EIGHT_BIT_BLOCK = 16
+
+
+def _optimizer(kind, model):
+    if kind == "ours-8bit":  # codes like the parameters, absmax ragged over blocks
+        return AdamW8bit(model.parameters(), lr=1e-2, block=EIGHT_BIT_BLOCK)
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _model(kind, seed, granularity):
+    if kind == "fsdp2":
+        return _fsdp2(seed=seed)
+    if kind == "ours-8bit":
+        granularity = AdamW8bit.granularity(EIGHT_BIT_BLOCK)
+    return _sharded(seed=seed, granularity=granularity)
+
+
 def _dcp_save(rank, world, kind, path):
     """Train 2 AdamW steps, save with DCP's get_state_dict; return what was saved (whole values)."""
-    model = _sharded(granularity="row") if kind == "ours" else _fsdp2()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model = _model(kind, 0, "row")
+    opt = _optimizer(kind, model)
     for batch in make_batches(2, GLOBAL_BATCH):
         model(*rank_slice(batch, rank, world)).backward()
         opt.step()
@@ -219,8 +237,8 @@ def _dcp_save(rank, world, kind, path):
 
 def _dcp_load(rank, world, kind, path):
     """A fresh model (another seed) and optimizer resume from ``path``; then one more step."""
-    model = _sharded(seed=7, granularity="element") if kind == "ours" else _fsdp2(seed=7)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model = _model(kind, 7, "element")
+    opt = _optimizer(kind, model)
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
@@ -280,11 +298,16 @@ def test_torch_utilities_on_sharded_parameters(world):
 def test_dcp_checkpoints_move_between_world_sizes_and_fsdp2(tmp_path):
     """DCP save at 2 ranks (ours, row granularity; FSDP2), load at 3 (ours at element
     granularity; FSDP2) in every direction: the loaded weights and Adam moments are the saved ones
-    bit for bit, and the next step trains from them as the source system does."""
-    paths = {kind: os.fspath(tmp_path / kind) for kind in ("ours", "fsdp2")}
+    bit for bit, and the next step trains from them as the source system does. 8-bit AdamW's
+    state (uint8 codes per element, an fp32 absmax per block) comes back bit for bit, dtypes kept,
+    at 3 ranks whose pieces hold other blocks."""
+    paths = {kind: os.fspath(tmp_path / kind) for kind in ("ours", "fsdp2", "ours-8bit")}
     saved = run_cases_on_ranks({kind: (_dcp_save, (kind, paths[kind])) for kind in paths}, 2)
-    loads = {f"{src}->{dst}": (_dcp_load, (dst, paths[src])) for src in paths for dst in paths}
+    loads = {f"{src}->{dst}": (_dcp_load, (dst, paths[src])) for src in ("ours", "fsdp2") for dst in ("ours", "fsdp2")}
+    loads["ours-8bit->ours-8bit"] = (_dcp_load, ("ours-8bit", paths["ours-8bit"]))  # codes and per-block absmax
     loaded = run_cases_on_ranks(loads, 3)
+    eight_bit = saved["ours-8bit"][0]["moments"]
+    assert eight_bit and all({"exp_avg_absmax", "exp_avg_sq_absmax"} <= set(m) for m in eight_bit.values()), eight_bit
     for case, results in loaded.items():
         src = case.split("->")[0]
         want = saved[src][0]
@@ -293,7 +316,7 @@ def test_dcp_checkpoints_move_between_world_sizes_and_fsdp2(tmp_path):
             for name, moments in want["moments"].items():
                 _close(r["moments"][name], moments, f"{case} optimizer state of {name}", rtol=0, atol=0)
     # the next step from the same state: ours and FSDP2 agree (AdamW, same gradients up to summation order)
-    for src in paths:
+    for src in ("ours", "fsdp2"):
         _close(loaded[f"{src}->ours"][0]["after"], loaded[f"{src}->fsdp2"][0]["after"], f"step after {src}",
                rtol=1e-5, atol=1e-6)
     # the full state dict (full_state_dict + cpu_offload) is the whole model on rank 0, as FSDP2 gives it

@@ -218,7 +218,7 @@ def _per_element(value: Any, param: torch.Tensor, numel: int) -> bool:
 
 def _to_cpu(value: Any) -> Any:
     if torch.is_tensor(value):
-        return value.detach().cpu().clone()
+        return local_piece(value).detach().cpu().clone()
     if isinstance(value, (list, tuple)):
         return type(value)(_to_cpu(v) for v in value)
     if isinstance(value, dict):

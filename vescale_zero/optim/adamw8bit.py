@@ -31,7 +31,7 @@ import torch
 
 from ..quantization import dequantize_blockwise, quantize_blockwise
 from ..ragged_tensor import like_param, local_piece
-from .layout import check_every_rank_piece
+from .layout import check_every_rank_piece, per_block_state
 
 __all__ = ["AdamW8bit"]
 
@@ -39,6 +39,11 @@ __all__ = ["AdamW8bit"]
 def _numel(p: torch.Tensor) -> int:
     rng = getattr(p, "sharded_range", None)
     return math.prod(rng.shape) if rng is not None else p.numel()
+
+
+def _block_span(start: int, end: int, block: int) -> Tuple[int, int]:
+    """The blocks ``[first, last)`` that hold the elements ``[start, end)`` (none for an empty piece)."""
+    return (start // block, -(-end // block)) if end > start else (start // block, start // block)
 
 
 class AdamW8bit(torch.optim.Optimizer):
@@ -88,30 +93,65 @@ class AdamW8bit(torch.optim.Optimizer):
         rng = getattr(param, "sharded_range", None)
         start, end, total = ((rng.start, rng.end, math.prod(rng.shape)) if rng is not None
                              else (0, param.numel(), param.numel()))
-        return start // block, -(-end // block), -(-total // block)
+        return _block_span(start, end, block) + (-(-total // block),)
 
     @staticmethod
     def _fits(start: int, end: int, total: int, block: int) -> bool:
-        """A piece ``[start, end)`` of a ``total``-element tensor holds whole blocks."""
-        return start % block == 0 and ((end - start) % block == 0 or end == total)
+        """A piece ``[start, end)`` of a ``total``-element tensor holds whole blocks (an empty one: none)."""
+        return end == start or start % block == 0 and ((end - start) % block == 0 or end == total)
 
     @staticmethod
     def _check_layout(p: torch.Tensor, block: int) -> None:
         rng = getattr(p, "sharded_range", None)
         if rng is None:
             return
-        if not AdamW8bit._fits(rng.start, rng.end, math.prod(rng.shape), block):
+        if not AdamW8bit._fits(rng.start, rng.end, math.prod(rng.shape), block):  # an empty piece fits
             raise ValueError(
                 f"AdamW8bit: a block of {block} elements of a parameter of shape {rng.shape} would be split across "
                 f"ranks (this rank holds elements [{rng.start}, {rng.end}) at granularity {rng.granularity}); shard it "
                 f"with fully_shard(..., granularity=AdamW8bit.granularity({block}))"
             )
 
+    # ---- state dicts: [Note: 8-bit state format], [Note: per-block state is ragged over blocks] ----
+    def state_dict(self) -> dict:
+        """torch's optimizer state dict, its tensors in their layouts (codes like the parameter,
+        absmax ragged over blocks), so ``torch.distributed.checkpoint`` saves every rank's part."""
+        self._restore_layouts()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's ``Optimizer.load_state_dict`` casts floating-point state to the parameter's
+        dtype: here it would turn uint8 codes into floats and round fp32 absmax to a bf16
+        parameter's dtype. The state keeps the dtypes it was saved with, on the parameter's device."""
+        super().load_state_dict(state_dict)
+        saved = state_dict["state"]
+        ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
+        for pid, p in zip(ids, (p for group in self.param_groups for p in group["params"])):
+            for key, value in saved.get(pid, {}).items():
+                if torch.is_tensor(value) and key != "step":
+                    self.state[p][key] = value.to(device=local_piece(p).device, copy=True)
+        self._restore_layouts()
+
+    def _restore_layouts(self) -> None:
+        """State loaded as plain pieces (``vz.checkpoint.load``) back in its layouts."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                if not state or "exp_avg_absmax" not in state:
+                    continue
+                for key in ("exp_avg", "exp_avg_sq"):
+                    self._store(state, p, key, (local_piece(state[key]), local_piece(state[key + "_absmax"])),
+                                group["block"])
+
     @staticmethod
-    def _store(state: dict, param: torch.Tensor, key: str, quantized: Tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Codes (one per element: in the parameter's layout, ragged for a sharded one) and each block's absmax."""
+    def _store(state: dict, param: torch.Tensor, key: str, quantized: Tuple[torch.Tensor, torch.Tensor],
+               block: int) -> None:
+        """Codes (one per element: in the parameter's layout, ragged for a sharded one) and each
+        block's absmax (ragged over the blocks: [Note: per-block state is ragged over blocks])."""
         codes, absmax = quantized
-        state[key], state[key + "_absmax"] = like_param(codes, param), absmax
+        state[key] = like_param(codes, param)
+        state[key + "_absmax"] = per_block_state(absmax, param, lambda start, end: _block_span(start, end, block),
+                                                 -(-_numel(param) // block))
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable] = None):
@@ -125,15 +165,15 @@ class AdamW8bit(torch.optim.Optimizer):
                                             group["block"])
             for p in group["params"]:
                 local = local_piece(p)  # this rank's flat piece (the whole tensor when unsharded)
-                if p.grad is None or local.numel() == 0:
+                if p.grad is None:  # an empty piece still steps: every rank holds the same state keys (DCP)
                     continue
                 self._check_layout(p, block)
                 state = self.state[p]
                 if not state:
                     zeros = torch.zeros(local.numel(), dtype=torch.float32, device=local.device)
                     state["step"] = 0
-                    self._store(state, p, "exp_avg", quantize_blockwise(zeros, block, signed=True))
-                    self._store(state, p, "exp_avg_sq", quantize_blockwise(zeros, block, signed=False))
+                    self._store(state, p, "exp_avg", quantize_blockwise(zeros, block, signed=True), block)
+                    self._store(state, p, "exp_avg_sq", quantize_blockwise(zeros, block, signed=False), block)
                 elif "exp_avg_scale" in state:
                     raise ValueError(
                         "AdamW8bit: this optimizer state holds linear 8-bit codes ('exp_avg_scale'), written before "
@@ -142,15 +182,16 @@ class AdamW8bit(torch.optim.Optimizer):
                 state["step"] += 1
                 t = state["step"]
                 grad = local_piece(p.grad).reshape(-1).float()
-                m = dequantize_blockwise(local_piece(state["exp_avg"]), state["exp_avg_absmax"], block, signed=True)
-                v = dequantize_blockwise(local_piece(state["exp_avg_sq"]), state["exp_avg_sq_absmax"], block,
-                                         signed=False)
+                m = dequantize_blockwise(local_piece(state["exp_avg"]), local_piece(state["exp_avg_absmax"]), block,
+                                         signed=True)
+                v = dequantize_blockwise(local_piece(state["exp_avg_sq"]), local_piece(state["exp_avg_sq_absmax"]),
+                                         block, signed=False)
                 m.mul_(b1).add_(grad, alpha=1 - b1)
                 v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
                 flat = local.view(-1)
                 flat.mul_(1 - lr * wd)
                 denom = (v.sqrt() / math.sqrt(1 - b2**t)).add_(eps)
                 flat.addcdiv_(m.to(flat.dtype), denom.to(flat.dtype), value=-lr / (1 - b1**t))
-                self._store(state, p, "exp_avg", quantize_blockwise(m, block, signed=True))
-                self._store(state, p, "exp_avg_sq", quantize_blockwise(v, block, signed=False))
+                self._store(state, p, "exp_avg", quantize_blockwise(m, block, signed=True), block)
+                self._store(state, p, "exp_avg_sq", quantize_blockwise(v, block, signed=False), block)
         return loss

@@ -18,9 +18,35 @@ import torch
 import torch.distributed as dist
 
 from ..param_group import slot_of
-from ..ragged_tensor import is_ragged
+from ..placement import RaggedShard
+from ..ragged_tensor import RaggedDTensor, is_ragged, local_piece, ragged_spec
 
-__all__ = ["check_every_rank_piece"]
+__all__ = ["check_every_rank_piece", "per_block_state"]
+
+BlockSpan = Callable[[int, int], Tuple[int, int]]
+"""``(start, end)`` of a piece in elements of the flat parameter -> ``(first, last)`` block."""
+
+
+def per_block_state(piece: torch.Tensor, param: torch.Tensor, block_span: BlockSpan, total: int) -> torch.Tensor:
+    """``piece`` (this rank's per-block state, one row per block of its piece of ``param``) in
+    the layout of [Note: per-block state is ragged over blocks]: a :class:`RaggedDTensor` of
+    ``total`` blocks for a sharded ``param``, ``piece`` itself for a plain one."""
+    piece = local_piece(piece)
+    if not is_ragged(param):
+        return piece
+    placement = param.ragged_placement
+    counts = []
+    for rank in range(placement.world_size):
+        start, end = placement.local_range(rank)
+        first, last = block_span(start, end) if end > start else (0, 0)
+        counts.append(last - first)
+    per_block = tuple(piece.shape[1:])
+    if sum(counts) != total or piece.shape[0] != counts[param._spec.mesh.get_local_rank(param._spec.mesh.ndim - 1)]:
+        raise ValueError(f"per-block state of shape {tuple(piece.shape)} does not match the blocks {counts} of a "
+                         f"parameter of shape {_shape(param)} ({total} blocks in all)")
+    numel = max(1, int(torch.Size(per_block).numel()))
+    spec = ragged_spec(param._spec.mesh, RaggedShard(numel, tuple(counts)), (total,) + per_block, piece.dtype)
+    return RaggedDTensor.from_piece(piece.reshape(-1), spec)
 
 
 def check_every_rank_piece(optimizer: str, param: torch.Tensor, fits: Callable[[int, int], bool], what: str,
