@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 import vescale_zero as vz
 from tests.distributed import run_cases_on_ranks
 from tests.models import AwkwardLM, make_batches, rank_slice
-from vescale_zero.optim import AdamW8bit
+from vescale_zero.optim import AdamW8bit, Shampoo
 
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3, 4 ranks
 RTOL, ATOL = 1e-6, 1e-6
@@ -202,21 +202,23 @@ def _hook_case(rank, world):
     return out
 
 
-EIGHT_BIT_BLOCK = 16
+BLOCK = 16  # 8-bit AdamW's quantization blocks; Shampoo's preconditioner blocks are BLOCK // 4 rows
+STRUCTURED = {  # ours with block-wise optimizer state: (optimizer, the granularity that keeps its blocks whole)
+    "ours-8bit": (lambda ps: AdamW8bit(ps, lr=1e-2, block=BLOCK), AdamW8bit.granularity(BLOCK)),
+    "ours-shampoo": (lambda ps: Shampoo(ps, lr=1e-2, block=BLOCK // 4), Shampoo.granularity(BLOCK // 4)),
+}
 
 
 def _optimizer(kind, model):
-    if kind == "ours-8bit":  # codes like the parameters, absmax ragged over blocks
-        return AdamW8bit(model.parameters(), lr=1e-2, block=EIGHT_BIT_BLOCK)
+    if kind in STRUCTURED:
+        return STRUCTURED[kind][0](model.parameters())
     return torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
 def _model(kind, seed, granularity):
     if kind == "fsdp2":
         return _fsdp2(seed=seed)
-    if kind == "ours-8bit":
-        granularity = AdamW8bit.granularity(EIGHT_BIT_BLOCK)
-    return _sharded(seed=seed, granularity=granularity)
+    return _sharded(seed=seed, granularity=STRUCTURED[kind][1] if kind in STRUCTURED else granularity)
 
 
 def _dcp_save(rank, world, kind, path):
@@ -298,16 +300,18 @@ def test_torch_utilities_on_sharded_parameters(world):
 def test_dcp_checkpoints_move_between_world_sizes_and_fsdp2(tmp_path):
     """DCP save at 2 ranks (ours, row granularity; FSDP2), load at 3 (ours at element
     granularity; FSDP2) in every direction: the loaded weights and Adam moments are the saved ones
-    bit for bit, and the next step trains from them as the source system does. 8-bit AdamW's
-    state (uint8 codes per element, an fp32 absmax per block) comes back bit for bit, dtypes kept,
-    at 3 ranks whose pieces hold other blocks."""
-    paths = {kind: os.fspath(tmp_path / kind) for kind in ("ours", "fsdp2", "ours-8bit")}
+    bit for bit, and the next step trains from them as the source system does. Block-wise state
+    (8-bit AdamW's uint8 codes and fp32 absmax per block; Shampoo's preconditioners per block)
+    comes back bit for bit, dtypes kept, at 3 ranks whose pieces hold other blocks."""
+    paths = {kind: os.fspath(tmp_path / kind) for kind in ("ours", "fsdp2", *STRUCTURED)}
     saved = run_cases_on_ranks({kind: (_dcp_save, (kind, paths[kind])) for kind in paths}, 2)
     loads = {f"{src}->{dst}": (_dcp_load, (dst, paths[src])) for src in ("ours", "fsdp2") for dst in ("ours", "fsdp2")}
-    loads["ours-8bit->ours-8bit"] = (_dcp_load, ("ours-8bit", paths["ours-8bit"]))  # codes and per-block absmax
+    loads.update({f"{kind}->{kind}": (_dcp_load, (kind, paths[kind])) for kind in STRUCTURED})  # per-block state
     loaded = run_cases_on_ranks(loads, 3)
-    eight_bit = saved["ours-8bit"][0]["moments"]
-    assert eight_bit and all({"exp_avg_absmax", "exp_avg_sq_absmax"} <= set(m) for m in eight_bit.values()), eight_bit
+    per_block = {"ours-8bit": {"exp_avg_absmax", "exp_avg_sq_absmax"}, "ours-shampoo": {"L", "Li", "R", "Ri"}}
+    for kind, keys in per_block.items():  # the per-block state is among what was compared
+        states = saved[kind][0]["moments"]
+        assert any(keys <= set(m) for m in states.values()), (kind, states.keys())
     for case, results in loaded.items():
         src = case.split("->")[0]
         want = saved[src][0]

@@ -50,7 +50,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .placement import RaggedShard, ShardedRange, flat_range_boxes
 
-__all__ = ["RaggedDTensor", "ragged_spec", "shard_mesh", "local_piece", "is_ragged", "like_param"]
+__all__ = ["RaggedDTensor", "ragged_spec", "shard_mesh", "local_piece", "is_ragged", "like_param", "local_rows"]
 
 aten = torch.ops.aten
 
@@ -109,6 +109,12 @@ def is_ragged(t: Any) -> bool:
 def local_piece(t: torch.Tensor) -> torch.Tensor:
     """This rank's flat piece of a ragged tensor (a view: writes land in the shard), or ``t``."""
     return t._local_tensor if isinstance(t, RaggedDTensor) else t
+
+
+def local_rows(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a tensor ragged over whole entries of dim 0 (per-block optimizer
+    state), shaped ``(entries, *t.shape[1:])``; ``t`` itself if it is not ragged."""
+    return t._local_tensor.view(-1, *t.shape[1:]) if isinstance(t, RaggedDTensor) else t
 
 
 def like_param(piece: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

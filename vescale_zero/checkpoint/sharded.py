@@ -57,7 +57,7 @@ from torch import nn
 
 from ..comm_device import collective_device, current_device
 from ..fully_shard import RaggedFSDPModule, groups_of
-from ..ragged_tensor import like_param, local_piece
+from ..ragged_tensor import like_param, local_piece, local_rows
 from ..state_dict import restored_step
 from .format import (
     CHECKPOINT_DOMAIN,
@@ -178,7 +178,7 @@ def _save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer
                 span = span_of(p, key) if span_of is not None else None
                 if span is not None:  # per-block state, see [Note: per-block state]
                     first, last, total = span
-                    blocks[f"{name}::{key}"] = ((total,), first, last, _to_cpu(value))
+                    blocks[f"{name}::{key}"] = ((total,), first, last, _to_cpu(local_rows(value)))
                 elif _per_element(value, p, e - s):
                     states[f"{name}::{key}"] = (shape, s, e, local_piece(value).detach().cpu().clone())
                 else:  # a scalar (e.g. step), or other state tied to this piece

@@ -31,7 +31,7 @@ import torch
 
 from ..quantization import dequantize_blockwise, quantize_blockwise
 from ..ragged_tensor import like_param, local_piece
-from .layout import check_every_rank_piece, per_block_state
+from .layout import check_every_rank_piece, keep_saved_dtypes, per_block_state
 
 __all__ = ["AdamW8bit"]
 
@@ -124,12 +124,7 @@ class AdamW8bit(torch.optim.Optimizer):
         dtype: here it would turn uint8 codes into floats and round fp32 absmax to a bf16
         parameter's dtype. The state keeps the dtypes it was saved with, on the parameter's device."""
         super().load_state_dict(state_dict)
-        saved = state_dict["state"]
-        ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
-        for pid, p in zip(ids, (p for group in self.param_groups for p in group["params"])):
-            for key, value in saved.get(pid, {}).items():
-                if torch.is_tensor(value) and key != "step":
-                    self.state[p][key] = value.to(device=local_piece(p).device, copy=True)
+        keep_saved_dtypes(self, state_dict)
         self._restore_layouts()
 
     def _restore_layouts(self) -> None:

@@ -21,7 +21,7 @@ from ..param_group import slot_of
 from ..placement import RaggedShard
 from ..ragged_tensor import RaggedDTensor, is_ragged, local_piece, ragged_spec
 
-__all__ = ["check_every_rank_piece", "per_block_state"]
+__all__ = ["check_every_rank_piece", "per_block_state", "keep_saved_dtypes"]
 
 BlockSpan = Callable[[int, int], Tuple[int, int]]
 """``(start, end)`` of a piece in elements of the flat parameter -> ``(first, last)`` block."""
@@ -83,3 +83,16 @@ def _where(group) -> str:
     ranks = dist.get_process_group_ranks(group.process_group)
     return (f"under HSDP the shard size is planned for the mesh's 'shard' dimension ({len(ranks)} ranks: "
             f"{ranks}), where")
+
+
+def keep_saved_dtypes(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+    """After ``torch.optim.Optimizer.load_state_dict(state_dict)``: put back the state tensors
+    as saved (dtype kept, on the parameter's device). torch casts floating-point state to the
+    parameter's dtype, which turns 8-bit codes into floats and rounds fp32 state (absmax,
+    preconditioners, moments kept in fp32) to a bf16 parameter's precision."""
+    saved = state_dict["state"]
+    ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
+    for pid, p in zip(ids, (p for group in optimizer.param_groups for p in group["params"])):
+        for key, value in saved.get(pid, {}).items():
+            if torch.is_tensor(value) and key != "step":
+                optimizer.state[p][key] = value.to(device=local_piece(p).device, copy=True)

@@ -25,10 +25,19 @@ from typing import Callable, Iterable, List, Optional, Set, Tuple
 
 import torch
 
-from ..ragged_tensor import local_piece
-from .layout import check_every_rank_piece
+from ..ragged_tensor import is_ragged, local_piece
+from .layout import check_every_rank_piece, keep_saved_dtypes, per_block_state
 
 __all__ = ["Shampoo"]
+
+_PRECONDITIONERS = ("L", "Li", "R", "Ri")
+"""[Note: preconditioner state] A preconditioned parameter's state: ``momentum`` (per
+element, in the parameter's layout) and, for the ``n`` blocks of the full matrix in
+row-major order, ``L`` / ``Li`` ``[n, a, a]`` (``G G^T`` and its inverse 4th root, ``a =
+min(block, rows)``) and ``R`` / ``Ri`` ``[n, b, b]`` (``b = min(block, cols)``); a block at
+the matrix's last rows or columns uses the top-left corner of its slot. Each is ragged over
+the blocks ([Note: per-block state is ragged over blocks]): a rank holds its bands' blocks,
+and torch's DCP saves and re-cuts them like any sharded tensor."""
 
 
 def _matrix_shape(shape: Tuple[int, ...]) -> Tuple[int, int]:
@@ -41,6 +50,11 @@ def _fits(start: int, end: int, rows: int, cols: int, block: int) -> bool:
     band = block * cols
     whole_bands = start % band == 0 and ((end - start) % band == 0 or end == rows * cols)
     return whole_bands or (start == 0 and end == rows * cols)
+
+
+def _sides(rows: int, cols: int, block: int) -> Tuple[int, int, int, int]:
+    """The slot sides of ``L``, ``Li``, ``R``, ``Ri`` ([Note: preconditioner state])."""
+    return min(block, rows), min(block, rows), min(block, cols), min(block, cols)
 
 
 def _inverse_root(m: torch.Tensor, root: int, eps: float) -> torch.Tensor:
@@ -134,19 +148,34 @@ class Shampoo(torch.optim.Optimizer):
     def sharded_state_span(self, param: torch.Tensor, key: str) -> Optional[Tuple[int, int, int]]:
         """The preconditioner blocks of ``param``'s piece as ``(first, last, total)`` of the
         full matrix's row-major block list, so checkpoints re-cut them
-        (:mod:`vescale_zero.checkpoint`); ``None`` for per-element state and the step."""
-        if key != "blocks":
+        (:mod:`vescale_zero.checkpoint`); ``None`` for per-element state and the step.
+        ``"blocks"`` is the list of per-block dicts that checkpoints written before hold."""
+        if key not in _PRECONDITIONERS and key != "blocks":
             return None
         block = next(g["block"] for g in self.param_groups if any(q is param for q in g["params"]))
         full_shape, first_row, n_rows = self._full_shape_and_rows(param, block)
-        rows, cols = _matrix_shape(full_shape)
-        per_band = -(-cols // block)
-        last_band = -(-(first_row + n_rows) // block) if n_rows else first_row // block
-        return (first_row // block) * per_band, last_band * per_band, -(-rows // block) * per_band
+        return self._block_span(full_shape, first_row, n_rows, block)
 
     def _blocks(self, rows: int, cols: int, block: int) -> List[Tuple[int, int, int, int]]:
         return [(r, min(r + block, rows), c, min(c + block, cols))
                 for r in range(0, rows, block) for c in range(0, cols, block)]
+
+    # ---- state dicts: [Note: preconditioner state] ------------------------------------------
+    def state_dict(self) -> dict:
+        """torch's optimizer state dict, the preconditioners ragged over blocks, so
+        ``torch.distributed.checkpoint`` saves every rank's blocks."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                if state and ("blocks" in state or "L" in state):
+                    self._restore_layout(p, state, group["block"])
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As torch's, but the state keeps the dtypes it was saved with (fp32 preconditioners
+        and momentum stay fp32 beside a bf16 parameter)."""
+        super().load_state_dict(state_dict)
+        keep_saved_dtypes(self, state_dict)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable] = None):
@@ -176,30 +205,29 @@ class Shampoo(torch.optim.Optimizer):
         block = group["block"]
         full_shape, first_row, n_rows = self._full_shape_and_rows(p, block)
         local = local_piece(p)  # this rank's flat piece (the whole tensor when unsharded)
-        if local.numel() == 0:
-            return
-        cols = _matrix_shape(full_shape)[1]
-        g = local_piece(p.grad).float().view(n_rows, cols)
+        rows, cols = _matrix_shape(full_shape)
         state = self.state[p]
         if not state:
             state["step"] = 0
             state["momentum"] = torch.zeros_like(p, dtype=torch.float32)
-            state["blocks"] = []
-            square = dict(dtype=torch.float32, device=local.device)
-            for r0, r1, c0, c1 in self._blocks(n_rows, cols, block):
-                state["blocks"].append({"L": torch.zeros(r1 - r0, r1 - r0, **square),
-                                        "R": torch.zeros(c1 - c0, c1 - c0, **square)})
+        self._restore_layout(p, state, block)
         state["step"] += 1
+        if local.numel() == 0:  # no blocks here; the state keys are every rank's (DCP)
+            return
+        g = local_piece(p.grad).float().view(n_rows, cols)
         update = torch.empty_like(g)
         refresh = (state["step"] - 1) % group["update_freq"] == 0
-        for (r0, r1, c0, c1), pre in zip(self._blocks(n_rows, cols, block), state["blocks"]):
+        L, Li, R, Ri = (local_piece(state[k]).view(-1, side, side)
+                        for k, side in zip(_PRECONDITIONERS, _sides(rows, cols, block)))
+        for i, (r0, r1, c0, c1) in enumerate(self._blocks(n_rows, cols, block)):
+            h, w = r1 - r0, c1 - c0
             gb = g[r0:r1, c0:c1]
-            pre["L"].add_(gb @ gb.T)
-            pre["R"].add_(gb.T @ gb)
+            L[i, :h, :h].add_(gb @ gb.T)
+            R[i, :w, :w].add_(gb.T @ gb)
             if refresh:
-                pre["Li"] = _inverse_root(pre["L"], 4, group["eps"])
-                pre["Ri"] = _inverse_root(pre["R"], 4, group["eps"])
-            u = pre["Li"] @ gb @ pre["Ri"]
+                Li[i, :h, :h] = _inverse_root(L[i, :h, :h], 4, group["eps"])
+                Ri[i, :w, :w] = _inverse_root(R[i, :w, :w], 4, group["eps"])
+            u = Li[i, :h, :h] @ gb @ Ri[i, :w, :w]
             norm_u = u.norm()
             update[r0:r1, c0:c1] = u * (gb.norm() / norm_u) if norm_u > 0 else u
         m = local_piece(state["momentum"]).view(n_rows, cols)
@@ -207,6 +235,45 @@ class Shampoo(torch.optim.Optimizer):
         if group["weight_decay"]:
             local.mul_(1 - group["lr"] * group["weight_decay"])
         local.add_(m.view_as(local).to(local.dtype), alpha=-group["lr"])
+
+    def _restore_layout(self, p: torch.Tensor, state: dict, block: int) -> None:
+        """The preconditioners as four stacked tensors, ragged over the full matrix's blocks
+        ([Note: preconditioner state]); made at the first step, and from the list of per-block
+        dicts that checkpoints written before hold (``"blocks"``)."""
+        full_shape, first_row, n_rows = self._full_shape_and_rows(p, block)
+        rows, cols = _matrix_shape(full_shape)
+        local = local_piece(p)
+        sides = _sides(rows, cols, block)
+        blocks = self._blocks(n_rows, cols, block) if local.numel() else []
+        first, last, total = self._block_span(full_shape, first_row, n_rows, block)
+        old = state.pop("blocks", None)
+        for key, side in zip(_PRECONDITIONERS, sides):
+            value = state.get(key)
+            if value is not None and is_ragged(value) == is_ragged(p):
+                continue  # in its layout already
+            if value is None:
+                value = torch.zeros(len(blocks), side, side, dtype=torch.float32, device=local.device)
+                for i, entry in enumerate(old or ()):
+                    if key in entry:
+                        value[i, : entry[key].shape[0], : entry[key].shape[1]] = entry[key]
+            value = local_piece(value).view(-1, side, side)
+            state[key] = per_block_state(value, p, lambda start, end: self._piece_blocks(p, block, start, end), total)
+
+    def _piece_blocks(self, p: torch.Tensor, block: int, start: int, end: int) -> Tuple[int, int]:
+        """The blocks ``[first, last)`` of the full matrix that the piece ``[start, end)`` holds."""
+        shape = tuple(p.shape)
+        cols = _matrix_shape(shape)[1]
+        first, last, _ = self._block_span(shape, start // cols, (end - start) // cols, block)
+        return first, last
+
+    @staticmethod
+    def _block_span(full_shape: Tuple[int, ...], first_row: int, n_rows: int, block: int) -> Tuple[int, int, int]:
+        """``(first, last, total)`` of the row-major block list for rows ``[first_row, first_row + n_rows)``."""
+        rows, cols = _matrix_shape(full_shape)
+        per_band = -(-cols // block)
+        first_band = first_row // block
+        last_band = -(-(first_row + n_rows) // block) if n_rows else first_band
+        return first_band * per_band, last_band * per_band, -(-rows // block) * per_band
 
     def _adamw(self, p: torch.Tensor, group: dict) -> None:
         state = self.state[p]
