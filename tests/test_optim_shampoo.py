@@ -71,3 +71,30 @@ def test_bad_input_is_refused_with_the_fix():
     vector.grad = torch.ones(4)
     with pytest.raises(ValueError, match="matrices only"):
         opt.step()
+
+
+def test_preconditioners_saved_as_per_block_dicts_are_read():
+    """State written before [Note: preconditioner state] (a list of per-block dicts of
+    ``L``/``R``/``Li``/``Ri``, each its own size) is converted at the next step: the run goes on
+    as if uninterrupted, bit for bit. A 20 x 12 matrix with blocks of 8 has partial blocks at
+    its last rows and columns, which sit in the corner of their slots."""
+    torch.manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(20, 12)), torch.nn.Parameter(torch.randn(12))]
+    copies = [torch.nn.Parameter(w.detach().clone()) for w in weights]
+    straight, resumed = Shampoo(weights, lr=1e-2, block=8), Shampoo(copies, lr=1e-2, block=8)
+    grads = [[torch.randn_like(w) for w in weights] for _ in range(3)]
+    for step, gs in enumerate(grads):
+        for opt, ps in ((straight, weights), (resumed, copies)):
+            for p, g in zip(ps, gs):
+                p.grad = g.clone()
+            opt.step()
+        if step == 0:  # rewrite the resumed run's state in the old format
+            state = resumed.state[copies[0]]
+            sides = {"L": [8, 8, 8, 8, 4, 4], "Li": [8, 8, 8, 8, 4, 4], "R": [8, 4] * 3, "Ri": [8, 4] * 3}
+            state["blocks"] = [{k: state[k][i, : sides[k][i], : sides[k][i]].clone() for k in sides}
+                               for i in range(6)]
+            for k in sides:
+                del state[k]
+    for a, b in zip(weights, copies):
+        assert torch.equal(a, b)
+    assert torch.equal(straight.state[weights[0]]["L"], resumed.state[copies[0]]["L"])
