@@ -201,7 +201,8 @@ class Shampoo(torch.optim.Optimizer):
                 pre["Ri"] = _inverse_root(pre["R"], 4, group["eps"])
             u = pre["Li"] @ gb @ pre["Ri"]
             norm_u = u.norm()
-            update[r0:r1, c0:c1] = u * (gb.norm() / norm_u) if norm_u > 0 else u
+            # grafted to the gradient's norm; decided on the device (no host read of norm_u)
+            update[r0:r1, c0:c1] = torch.where(norm_u > 0, u * (gb.norm() / norm_u), u)
         m = local_piece(state["momentum"]).view(n_rows, cols)
         m.mul_(group["momentum"]).add_(update)
         if group["weight_decay"]:
