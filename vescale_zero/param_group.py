@@ -40,7 +40,8 @@ synced backward) gets ``.grad = None`` on its sharded parameter, as with DDP and
 optimizers skip it (no weight decay, no moment decay); ``unused_grads = "zero"`` keeps a zero
 gradient instead, as ZeRO-3 and Megatron's DDP do (the DeepSpeed and Megatron adapters set
 it). Which parameters got gradients anywhere is one small all-reduce of flags per process
-group at the end of a synced backward (``vescale_zero.runtime``).
+group at the end of a synced backward, read on the host only by a rank on which some
+parameter got none (``vescale_zero.runtime`` [Note: usage flags without a host read]).
 
 *When* it becomes ready may differ between ranks (which parameters got gradients differs);
 the order in which ready groups issue their reduce-scatters must not: see
@@ -404,11 +405,14 @@ class ParamGroup:
         used = self._usage[0]
         return [1 if i in used else 0 for i in self._grad_indices]
 
-    def drop_unused_grads(self, used_anywhere: Sequence[int]) -> None:
+    def drop_unused_grads(self, used_anywhere: Optional[Sequence[int]]) -> None:
         """After :meth:`finish_grad_sync`: ``.grad = None`` for the parameters no rank used
-        (flags in :meth:`local_usage` order), unless they held a gradient before."""
+        (flags in :meth:`local_usage` order), unless they held a gradient before; ``None``:
+        every one was used here (nothing to drop)."""
         _, had_grad = self._usage
         self._usage = None
+        if used_anywhere is None:
+            return
         for i, flag in zip(self._grad_indices, used_anywhere):
             if not flag and i not in had_grad:
                 self.params[i].sharded.grad = None

@@ -262,6 +262,8 @@ class RaggedEngineMixin:
             buf.div_(scale)  # one op per group
             flag = torch.maximum(flag, (~torch.isfinite(buf)).any().float())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # overflow on any shard of any rank
+        # The step's one host read: skipping is a host decision, as in DeepSpeed's own fp16
+        # optimizers (one overflow flag per step); the scale is a Python float, no read.
         return bool(flag.item())
 
     # ---- checkpoints -----------------------------------------------------------------

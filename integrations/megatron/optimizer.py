@@ -32,6 +32,14 @@ both ways between megatron-core DDP and ``VeScaleFSDP`` at any TP/PP/DP layout. 
 state (8-bit, Shampoo, Muon) has no such form: it is saved with :meth:`save_sharded` and
 the dist-checkpoint holds a pointer to it.
 
+[Note: host reads in the step] Megatron's optimizer API makes the host decide: ``step()``
+returns the grad norm as a float (megatron-core's ``get_grad_norm_fp32`` reads it with
+``.item()``, and clips on the host by it), the zero count too when it is logged, and under
+fp16 the skip of an overflowing step is a host branch (its ``MixedPrecisionOptimizer`` reads
+``found_inf`` with ``.item()``). Those reads stay, once per step each, where megatron-core
+makes them; nothing else reads a device value: the gradients are unscaled by the scaler's
+``inv_scale`` tensor and checked for inf/nan in one fused pass into one flag for all of them.
+
 [Note: fp32 masters] In a bf16/fp16 run Megatron's optimizer keeps fp32 master weights and
 writes them as ``optimizer.state.fp32_param.<model key>`` beside the bf16 model tensors;
 its loader asks for them. Ours are the sharded parameters themselves (fp32): the same boxes
@@ -159,18 +167,16 @@ class VeScaleOptimizer(MegatronOptimizer):
     # ---- the step protocol -----------------------------------------------------------
     @torch.no_grad()
     def prepare_grads(self) -> bool:
-        """Unscale fp16 gradients; True if any rank found inf/nan (every rank then skips)."""
+        """Unscale fp16 gradients; True if any rank found inf/nan (every rank then skips).
+        [Note: host reads in the step] once, the skip decision, as megatron-core's own."""
         if self.grad_scaler is None:
             return False
         grads = [local_piece(p.grad) for p in self.get_parameters() if p.grad is not None]
-        torch._foreach_mul_(grads, float(1.0 / self.grad_scaler.scale.item()))
         found = torch.zeros(1, dtype=torch.float32, device=self._device)
-        for g in grads:
-            if not torch.isfinite(g).all():
-                found.fill_(1.0)
-                break
+        if grads:  # one flag for every gradient; the scale stays on the device
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, self.grad_scaler.inv_scale)
         dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.grad_stats_parallel_group)
-        found_inf = bool(found.item())
+        found_inf = bool(found.item() > 0)
         self.grad_scaler.update(found_inf)
         return found_inf
 

@@ -229,7 +229,8 @@ class Shampoo(torch.optim.Optimizer):
                 Ri[i, :w, :w] = _inverse_root(R[i, :w, :w], 4, group["eps"])
             u = Li[i, :h, :h] @ gb @ Ri[i, :w, :w]
             norm_u = u.norm()
-            update[r0:r1, c0:c1] = u * (gb.norm() / norm_u) if norm_u > 0 else u
+            # grafted to the gradient's norm; decided on the device (no host read of norm_u)
+            update[r0:r1, c0:c1] = torch.where(norm_u > 0, u * (gb.norm() / norm_u), u)
         m = local_piece(state["momentum"]).view(n_rows, cols)
         m.mul_(group["momentum"]).add_(update)
         if group["weight_decay"]:
