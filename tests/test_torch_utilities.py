@@ -299,15 +299,24 @@ def test_torch_utilities_on_sharded_parameters(world):
 @pytest.mark.slow
 def test_dcp_checkpoints_move_between_world_sizes_and_fsdp2(tmp_path):
     """DCP save at 2 ranks (ours, row granularity; FSDP2), load at 3 (ours at element
-    granularity; FSDP2) in every direction: the loaded weights and Adam moments are the saved ones
-    bit for bit, and the next step trains from them as the source system does. Block-wise state
-    (8-bit AdamW's uint8 codes and fp32 absmax per block; Shampoo's preconditioners per block)
-    comes back bit for bit, dtypes kept, at 3 ranks whose pieces hold other blocks."""
+    granularity; FSDP2) in every direction, and ours from 3 ranks back to 2: the loaded weights
+    and Adam moments are the saved ones bit for bit, and the next step trains from them as the
+    source system does. Block-wise state (8-bit AdamW's uint8 codes and fp32 absmax per block;
+    Shampoo's preconditioners per block) comes back bit for bit, dtypes kept, at 3 ranks whose
+    pieces hold other blocks."""
     paths = {kind: os.fspath(tmp_path / kind) for kind in ("ours", "fsdp2", *STRUCTURED)}
     saved = run_cases_on_ranks({kind: (_dcp_save, (kind, paths[kind])) for kind in paths}, 2)
     loads = {f"{src}->{dst}": (_dcp_load, (dst, paths[src])) for src in ("ours", "fsdp2") for dst in ("ours", "fsdp2")}
     loads.update({f"{kind}->{kind}": (_dcp_load, (kind, paths[kind])) for kind in STRUCTURED})  # per-block state
+    three = os.fspath(tmp_path / "ours-at-3")
+    loads["save at 3"] = (_dcp_save, ("ours", three))  # and back from 3 ranks to 2
     loaded = run_cases_on_ranks(loads, 3)
+    saved_at_3 = loaded.pop("save at 3")[0]
+    back = run_cases_on_ranks({"ours@3->ours@2": (_dcp_load, ("ours", three))}, 2)["ours@3->ours@2"]
+    for r in back:
+        _close(r["values"], saved_at_3["values"], "3 -> 2", rtol=0, atol=0)
+        for name, moments in saved_at_3["moments"].items():
+            _close(r["moments"][name], moments, f"3 -> 2 optimizer state of {name}", rtol=0, atol=0)
     per_block = {"ours-8bit": {"exp_avg_absmax", "exp_avg_sq_absmax"}, "ours-shampoo": {"L", "Li", "R", "Ri"}}
     for kind, keys in per_block.items():  # the per-block state is among what was compared
         states = saved[kind][0]["moments"]
