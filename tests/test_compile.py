@@ -231,10 +231,11 @@ def test_inductor_block_is_one_graph_and_trains_like_eager():
     per-rank gradients are the eager ones bit for bit, and no summation-order bound applies to
     them; the reduction itself is the aot_eager tests' (the same hooks around the graph). What
     is guaranteed: the weights within what STEPS AdamW steps can move two runs apart (whatever
-    their gradients; tests/numerics.py); the first loss within a forward's rounding: inductor
-    and eager each evaluate the same fp32 expression, each within a few gamma_n (n <= 37
-    terms per reduction, 2.2e-6 each) of it relative per reduction through the 5 normalised
-    layers: 1e-4 relative is far above that and far below a wrong weight's effect."""
+    their gradients; tests/numerics.py). The first loss (the same weights and data, nothing
+    stepped) within 1e-4 relative: a stated tolerance, not a derived bound -- inductor and eager
+    evaluate the same fp32 expression with other roundings (gamma_37 = 2.2e-6 per reduction of
+    at most 37 terms, through 5 normalised layers), far below 1e-4; a wrong or stale weight moves
+    the loss by far more."""
     runs = _run(2, {"compiled": dict(system="vescale", backend="inductor")})
     losses, params, graphs, _ = runs["compiled"]
     assert graphs == [1, 1]

@@ -1,8 +1,10 @@
-"""fully_shard trains exactly like the unsharded model, at world sizes 1-4 (gloo, CPU).
+"""fully_shard trains like the unsharded model, at world sizes 1-4 (gloo, CPU).
 
 Every rank returns its local pieces of each parameter with their flat ranges; the
 parent re-assembles full tensors (checking that the pieces cover every element exactly
-once) and compares them with a single-process run on the same global batch.
+once) and compares them with a single-process run on the same global batch: bit for bit
+at one rank, elsewhere by what the math guarantees across summation orders
+(:func:`_assert_trains_like_unsharded`, tests/numerics.py).
 """
 
 from __future__ import annotations
