@@ -22,11 +22,13 @@ resumed run vs the uninterrupted one), compare exactly instead.
 from __future__ import annotations
 
 import math
-from typing import Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["FP32_UNIT_ROUNDOFF", "gamma", "reduction_order_bound", "adam_step_bound", "adam_divergence_bound"]
+__all__ = ["FP32_UNIT_ROUNDOFF", "gamma", "reduction_order_bound", "adam_step_bound", "adam_divergence_bound",
+           "local_reference", "assert_reduced_like", "grad_pieces", "full_grads"]
 
 FP32_UNIT_ROUNDOFF = 2.0 ** -24
 
@@ -69,3 +71,73 @@ def adam_divergence_bound(lr: float, steps: int, betas: Tuple[float, float] = (0
     (1 - lr * wd) <= 1, which does not widen a difference; the two runs' steps may point opposite
     ways: 2 * lr * sum_t adam_step_bound(t)."""
     return 2 * lr * sum(adam_step_bound(t, betas) for t in range(1, steps + 1))
+
+
+def grad_pieces(model: torch.nn.Module) -> Dict[str, tuple]:
+    """Rank side, no collective: ``{name: (shape, start, end, this rank's piece of the reduced
+    gradient)}`` of a sharded ``model``'s parameters that have one (tests.models.assemble's format)."""
+    import vescale_zero as vz
+
+    mine = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, vz.RaggedFSDPModule) and module.vescale_group is not None:
+            group = module.vescale_group
+            for i, managed in enumerate(group.managed):
+                sp = group.sharded_params[i]
+                if sp.grad is not None:
+                    rng = sp.sharded_range
+                    mine[f"{prefix}.{managed.fqn}" if prefix else managed.fqn] = (
+                        tuple(rng.shape), rng.start, rng.end, sp.grad.to_local().detach().clone())
+    return mine
+
+
+def full_grads(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """Rank side, in every rank: the reduced gradients of a sharded ``model``'s parameters that
+    have one, assembled into full tensors from every rank's piece."""
+    everyone: List[dict] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, grad_pieces(model))
+    full: Dict[str, torch.Tensor] = {}
+    for pieces in everyone:
+        for name, (shape, start, end, g) in pieces.items():
+            full.setdefault(name, torch.zeros(shape, dtype=g.dtype)).view(-1)[start:end] = g
+    return full
+
+
+def local_reference(model: torch.nn.Module, micro_batches: Sequence[tuple], group=None) -> Dict[str, object]:
+    """Rank side, in every rank of ``group``: what an unsharded ``model`` holding the sharded run's
+    weights computes on this rank's ``micro_batches`` (each loss divided by their number, as the
+    training loops do): ``losses`` (each micro-batch's), ``mean`` (over ranks, of the local
+    gradients a_r = the sum of the micro-batches' gradients) and ``sum_abs`` (sum over ranks and
+    micro-batches of |a_rk|: the terms a reduced gradient sums, for :func:`reduction_order_bound`).
+    The same weights, data and ops as the sharded run's local forward and backward: its losses
+    are bit-identical, its reduced gradients a mean of the same terms in another order."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    local = {n: torch.zeros_like(p) for n, p in params.items()}
+    sum_abs = {n: torch.zeros_like(p) for n, p in params.items()}
+    losses: List[float] = []
+    for x, y in micro_batches:
+        loss = model(x, y) / len(micro_batches)
+        grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+        for (n, _), g in zip(params.items(), grads):
+            if g is not None:
+                local[n] += g  # 0 + g1 == g1 exactly; then g1 + g2, as .grad accumulates
+                sum_abs[n] += g.abs()
+        losses.append(loss.item())
+    for n in params:
+        dist.all_reduce(local[n], group=group)
+        dist.all_reduce(sum_abs[n], group=group)
+        local[n] /= dist.get_world_size(group)
+    return {"losses": losses, "mean": local, "sum_abs": sum_abs}
+
+
+def assert_reduced_like(grads: Dict[str, torch.Tensor], reference: Dict[str, object], world_size: int,
+                        terms_per_rank: int = 1, case: str = "") -> None:
+    """Parent side: every reduced gradient in ``grads`` (full tensors) is within
+    :func:`reduction_order_bound` of the :func:`local_reference` mean of the same terms (two
+    means of the same world_size * terms_per_rank terms in two summation orders)."""
+    mean, sum_abs = reference["mean"], reference["sum_abs"]
+    assert set(grads) == set(mean), (case, sorted(grads), sorted(mean))
+    for name, value in grads.items():
+        bound = reduction_order_bound(sum_abs[name], world_size, terms_per_rank)
+        excess = ((value - mean[name]).abs() - bound).max().item()
+        assert excess <= 0, f"{case} {name}: gradient {excess:.3e} past the summation-order bound".lstrip()
