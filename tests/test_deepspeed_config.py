@@ -372,6 +372,31 @@ def _static_loss_scale(rank, world_size, stage):
     return out
 
 
+def _model_in_16_bits(rank, world_size, stage):
+    """A model already in bf16 / fp16 (``model.to(...)`` before ``deepspeed.initialize``) with that
+    section enabled: the dtypes of the optimizer's parameters (the master weights) and of its
+    state after one step, and the first loss."""
+    os.environ["LOCAL_RANK"] = str(rank)
+    deepspeed = _deepspeed()
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().is_fp16_supported = lambda: True  # DeepSpeed's CPU accelerator refuses fp16 at stage 3
+    out = {}
+    for dtype, section in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+        model = AwkwardLM(seed=0).to(dtype)
+        precision = {"enabled": True, "initial_scale_power": 8} if section == "fp16" else {"enabled": True}
+        engine, *_ = deepspeed.initialize(model=model, config=_one_step_config(stage, **{section: precision}))
+        loss = engine(*_batch())
+        engine.backward(loss)
+        engine.step()
+        opt = engine.basic_optimizer
+        masters = engine.optimizer.fp32_partitioned_groups_flat if stage == 3 else [  # ZeRO-3's flat partitions
+            p for g in opt.param_groups for p in g["params"]]
+        out[section] = {"masters": {p.dtype for p in masters}, "skipped": engine.skipped_steps, "loss": loss.item(),
+                        "state": {v.dtype for st in opt.state.values() for k, v in st.items() if k != "step"}}
+    return out
+
+
 def _observing(rank, world_size, fn, stage):
     """``fn``'s result, or what it raised (one case's error then fails its own test, not the spawn)."""
     try:
@@ -386,7 +411,7 @@ def running():
     from tests.distributed import run_cases_on_ranks
 
     engines = {"dtypes": _compute_dtypes, "reduce": _reduce_dtypes, "min scale": _overflow_at_min_scale,
-               "static": _static_loss_scale}
+               "static": _static_loss_scale, "16-bit model": _model_in_16_bits}
     cases = {f"{name} {stage}": (_observing, (fn, stage)) for name, fn in engines.items() for stage in (3, "ragged")}
     return {name: results[0] for name, results in run_cases_on_ranks(cases, 1, timeout=600).items()}
 
@@ -422,3 +447,18 @@ def test_fp16_static_loss_scale_as_stage3(running):
     assert ref["scales"] == [128, 128, 128] and ref["changed"] == [True, False] and ref["skipped"] == [0, 1], ref
     assert ours["scales"] == ref["scales"] and ours["changed"] == ref["changed"] and ours["skipped"] == ref["skipped"]
     assert ours["losses"][0] == ref["losses"][0]
+
+
+def test_a_model_already_in_16_bits_keeps_fp32_masters_as_stage3(running):
+    """Issue 26 item 2: ``model.to(torch.bfloat16)`` (or fp16) before ``deepspeed.initialize``
+    with that section enabled: ZeRO-3 keeps fp32 master weights and Adam states (the 16-bit
+    weights are the compute copy); "ragged" kept the 16-bit parameters as masters, so updates
+    below their resolution vanished. The first loss (the same 16-bit weights): bit-exact."""
+    ref, ours = running["16-bit model 3"], running["16-bit model ragged"]
+    assert isinstance(ours, dict), ours
+    for section in ("bf16", "fp16"):
+        assert ref[section]["masters"] == ref[section]["state"] == {torch.float32}, (section, ref)
+        assert ref[section]["skipped"] == ours[section]["skipped"] == 0, (section, ref, ours)
+        assert ours[section]["masters"] == ref[section]["masters"], (section, ours)
+        assert ours[section]["state"] == ref[section]["state"], (section, ours)
+        assert ours[section]["loss"] == ref[section]["loss"], section

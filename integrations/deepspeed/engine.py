@@ -11,8 +11,9 @@ subclass then
 * lets the runtime's hooks reduce-scatter gradients at the accumulation boundary, so
   DeepSpeed's all-reduce is a no-op; clips by the global norm over ragged shards;
 * keeps bf16 / fp16 itself: bf16 or fp16 compute and gathers, fp32 reduce and master
-  shards; fp16 with DeepSpeed's loss scaler as ZeRO-3 configures it (dynamic or static),
-  where an overflow on any shard skips the step on every rank.
+  shards (fp32 also for a model already cast to bf16 / fp16, as ZeRO-3); fp16 with
+  DeepSpeed's loss scaler as ZeRO-3 configures it (dynamic or static), where an overflow
+  on any shard skips the step on every rank.
 
 Everything else (forward, ``train_batch_size`` arithmetic, gradient accumulation
 counters, LR schedulers, logging) is DeepSpeed's own.
@@ -93,6 +94,8 @@ class RaggedEngineMixin:
         if isinstance(self.module, vz.RaggedFSDPModule):
             self._check_presharded(mp, granularity)
         else:
+            if precision.dtype is not None:
+                self._fp32_masters()
             vz.fully_shard_layers(
                 self.module, opts.sharded_modules, mesh=self._ragged_mesh(),
                 reshard_after_forward=opts.reshard_after_forward, mp_policy=mp, granularity=granularity,
@@ -115,6 +118,16 @@ class RaggedEngineMixin:
             if precision.dtype is not None:
                 raise ValueError(
                     "stage 'ragged' with pipeline parallelism runs in fp32 only for now; disable bf16/fp16")
+
+    def _fp32_masters(self) -> None:
+        """A model already in bf16 / fp16 (``model.to(torch.bfloat16)``) with bf16 / fp16 enabled:
+        its parameters become the fp32 master weights (their 16-bit values exactly), as ZeRO-3
+        keeps fp32 partitions of a 16-bit model; the compute copy is 16-bit by the policy.
+        Without this the 16-bit parameters would be the masters, and Adam's updates below their
+        resolution would vanish. Buffers keep their dtype."""
+        for param in self.module.parameters():
+            if param.dtype in (torch.bfloat16, torch.float16):
+                param.data = param.data.float()
 
     def _ragged_mesh(self) -> Union[dist.ProcessGroup, DeviceMesh]:
         """What the layers are sharded over: DeepSpeed's data-parallel group, or with
