@@ -27,10 +27,9 @@ import os
 from typing import Any, Dict, Iterator, Optional, Tuple
 
 import deepspeed
-import torch
 
 from .accelerate_stage import present_ragged_as_zero3_to_transformers
-from .config import RAGGED_STAGE, RaggedOptions, parse_ragged_section
+from .config import RAGGED_STAGE, RaggedOptions, apply_top_level_keys, parse_precision, parse_ragged_section
 from .engine import RaggedDeepSpeedEngine, RaggedPipelineEngine, RaggedPrecision
 from .parser import RaggedZeroConfig, install, is_ragged_config
 
@@ -50,16 +49,17 @@ def _load(config: Any) -> Optional[Dict[str, Any]]:
 
 
 def split_ragged_config(config: Dict[str, Any]) -> Tuple[Dict[str, Any], RaggedOptions, RaggedPrecision]:
-    """``(config for DeepSpeed at stage 0, our options, the precision we handle)``."""
+    """``(config for DeepSpeed at stage 0, our options, the precision we handle)``; every value
+    read as DeepSpeed reads it (:mod:`.config`, [Note: validated as DeepSpeed validates])."""
     ds = copy.deepcopy(config)
     options, _ = parse_ragged_section(ds.pop("zero_optimization"))
     ds["zero_optimization"] = {"stage": 0}
-    bf16, fp16 = ds.pop("bf16", None) or ds.pop("bfloat16", None) or {}, ds.pop("fp16", None) or {}
-    if bf16.get("enabled") and fp16.get("enabled"):
-        raise ValueError("bf16 and fp16 are both enabled; enable one")
-    dtype = torch.bfloat16 if bf16.get("enabled") else torch.float16 if fp16.get("enabled") else None
-    if fp16.get("enabled") and fp16.get("loss_scale", 0) not in (0, None):
-        raise ValueError("stage 'ragged' supports fp16 with dynamic loss scaling only; set fp16.loss_scale to 0")
+    dtype, fp16 = parse_precision(ds)
+    options = apply_top_level_keys(ds, options)
+    for key in ("bf16", "bfloat16", "fp16"):
+        ds.pop(key, None)
+    if isinstance(ds.get("data_types"), dict):  # ours (apply_top_level_keys): DeepSpeed at stage 0 would
+        ds["data_types"] = {k: v for k, v in ds["data_types"].items() if k != "grad_accum_dtype"}  # see fp32
     return ds, options, RaggedPrecision(dtype, fp16)
 
 

@@ -27,6 +27,23 @@ node, say), and one all-reduce per group of the shard crosses them. MiCS configs
 secondary weight copy partitioned within a node, on top of a world-wide ZeRO-3 partition)
 is a different layout and stays refused, its message pointing at ``shard_group_size``.
 Whether N divides the data-parallel world is checked when the engine is built.
+
+[Note: validated as DeepSpeed validates]
+Every value is parsed by DeepSpeed's own pydantic models, so a ragged config accepts and
+means what a ZeRO-3 config does: the ZeRO-3 keys we do not use are validated by
+``DeepSpeedZeroConfig`` (``reduce_bucket_size: -5`` is refused, ``overlap_comm: "false"`` is
+False), and the ``bf16`` / ``fp16`` sections by DeepSpeed's precision models
+(:func:`parse_precision`), which drop ``"auto"`` values (Hugging Face's placeholders: the
+default, i.e. disabled) and read ``"false"`` as False.
+
+Top-level keys that concern the data-parallel layer (:func:`apply_top_level_keys`)::
+
+    communication_data_type             mapped: reduce_dtype (gradients reduced in it)
+    data_types.grad_accum_dtype         accepted when it is the reduce dtype (we accumulate
+                                        gradients in the reduce dtype); else refused
+    bf16.bf16_master_weights_and_grads, refused: our master shards are fp32
+    bf16.bf16_optimizer_states
+    gradient_allreduce_op: "sum"        refused, as ZeRO-3 refuses it (we average)
 """
 
 from __future__ import annotations
@@ -36,9 +53,12 @@ import warnings
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 import torch
+from deepspeed.runtime.config import DtypeEnum, get_communication_data_type, get_gradient_allreduce_op
+from deepspeed.runtime.precision_config import DeepSpeedFP16Config, get_bfloat16_config, get_float16_config
+from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-__all__ = ["RaggedOptions", "parse_ragged_section", "RAGGED_STAGE"]
+__all__ = ["RaggedOptions", "parse_ragged_section", "parse_precision", "apply_top_level_keys", "RAGGED_STAGE"]
 
 RAGGED_STAGE = "ragged"
 
@@ -151,6 +171,27 @@ def _merge_mics_shard_size(section: Dict[str, Any], options: Dict[str, Any]) -> 
     options["shard_group_size"] = mics
 
 
+_NOT_IN_DEEPSPEED = {"stage", "mics_shard_size", "mics_hierarchical_params_gather"}  # MiCS left DeepSpeed 0.19.8
+
+
+def _problems(error: ValidationError, prefix: str) -> str:
+    return "; ".join(f"{prefix}{'.'.join(map(str, err['loc']))} {err.get('input')!r}: {err['msg']}"
+                     for err in error.errors())
+
+
+def _as_deepspeed_reads_it(section: Dict[str, Any], ours: set) -> DeepSpeedZeroConfig:
+    """The section's ZeRO-3 keys parsed by DeepSpeed's own ZeRO model, as at stage 3
+    ([Note: validated as DeepSpeed validates]); a value it refuses is refused here."""
+    zero3 = {k: v for k, v in section.items() if k not in ours and k not in _NOT_IN_DEEPSPEED}
+    try:
+        return DeepSpeedZeroConfig(stage=3, **zero3)
+    except ValidationError as e:
+        raise ValueError(
+            f"zero_optimization (stage 'ragged'): {_problems(e, '')}. DeepSpeed refuses this value at stage 3 as "
+            "well; give a valid value, or remove the key (ZeRO-3's tuning keys have no effect with stage 'ragged')"
+        ) from None
+
+
 def parse_ragged_section(section: Dict[str, Any]) -> Tuple[RaggedOptions, List[str]]:
     """Validate a ragged ``zero_optimization`` section: ``(options, warnings issued)``."""
     ours = set(RaggedOptions.model_fields)
@@ -164,7 +205,7 @@ def parse_ragged_section(section: Dict[str, Any]) -> Tuple[RaggedOptions, List[s
         elif key == "mics_shard_size":
             pass  # after the loop: it may meet shard_group_size
         elif key == "overlap_comm":
-            options.setdefault("prefetch", bool(value))
+            pass  # after the loop: as DeepSpeed reads it ("false" is False)
         elif key in _NOTED:
             noted.append(key)
         else:
@@ -174,6 +215,9 @@ def parse_ragged_section(section: Dict[str, Any]) -> Tuple[RaggedOptions, List[s
             if why is not None:
                 raise ValueError(f"zero_optimization: {why}")
     _merge_mics_shard_size(section, options)
+    zero3 = _as_deepspeed_reads_it(section, ours)
+    if "overlap_comm" in section and "overlap_comm" in zero3.model_fields_set:  # not "auto"
+        options.setdefault("prefetch", zero3.overlap_comm)
     for key in noted:
         msg = f"zero_optimization.{key} has no effect with stage 'ragged' (one collective per group); ignored"
         warnings.warn(msg, UserWarning, stacklevel=3)
@@ -181,3 +225,67 @@ def parse_ragged_section(section: Dict[str, Any]) -> Tuple[RaggedOptions, List[s
         return RaggedOptions(**options), [f"zero_optimization.{k}" for k in noted]
     except ValidationError as e:
         raise ValueError(f"zero_optimization (stage 'ragged'): {e}") from None
+
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def parse_precision(config: Dict[str, Any]) -> Tuple[Optional[torch.dtype], DeepSpeedFP16Config]:
+    """``(compute dtype or None, the fp16 section)`` of a whole config, read by DeepSpeed's own
+    models ([Note: validated as DeepSpeed validates]: ``"auto"`` is the default, ``"false"``
+    False, a value DeepSpeed refuses is refused). Our master shards are fp32, so ZeRO's bf16 /
+    fp16 master weights are refused."""
+    sections = {}
+    for name, read in (("bf16", get_bfloat16_config), ("fp16", get_float16_config)):
+        given = {k: v for k, v in config.items() if k in ("bf16", "bfloat16", "fp16") and v is not None}
+        try:
+            sections[name] = read(given)
+        except ValidationError as e:
+            raise ValueError(
+                f"{_problems(e, name + '.')}. DeepSpeed refuses this value with any stage: give a valid value "
+                "(\"enabled\": true or false)") from None
+    bf16, fp16 = sections["bf16"], sections["fp16"]
+    if bf16.enabled and fp16.enabled:
+        raise ValueError("bf16 and fp16 are both enabled; enable one")
+    low = [f"bf16.{k}" for k in ("bf16_master_weights_and_grads", "bf16_optimizer_states") if getattr(bf16, k)]
+    low += ["fp16.fp16_master_weights_and_grads"] if fp16.fp16_master_weights_and_grads else []
+    if low:
+        raise ValueError(
+            f"{', '.join(low)}: 16-bit master weights, gradients or optimizer states are not implemented with stage "
+            "'ragged', which keeps fp32 master shards and optimizer states; remove them (to reduce gradients in "
+            "16 bits, set zero_optimization.reduce_dtype), or use stage 3")
+    dtype = torch.bfloat16 if bf16.enabled else torch.float16 if fp16.enabled else None
+    return dtype, fp16
+
+
+def apply_top_level_keys(config: Dict[str, Any], options: RaggedOptions) -> RaggedOptions:
+    """``options`` with the whole config's data-parallel keys applied (see the table in the
+    module docstring): ``communication_data_type`` becomes ``reduce_dtype``;
+    ``grad_accum_dtype`` other than the reduce dtype and ``gradient_allreduce_op: "sum"`` are
+    refused."""
+    if get_gradient_allreduce_op(config) == "sum":  # DeepSpeed's reading (and refusal of unknown ops)
+        raise ValueError(
+            "gradient_allreduce_op \"sum\" is not supported with stage 'ragged' (DeepSpeed refuses it with ZeRO "
+            "stage 3 as well): gradients are averaged over the data-parallel ranks. Remove the key (or set \"mean\"); "
+            "to train on summed gradients, multiply the loss by the data-parallel world size")
+    comm = get_communication_data_type(config)  # DeepSpeed's reading: None or a torch dtype
+    if comm is not None:
+        if options.reduce_dtype is not None and options.reduce_torch_dtype != comm:
+            raise ValueError(
+                f"communication_data_type {config['communication_data_type']!r} and zero_optimization.reduce_dtype "
+                f"{options.reduce_dtype!r} disagree; with stage 'ragged' both set the dtype gradients are reduced "
+                "in: keep one")
+        options = options.model_copy(update={"reduce_dtype": _DTYPE_NAMES[comm]})
+    accum = (config.get("data_types") or {}).get("grad_accum_dtype")
+    if accum is not None:
+        try:
+            want = DtypeEnum(accum).value
+        except ValueError:
+            raise ValueError(f"data_types.grad_accum_dtype {accum!r} is not a dtype: use fp32, bf16 or fp16") from None
+        reduce = options.reduce_torch_dtype or torch.float32
+        if want != reduce:
+            raise ValueError(
+                f"data_types.grad_accum_dtype {accum!r}: stage 'ragged' accumulates gradients in the dtype it "
+                f"reduces them in ({_DTYPE_NAMES[reduce]} here); remove grad_accum_dtype, or set "
+                f"zero_optimization.reduce_dtype: {_DTYPE_NAMES.get(want, accum)!r} to accumulate and reduce in it")
+    return options

@@ -11,8 +11,9 @@ subclass then
 * lets the runtime's hooks reduce-scatter gradients at the accumulation boundary, so
   DeepSpeed's all-reduce is a no-op; clips by the global norm over ragged shards;
 * keeps bf16 / fp16 itself: bf16 or fp16 compute and gathers, fp32 reduce and master
-  shards; fp16 with DeepSpeed's dynamic loss scaler, where an overflow on any shard
-  skips the step on every rank.
+  shards (fp32 also for a model already cast to bf16 / fp16, as ZeRO-3); fp16 with
+  DeepSpeed's loss scaler as ZeRO-3 configures it (dynamic or static), where an overflow
+  on any shard skips the step on every rank.
 
 Everything else (forward, ``train_batch_size`` arithmetic, gradient accumulation
 counters, LR schedulers, logging) is DeepSpeed's own.
@@ -28,8 +29,9 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.engine import DeepSpeedEngine
-from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler, LossScalerBase
 from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.runtime.precision_config import DeepSpeedFP16Config
 from deepspeed.utils import groups
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -53,11 +55,12 @@ STRUCTURED_OPTIMIZERS = {"adamw8bit": AdamW8bit, "shampoo": Shampoo, "muon": Muo
 
 
 class RaggedPrecision:
-    """The user's ``bf16`` / ``fp16`` sections, which DeepSpeed itself does not see."""
+    """The user's ``bf16`` / ``fp16`` sections, which DeepSpeed itself does not see: the compute
+    dtype, and the fp16 section as DeepSpeed parsed it (its loss scaling)."""
 
-    def __init__(self, dtype: Optional[torch.dtype], fp16_section: Optional[dict] = None) -> None:
+    def __init__(self, dtype: Optional[torch.dtype], fp16: Optional[DeepSpeedFP16Config] = None) -> None:
         self.dtype = dtype
-        self.fp16 = dict(fp16_section or {})
+        self.fp16 = fp16 if fp16 is not None else DeepSpeedFP16Config()
 
 
 class RaggedEngineMixin:
@@ -91,6 +94,8 @@ class RaggedEngineMixin:
         if isinstance(self.module, vz.RaggedFSDPModule):
             self._check_presharded(mp, granularity)
         else:
+            if precision.dtype is not None:
+                self._fp32_masters()
             vz.fully_shard_layers(
                 self.module, opts.sharded_modules, mesh=self._ragged_mesh(),
                 reshard_after_forward=opts.reshard_after_forward, mp_policy=mp, granularity=granularity,
@@ -113,6 +118,16 @@ class RaggedEngineMixin:
             if precision.dtype is not None:
                 raise ValueError(
                     "stage 'ragged' with pipeline parallelism runs in fp32 only for now; disable bf16/fp16")
+
+    def _fp32_masters(self) -> None:
+        """A model already in bf16 / fp16 (``model.to(torch.bfloat16)``) with bf16 / fp16 enabled:
+        its parameters become the fp32 master weights (their 16-bit values exactly), as ZeRO-3
+        keeps fp32 partitions of a 16-bit model; the compute copy is 16-bit by the policy.
+        Without this the 16-bit parameters would be the masters, and Adam's updates below their
+        resolution would vanish. Buffers keep their dtype."""
+        for param in self.module.parameters():
+            if param.dtype in (torch.bfloat16, torch.float16):
+                param.data = param.data.float()
 
     def _ragged_mesh(self) -> Union[dist.ProcessGroup, DeviceMesh]:
         """What the layers are sharded over: DeepSpeed's data-parallel group, or with
@@ -177,16 +192,13 @@ class RaggedEngineMixin:
     def _is_pipeline(self) -> bool:
         return isinstance(self, PipelineEngine)
 
-    def _make_loss_scaler(self) -> DynamicLossScaler:
+    def _make_loss_scaler(self) -> LossScalerBase:
+        """DeepSpeed's own loss scaler, made as ZeRO-3 makes it: ``loss_scale`` 0 gives the
+        dynamic scaler (which stops the run on an overflow at ``min_loss_scale``), any other
+        value a static scale (an overflow skips the step, the scale stays)."""
         cfg = self.ragged_precision.fp16
-        return DynamicLossScaler(
-            init_scale=2.0 ** cfg.get("initial_scale_power", 16),
-            scale_window=cfg.get("loss_scale_window", 1000),
-            min_scale=cfg.get("min_loss_scale", 1),
-            delayed_shift=cfg.get("hysteresis", 2),
-            consecutive_hysteresis=cfg.get("consecutive_hysteresis", False),
-            raise_error_at_min_scale=False,
-        )
+        return CreateLossScaler(dtype=torch.float16, static_loss_scale=cfg.loss_scale,
+                                dynamic_scaling=cfg.loss_scale == 0, dynamic_loss_args=cfg.dynamic_loss_scale_args())
 
     # ---- structure-aware config optimizers ("optimizer": {"type": "AdamW8bit"}) ----------
     def _structured_optimizer(self) -> Optional[type]:

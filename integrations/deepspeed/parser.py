@@ -8,7 +8,8 @@ section into ZeRO's pydantic model (``stage`` 0-3, unknown keys forbidden) in on
 ``get_zero_config``. We replace that one function, so that every parse agrees:
 
 * a ragged section is validated by :func:`.config.parse_ragged_section` (our errors, naming
-  the key and the fix) and comes back as a :class:`RaggedZeroConfig`: a valid ZeRO config at
+  the key and the fix; the top-level keys that concern us by :func:`.config.parse_precision`
+  and :func:`.config.apply_top_level_keys`) and comes back as a :class:`RaggedZeroConfig`: a valid ZeRO config at
   **stage 0** (``zero_optimization_stage`` 0, ``zero_enabled`` False) that also carries our
   options (``.ragged``). Stage 0 because DeepSpeed itself must do no ZeRO work: our runtime
   shards, gathers, reduces and keeps the precision, so every DeepSpeed branch on the stage
@@ -45,7 +46,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero import partition_parameters
 from pydantic import Field, ValidationError
 
-from .config import RAGGED_STAGE, RaggedOptions, parse_ragged_section
+from .config import RAGGED_STAGE, RaggedOptions, apply_top_level_keys, parse_precision, parse_ragged_section
 from .zero_init import GatheredParameters, check_zero_init_options
 
 __all__ = ["RaggedZeroConfig", "is_ragged_config", "install"]
@@ -71,7 +72,8 @@ def get_zero_config(param_dict: Dict[str, Any]) -> ds_zero_config.DeepSpeedZeroC
     stage = section.get("stage") if isinstance(section, dict) else None
     if stage == RAGGED_STAGE:
         options, _ = parse_ragged_section(section)
-        return RaggedZeroConfig(ragged=options)
+        parse_precision(param_dict)  # refuses what split_ragged_config refuses: every parse agrees
+        return RaggedZeroConfig(ragged=apply_top_level_keys(param_dict, options))
     try:
         return _original_get_zero_config(param_dict)
     except ValidationError as e:
