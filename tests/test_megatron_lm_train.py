@@ -181,6 +181,7 @@ def _nan(rank: int, world_size: int) -> Dict[str, str]:
     out = {}
     with _megatron_job(ARGV) as (pg, _):
         for name, argv, check in (("ddp", ARGV, True), ("vescale", ARGV + ["--use-vescale-fsdp"], True),
+                                  ("vescale one rank", ARGV + ["--use-vescale-fsdp"], True),
                                   ("vescale unchecked", ARGV + ["--use-vescale-fsdp"], False)):
             args = _lm_args(pg, argv)
             args.check_for_nan_in_loss_and_grad = check
@@ -188,10 +189,13 @@ def _nan(rank: int, world_size: int) -> Dict[str, str]:
             pg.seed(args)
             config = pg.transformer_config(args)
             model = _get_model(training, pg, args, config)
-            with torch.no_grad():  # every rank diverges alike: a NaN weight in the first layer
-                model[0].module.decoder.layers[0].mlp.linear_fc1.weight.fill_(float("nan")) if name == "ddp" else \
-                    next(p for n, p in model[0].named_parameters() if "linear_fc1" in n).to_local().fill_(
-                        float("nan"))
+            if name == "vescale one rank":  # rank 0's activations (so its local gradients) alone turn NaN
+                if rank == 0:
+                    model[0].module.embedding.register_forward_hook(lambda m, i, o: o * float("nan"))
+            else:
+                with torch.no_grad():  # every rank diverges alike: a NaN weight in the first layer
+                    weight = model[0].module.decoder.layers[0].mlp.linear_fc1.weight
+                    (weight if name == "ddp" else weight.to_local()).fill_(float("nan"))
             try:
                 with record_host_syncs(torch.device("cpu")) as syncs:
                     _one_step(pg, args, model[0], config)
@@ -347,6 +351,7 @@ def test_megatron_lm_check_for_nan_in_grad(results):
     for res in results["nan"]:
         assert "found NaN in local grad norm" in res["ddp"], res
         assert "found NaN or Inf in the gradients" in res["vescale"], res
+        assert "found NaN or Inf in the gradients" in res["vescale one rank"], res  # every rank stops, none hangs
         assert "--no-check-for-nan-in-loss-and-grad" in res["vescale"], res
         assert res["vescale unchecked"] == "stepped", res
         assert res["vescale unchecked syncs in data_parallel.py"] == [], res  # no host sync with the flag off
