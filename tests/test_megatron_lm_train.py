@@ -119,34 +119,40 @@ def _train_setup_calls(training, args, model, config) -> None:
             config.grad_sync_func = model[0].start_grad_sync
 
 
-def _one_step(pg, args, chunk, config) -> None:
+def _one_step(pg, args, chunk, config, num_microbatches: int = 1) -> None:
+    """Megatron's schedule over this rank's micro-batches, then finalize_model_grads (no optimizer)."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     config.finalize_model_grads_func = finalize_model_grads
     chunk.zero_grad_buffer()
     get_forward_backward_func()(
-        forward_step_func=pg.forward_step, data_iterator=iter(pg.batches(args, 0, 1)), model=[chunk],
-        num_microbatches=1, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=False)
+        forward_step_func=pg.forward_step, data_iterator=iter(pg.batches(args, 0, num_microbatches)),
+        model=[chunk], num_microbatches=num_microbatches, seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, forward_only=False)
 
 
 # ---- A: training.DDP stays a class ---------------------------------------------------
 def _isinstance_ddp(rank: int, world_size: int) -> Dict[str, Any]:
     from megatron.core.distributed import DistributedDataParallel
 
+    from tests.test_megatron import _ddp_grads, _our_grads
     from vescale_zero.integrations.megatron import VeScaleFSDP
 
     out: Dict[str, Any] = {}
-    with _megatron_job(ARGV) as (pg, _):
+    grads = {}
+    argv = ARGV + ["--global-batch-size", "8"]  # two micro-batches per rank: no_sync is used
+    with _megatron_job(argv) as (pg, _):
         for flag in (False, True):
-            args = _lm_args(pg, ARGV + (["--use-vescale-fsdp"] if flag else []))
+            args = _lm_args(pg, argv + (["--use-vescale-fsdp"] if flag else []))
             args.overlap_grad_reduce = True
             training = _switched(pg, args)
             pg.seed(args)
             config = pg.transformer_config(args)
             model = _get_model(training, pg, args, config)
             _train_setup_calls(training, args, model, config)
-            _one_step(pg, args, model[0], config)
+            _one_step(pg, args, model[0], config, num_microbatches=2)
+            grads[flag] = _our_grads(model[0]) if flag else _ddp_grads(model[0])
             out[flag] = {
                 "class": isinstance(training.DDP, type),
                 "wrapper": type(model[0]) is (VeScaleFSDP if flag else DistributedDataParallel),
@@ -154,6 +160,10 @@ def _isinstance_ddp(rank: int, world_size: int) -> Dict[str, Any]:
                 "no_sync": config.no_sync_func == model[0].no_sync,
                 "issubclass": issubclass(type(model[0]), training.DDP),
             }
+    # Both scale each rank's summed micro-batch gradients by 1/2 and add the two ranks'
+    # (a sum of two terms is the same in either order): equal bit for bit.
+    out["grads equal"] = sorted(grads[True]) == sorted(grads[False]) and all(
+        torch.equal(grads[True][k], grads[False][k]) for k in grads[False])
     return out
 
 
@@ -336,6 +346,7 @@ def results() -> Dict[str, List[Any]]:
 def test_megatron_lm_train_isinstance_ddp(results):
     """A: training.DDP stays a class: Megatron-LM's isinstance in train() passes, flag on or off."""
     for res in results["isinstance"]:
+        assert res.pop("grads equal"), "VeScaleFSDP's reduced gradients differ from megatron-core DDP's"
         for flag, checks in res.items():
             assert all(checks.values()), (flag, checks)
 
