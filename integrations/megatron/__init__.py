@@ -28,7 +28,7 @@ from .arguments import (
     vescale_optimizer_name,
     vescale_options_from_args,
 )
-from .data_parallel import VeScaleFSDP, VeScaleFSDPOptions, check_supported
+from .data_parallel import VeScaleFSDP, VeScaleFSDPOptions, check_supported, clash_message, params_l2_norm
 from .megatron_lm import use_vescale_fsdp_in_megatron_lm
 from .optimizer import SUPPORTED_OPTIMIZERS, VeScaleOptimizer, check_dist_checkpoint_optimizer, get_vescale_optimizer
 
@@ -43,6 +43,8 @@ __all__ = [
     "vescale_optimizer_name",
     "vescale_optimizer_block",
     "check_supported",
+    "clash_message",
+    "params_l2_norm",
     "use_vescale_fsdp_in_megatron_lm",
     "SUPPORTED_OPTIMIZERS",
     "check_dist_checkpoint_optimizer",

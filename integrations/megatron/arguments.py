@@ -20,11 +20,11 @@ from typing import Any, Optional, Union
 
 from vescale_zero.optim import AdamW8bit, Muon, Shampoo
 
-from .data_parallel import VeScaleFSDPOptions
+from .data_parallel import VeScaleFSDPOptions, clash_message
 
 __all__ = [
     "add_vescale_fsdp_args", "validate_vescale_args", "vescale_options_from_args", "vescale_optimizer_name",
-    "vescale_optimizer_block", "STRUCTURED_OPTIMIZERS",
+    "vescale_optimizer_block", "check_megatron_optimizer", "STRUCTURED_OPTIMIZERS",
 ]
 
 STRUCTURED_OPTIMIZERS = {"adamw8bit": AdamW8bit, "shampoo": Shampoo, "muon": Muon}
@@ -61,20 +61,28 @@ def validate_vescale_args(args: argparse.Namespace) -> None:
         if getattr(args, "vescale_optimizer", None):
             raise ValueError("--vescale-optimizer needs --use-vescale-fsdp")
         return
-    clashes = {
-        "use_distributed_optimizer": "--use-distributed-optimizer (VeScaleFSDP shards the optimizer state itself)",
-        "use_torch_fsdp2": "--use-torch-fsdp2 (another FSDP)",
-        "use_megatron_fsdp": "--use-megatron-fsdp (another FSDP)",
-        "use_custom_fsdp": "--use-custom-fsdp (another FSDP)",
-    }
-    for attr, flag in clashes.items():
-        if getattr(args, attr, False):
-            raise ValueError(f"--use-vescale-fsdp cannot be combined with {flag}; drop one of the two")
+    for field in ("use_distributed_optimizer", "use_torch_fsdp2", "use_megatron_fsdp", "use_custom_fsdp"):
+        if getattr(args, field, False):
+            raise ValueError(clash_message(field))
+    check_megatron_optimizer(args)
     if getattr(args, "gradient_accumulation_fusion", False):
         raise ValueError("--use-vescale-fsdp needs --no-gradient-accumulation-fusion")
     block = getattr(args, "vescale_optimizer_block", None)
     if block is not None and block <= 0:
         raise ValueError(f"--vescale-optimizer-block must be a positive number, got {block}")
+
+
+def check_megatron_optimizer(args: argparse.Namespace) -> None:
+    """Megatron-LM's ``--optimizer muon`` / ``dist_muon`` under ``--use-vescale-fsdp`` runs
+    vescale-zero's Muon on the shards (Megatron's own Muon cannot see sharded parameters); refuse
+    it beside a different ``--vescale-optimizer``."""
+    megatron_name = str(getattr(args, "optimizer", "") or "")
+    ours = vescale_optimizer_name(args)
+    if "muon" in megatron_name and ours not in (None, "muon"):
+        raise ValueError(
+            f"--optimizer {megatron_name} and --vescale-optimizer {ours} ask for two optimizers: under "
+            f"--use-vescale-fsdp pass --vescale-optimizer muon (vescale-zero's Muon on the shards) with "
+            f"--optimizer adam, or --vescale-optimizer {ours} with --optimizer adam")
 
 
 def vescale_optimizer_block(args: argparse.Namespace) -> int:

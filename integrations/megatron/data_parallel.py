@@ -54,7 +54,7 @@ from __future__ import annotations
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -75,10 +75,10 @@ from vescale_zero.param_group import ParamGroup
 from vescale_zero.state_dict import full_state_dict, load_full_state_dict
 
 from .dist_checkpoint import STREAMING, checkpoint_parameters
-from .hsdp import check_outer_dp_sharding, data_parallel_meshes, ddp_process_groups
+from .hsdp import check_outer_dp_sharding, data_parallel_meshes, ddp_process_groups, shard_group
 from .meta_init import check_all_or_nothing_on_meta, has_meta_tensors, materialize_megatron
 
-__all__ = ["VeScaleFSDP", "VeScaleFSDPOptions", "check_supported"]
+__all__ = ["VeScaleFSDP", "VeScaleFSDPOptions", "check_supported", "clash_message", "params_l2_norm"]
 
 
 @dataclass(frozen=True)
@@ -93,17 +93,28 @@ class VeScaleFSDPOptions:
     """Gather parameters as float8 with one scale per tile x tile tile (e.g. 128)."""
 
 
+_OTHER_SHARDING = {
+    "use_distributed_optimizer": "Megatron's distributed optimizer shards the optimizer state itself, and "
+    "VeScaleFSDP already shards parameters, gradients and optimizer state",
+    "use_megatron_fsdp": "Megatron-FSDP is another sharded data-parallel wrapper",
+    "use_custom_fsdp": "Megatron-FSDP is another sharded data-parallel wrapper",
+    "use_torch_fsdp2": "PyTorch FSDP2 is another sharded data-parallel wrapper",
+}
+
+
+def clash_message(field: str) -> str:
+    """The one message for ``--use-vescale-fsdp`` beside another sharding flag (``field``: its
+    argparse / ``DistributedDataParallelConfig`` name, e.g. ``"use_megatron_fsdp"``)."""
+    flag = "--" + field.replace("_", "-")
+    return (f"--use-vescale-fsdp cannot be combined with {flag} ({field}=True): {_OTHER_SHARDING[field]}; "
+            f"drop one of the two: drop {flag} to shard with vescale-zero, or --use-vescale-fsdp to keep it")
+
+
 def check_supported(config: TransformerConfig, ddp_config: DistributedDataParallelConfig) -> None:
     """Refuse Megatron settings that would fight ragged sharding, naming the fix."""
-    clashes = {
-        "use_distributed_optimizer": "Megatron's distributed optimizer shards the optimizer state itself; "
-        "drop --use-distributed-optimizer (VeScaleFSDP shards parameters, gradients and optimizer state)",
-        "use_megatron_fsdp": "Megatron-FSDP is another sharded data-parallel wrapper; drop --use-megatron-fsdp",
-        "use_custom_fsdp": "Megatron-FSDP is another sharded data-parallel wrapper; drop --use-custom-fsdp",
-    }
-    for field, why in clashes.items():
+    for field in ("use_distributed_optimizer", "use_megatron_fsdp", "use_custom_fsdp"):
         if getattr(ddp_config, field, False):
-            raise ValueError(f"--use-vescale-fsdp cannot be combined with {field}=True: {why}")
+            raise ValueError(clash_message(field))
     instances = getattr(ddp_config, "num_distributed_optimizer_instances", 1)
     if not isinstance(instances, int) or instances < 1:
         raise ValueError(f"num_distributed_optimizer_instances must be a positive integer, got {instances!r}")
@@ -275,6 +286,33 @@ class VeScaleFSDP(_BaseDataParallel):
         """Wait for every outstanding reduce-scatter; sharded ``.grad``/``.main_grad`` are set."""
         for group in self._groups:
             group.finish_grad_sync()
+        if getattr(self.ddp_config, "check_for_nan_in_grad", False):
+            self._check_grads_finite()
+
+    def _check_grads_finite(self) -> None:
+        """``--check-for-nan-in-loss-and-grad`` (``ddp_config.check_for_nan_in_grad``): Megatron's
+        DDP checks each rank's local gradients before its collective; here the reduce-scatter
+        carries a NaN / Inf of any rank's local gradients into the shard that owns the element,
+        so the squared norms of this rank's shards, summed over the data-parallel group, are
+        checked (every rank raises together) through Megatron's rerun state machine, as DDP's
+        check. One small all-reduce and one host sync per step, only with the flag."""
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+        squares = [group.sharded_grad.local.float().square().sum() for group in self._groups]
+        if not squares:
+            return
+        total = torch.stack(squares).sum()
+        dist.all_reduce(total, group=self.dp_cp_group)
+        get_rerun_state_machine().validate_result(
+            result=total,
+            rejection_func=lambda t: not bool(torch.isfinite(t)),
+            message="found NaN or Inf in the gradients (VeScaleFSDP: squared norm of the reduce-scattered gradient "
+            "shards over the data-parallel group, so some rank's local gradients had one): the loss or the "
+            "gradients diverged; lower the learning rate or check the data, or pass "
+            "--no-check-for-nan-in-loss-and-grad to skip this check",
+            tolerance=0.001,
+            fatal=True,
+        )
 
     def scale_gradients(self, scaling_factor: float) -> None:
         for group in self._groups:
@@ -429,6 +467,53 @@ class VeScaleFSDP(_BaseDataParallel):
     def vescale_groups(self) -> List[ParamGroup]:
         """The parameter groups, in module order."""
         return list(self._groups)
+
+
+def params_l2_norm(model_chunks: Sequence[VeScaleFSDP]) -> float:
+    """The L2 norm of the whole model's parameters (Megatron-LM's ``--log-params-norm``), from
+    ``VeScaleFSDP`` chunks' shards: as Megatron-LM's ``calc_params_l2_norm`` counts them (one
+    tensor-parallel copy of each, shared parameters once, expert parameters beside dense ones),
+    with each rank's squared shard norms summed over the group that shards them (dense: the
+    data-parallel x context-parallel "shard" group; experts: the expert-data-parallel one), then
+    over model parallelism as Megatron-LM does. Megatron-LM's own function cannot get this from
+    our shards: it sums DTensor shards over one data-parallel group only, and asserts every
+    parameter shares it (expert parameters are sharded over another). Collective on every rank."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+
+    chunks = list(model_chunks)
+    if not chunks or not all(isinstance(c, VeScaleFSDP) for c in chunks):
+        raise TypeError("params_l2_norm needs VeScaleFSDP model chunks")
+    dense: List[torch.Tensor] = []
+    expert: List[torch.Tensor] = []
+    for chunk in chunks:
+        for param in chunk.parameters():
+            if not param_is_not_tensor_parallel_duplicate(param):
+                continue
+            local = param.to_local() if hasattr(param, "to_local") else param
+            if _is_expert(param):
+                expert.append(local.detach())
+            elif param_is_not_shared(param):
+                dense.append(local.detach())
+    first = chunks[0]
+    device = collective_device(shard_group(first.dense_mesh), next(first.parameters()).device)
+
+    def squares(tensors: List[torch.Tensor]) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for t in tensors:
+            total += t.float().square().sum().to(device)
+        return total
+
+    dense_sq, expert_sq = squares(dense), squares(expert)
+    dist.all_reduce(dense_sq, group=shard_group(first.dense_mesh))
+    if first.expert_mesh is not None:
+        dist.all_reduce(expert_sq, group=shard_group(first.expert_mesh))
+    dist.all_reduce(dense_sq, group=parallel_state.get_model_parallel_group())
+    expert_mp = parallel_state.get_expert_tensor_model_pipeline_parallel_group(check_initialized=False)
+    if expert_mp is not None:
+        dist.all_reduce(expert_sq, group=expert_mp)
+    return (dense_sq + expert_sq).item() ** 0.5
 
 
 def _device_type(module: nn.Module, group: Any) -> str:

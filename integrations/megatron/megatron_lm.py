@@ -1,10 +1,16 @@
 """The switch that makes Megatron-LM's builders use ``VeScaleFSDP`` under ``--use-vescale-fsdp``.
 
 Megatron-LM (not on the package index) picks the data-parallel class in
-``megatron.training.training.get_model`` through the module-level name ``DDP`` and the
-optimizer through ``get_megatron_optimizer``; ``megatron.core.utils.unwrap_model``
-peels known wrappers; ``save_checkpoint`` / ``load_checkpoint`` are wrapped so both
-checkpoint formats see what they expect (see :func:`_wrap_checkpointing`). In a
+``megatron.training.training.get_model`` through the module-level name ``DDP`` (replaced by a
+class that builds ``VeScaleFSDP`` or Megatron's DDP, and that ``train()``'s ``isinstance``
+checks accept: :func:`data_parallel_class`) and the optimizer through
+``get_megatron_optimizer`` (``get_megatron_muon_optimizer`` for ``--optimizer muon``: our
+Muon). ``get_model`` first checks our flags (``--use-megatron-fsdp`` / ``--use-torch-fsdp2``
+beside ``--use-vescale-fsdp`` would otherwise pick those wrappers silently);
+``calc_params_l2_norm`` (``--log-params-norm``) sums our shards over their own groups
+(:func:`params_l2_norm`); ``megatron.core.utils.unwrap_model`` peels known wrappers;
+``save_checkpoint`` / ``load_checkpoint`` are wrapped so both checkpoint formats see what
+they expect (see :func:`_wrap_checkpointing`). In a
 Megatron-LM pretraining script::
 
     from vescale_zero.integrations.megatron import add_vescale_fsdp_args, use_vescale_fsdp_in_megatron_lm
@@ -23,12 +29,18 @@ import sys
 from contextlib import ExitStack
 from typing import Any, Callable, List, Optional
 
-from .arguments import validate_vescale_args, vescale_optimizer_block, vescale_optimizer_name, vescale_options_from_args
-from .data_parallel import VeScaleFSDP
+from .arguments import (
+    check_megatron_optimizer,
+    validate_vescale_args,
+    vescale_optimizer_block,
+    vescale_optimizer_name,
+    vescale_options_from_args,
+)
+from .data_parallel import VeScaleFSDP, params_l2_norm
 from .dist_checkpoint import checkpoint_parameters
 from .optimizer import VeScaleOptimizer, check_dist_checkpoint_optimizer, get_vescale_optimizer
 
-__all__ = ["use_vescale_fsdp_in_megatron_lm", "unwrap_vescale"]
+__all__ = ["use_vescale_fsdp_in_megatron_lm", "unwrap_vescale", "data_parallel_class"]
 
 _PATCHED = "_vescale_zero_patched"
 
@@ -47,6 +59,39 @@ def unwrap_vescale(unwrap_model: Callable) -> Callable:
 
     setattr(unwrap, _PATCHED, True)
     return unwrap
+
+
+def data_parallel_class(megatron_ddp: type, get_args: Callable[[], Any]) -> type:
+    """What Megatron-LM's module-level ``DDP`` becomes: a class (Megatron-LM tests
+    ``isinstance(model[0], (megatron_FSDP, DDP))`` and asserts ``isinstance(chunk, DDP)``) whose
+    construction builds ``VeScaleFSDP`` under ``--use-vescale-fsdp`` and ``megatron_ddp`` with the
+    very same arguments otherwise. Its instances are ``megatron_ddp``'s and ``VeScaleFSDP``'s;
+    any other attribute is ``megatron_ddp``'s."""
+
+    class _Switch(type):
+        def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+            parsed = get_args()
+            if not getattr(parsed, "use_vescale_fsdp", False):
+                return megatron_ddp(*args, **kwargs)
+            return _vescale_fsdp(parsed, *args, **kwargs)
+
+        def __instancecheck__(cls, obj: Any) -> bool:
+            return isinstance(obj, (megatron_ddp, VeScaleFSDP))
+
+        def __subclasscheck__(cls, sub: type) -> bool:
+            return issubclass(sub, (megatron_ddp, VeScaleFSDP))
+
+        def __getattr__(cls, name: str) -> Any:
+            return getattr(megatron_ddp, name)
+
+    return _Switch("DDP", (), {"__module__": __name__, "__doc__": megatron_ddp.__doc__})
+
+
+def _vescale_fsdp(args: Any, config: Any, ddp_config: Any, module: Any, disable_bucketing: bool = False,
+                  **kwargs: Any) -> VeScaleFSDP:
+    validate_vescale_args(args)
+    kwargs.pop("full_param_layout", None)  # distributed-optimizer layouts: not ours
+    return VeScaleFSDP(config, ddp_config, module, disable_bucketing, options=vescale_options_from_args(args), **kwargs)
 
 
 def use_vescale_fsdp_in_megatron_lm(get_args: Optional[Callable[[], Any]] = None) -> None:
@@ -68,18 +113,10 @@ def use_vescale_fsdp_in_megatron_lm(get_args: Optional[Callable[[], Any]] = None
         return
     if get_args is None:
         from megatron.training import get_args
-    megatron_ddp = training.DDP
     megatron_optimizer = training.get_megatron_optimizer
-
-    def data_parallel(config: Any, ddp_config: Any, module: Any, disable_bucketing: bool = False, **kwargs: Any):
-        args = get_args()
-        if not getattr(args, "use_vescale_fsdp", False):
-            return megatron_ddp(config=config, ddp_config=ddp_config, module=module,
-                                disable_bucketing=disable_bucketing, **kwargs)
-        validate_vescale_args(args)
-        kwargs.pop("full_param_layout", None)  # distributed-optimizer layouts: not ours
-        return VeScaleFSDP(config, ddp_config, module, disable_bucketing, options=vescale_options_from_args(args),
-                           **kwargs)
+    megatron_muon = getattr(training, "get_megatron_muon_optimizer", None)
+    megatron_get_model = getattr(training, "get_model", None)
+    megatron_params_norm = getattr(training, "calc_params_l2_norm", None)
 
     def optimizer(config: Any, model_chunks: Any, *rest: Any, **kwargs: Any):
         args = get_args()
@@ -89,8 +126,31 @@ def use_vescale_fsdp_in_megatron_lm(get_args: Optional[Callable[[], Any]] = None
         return get_vescale_optimizer(config, model_chunks, kwargs.pop("config_overrides", None), optimizer=name,
                                      block=vescale_optimizer_block(args) if name else None)
 
-    training.DDP = data_parallel
+    def muon_optimizer(config: Any, model_chunks: Any, *rest: Any, **kwargs: Any):
+        args = get_args()
+        if not getattr(args, "use_vescale_fsdp", False):
+            return megatron_muon(config, model_chunks, *rest, **kwargs)
+        check_megatron_optimizer(args)
+        return get_vescale_optimizer(config, model_chunks, kwargs.pop("config_overrides", None), optimizer="muon")
+
+    def get_model(*args: Any, **kwargs: Any):
+        parsed = get_args()
+        if getattr(parsed, "use_vescale_fsdp", False):
+            validate_vescale_args(parsed)  # before Megatron-LM picks Megatron-FSDP / FSDP2 by their flags
+        return megatron_get_model(*args, **kwargs)
+
+    def calc_params_l2_norm(model: Any, *rest: Any, **kwargs: Any) -> float:
+        chunks = _chunks_of(model)
+        return params_l2_norm(chunks) if chunks else megatron_params_norm(model, *rest, **kwargs)
+
+    training.DDP = data_parallel_class(training.DDP, get_args)
     training.get_megatron_optimizer = optimizer
+    if megatron_muon is not None:
+        training.get_megatron_muon_optimizer = muon_optimizer
+    if megatron_get_model is not None:
+        training.get_model = get_model
+    if megatron_params_norm is not None:  # --log-params-norm
+        training.calc_params_l2_norm = calc_params_l2_norm
     _wrap_checkpointing(training, get_args)
     # ``unwrap_model`` is imported by name into many modules: replace it everywhere.
     import megatron.core.utils as core_utils

@@ -1,0 +1,389 @@
+"""Megatron-LM jobs migrate by ``--use-vescale-fsdp`` alone (issue 27).
+
+Megatron-LM (``megatron.training``) is not on the package index, so a test-only stand-in
+module plays ``megatron.training.training`` in each rank: its module-level names and the
+calls that touch them, written here from Megatron-LM tag ``core_v0.16.1``
+(megatron/training/training.py, megatron/training/utils.py); each helper says which lines
+it mirrors. No Megatron code is copied; the stand-ins only make the same calls.
+One spawn of 2 ranks runs every case (tests/distributed.py run_cases_on_ranks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import types
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is a test dependency (pip install -e '.[test]')")
+
+from tests.distributed import run_cases_on_ranks  # noqa: E402
+from tests.numerics import gamma  # noqa: E402
+from tests.sync_spy import record_host_syncs  # noqa: E402
+from tests.test_megatron import SMALL, _megatron_job  # noqa: E402
+
+ARGV = SMALL + ["--global-batch-size", "4"]
+
+
+class _MegatronFSDPStandIn:
+    """Megatron-LM's ``megatron_FSDP`` name (megatron-core's Megatron-FSDP adapter, which
+    does not run on CPU): only its identity matters to the calls mirrored here."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+
+
+def _stand_in(args) -> types.ModuleType:
+    """``megatron.training.training`` for this process, with the names the switch patches."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.utils import unwrap_model
+
+    training = types.ModuleType("megatron.training.training")
+    training.DDP = DistributedDataParallel
+    training.megatron_FSDP = _MegatronFSDPStandIn
+    training.torch_FSDP = _MegatronFSDPStandIn
+    training.get_megatron_optimizer = get_megatron_optimizer
+    training.unwrap_model = unwrap_model
+
+    def get_megatron_muon_optimizer(config, model_chunks, **kwargs):
+        """Megatron's own Muon builder: it collects parameters from the chunks; on sharded
+        chunks it finds none (the reported ``optimizer got an empty parameter list``)."""
+        params = [p for chunk in model_chunks for p in chunk.parameters() if p.dim() == 2
+                  and not hasattr(p, "_vescale_fsdp_group_of")]
+        return torch.optim.SGD(params, lr=config.lr)
+
+    training.get_megatron_muon_optimizer = get_megatron_muon_optimizer
+
+    def get_model(model_provider, config):
+        """core_v0.16.1 training.py get_model, lines 1276-1340: the wrapper class by flag
+        (torch_FSDP / megatron_FSDP / DDP), called with config, ddp_config, module, disable_bucketing."""
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+        if args.use_torch_fsdp2:
+            dp = training.torch_FSDP
+        elif args.use_megatron_fsdp:
+            dp = training.megatron_FSDP
+        else:
+            dp = training.DDP
+        fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(DistributedDataParallelConfig)
+                  if hasattr(args, f.name)}
+        fields["check_for_nan_in_grad"] = args.check_for_nan_in_loss_and_grad
+        ddp_config = DistributedDataParallelConfig(**fields)
+        return [dp(config=config, ddp_config=ddp_config, module=model_provider(), disable_bucketing=False)]
+
+    training.get_model = get_model
+    training.calc_params_l2_norm = lambda model, force_create_fp32_copy=False: _calc_params_l2_norm(
+        args, model, force_create_fp32_copy)
+    package = types.ModuleType("megatron.training")
+    package.training = training
+    sys.modules.update({"megatron.training": package, "megatron.training.training": training})
+    return training
+
+
+def _lm_args(pg, argv: List[str]):
+    """Megatron-LM's parsed arguments: the example's parser plus the flags read here, at
+    Megatron-LM's defaults (--check-for-nan-in-loss-and-grad is on by default)."""
+    args = pg.build_parser().parse_args(argv)
+    args.use_torch_fsdp2 = False
+    args.overlap_grad_reduce = False
+    args.align_grad_reduce = True
+    args.check_for_nan_in_loss_and_grad = True
+    args.gradient_accumulation_fusion = False
+    return args
+
+
+def _switched(pg, args) -> types.ModuleType:
+    from vescale_zero.integrations.megatron import use_vescale_fsdp_in_megatron_lm
+
+    training = _stand_in(args)
+    use_vescale_fsdp_in_megatron_lm(get_args=lambda: args)
+    return training
+
+
+def _get_model(training, pg, args, config) -> List[torch.nn.Module]:
+    """core_v0.16.1 training.py setup_model_and_optimizer -> get_model(model_provider, ...)."""
+    return training.get_model(lambda: pg.build_model_unwrapped(args, config), config)
+
+
+def _train_setup_calls(training, args, model, config) -> None:
+    """core_v0.16.1 training.py train(), line 2549 on: the wrapper's no_sync / start_grad_sync
+    become the schedule's hooks when the first chunk is a megatron_FSDP or DDP."""
+    if isinstance(model[0], (training.megatron_FSDP, training.DDP)) and args.overlap_grad_reduce:
+        config.no_sync_func = model[0].no_sync if len(model) == 1 else [m.no_sync for m in model]
+        if args.align_grad_reduce:
+            config.grad_sync_func = model[0].start_grad_sync
+
+
+def _one_step(pg, args, chunk, config, num_microbatches: int = 1) -> None:
+    """Megatron's schedule over this rank's micro-batches, then finalize_model_grads (no optimizer)."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    config.finalize_model_grads_func = finalize_model_grads
+    chunk.zero_grad_buffer()
+    get_forward_backward_func()(
+        forward_step_func=pg.forward_step, data_iterator=iter(pg.batches(args, 0, num_microbatches)),
+        model=[chunk], num_microbatches=num_microbatches, seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, forward_only=False)
+
+
+# ---- A: training.DDP stays a class ---------------------------------------------------
+def _isinstance_ddp(rank: int, world_size: int) -> Dict[str, Any]:
+    from megatron.core.distributed import DistributedDataParallel
+
+    from tests.test_megatron import _ddp_grads, _our_grads
+    from vescale_zero.integrations.megatron import VeScaleFSDP
+
+    out: Dict[str, Any] = {}
+    grads = {}
+    argv = ARGV + ["--global-batch-size", "8"]  # two micro-batches per rank: no_sync is used
+    with _megatron_job(argv) as (pg, _):
+        for flag in (False, True):
+            args = _lm_args(pg, argv + (["--use-vescale-fsdp"] if flag else []))
+            args.overlap_grad_reduce = True
+            training = _switched(pg, args)
+            pg.seed(args)
+            config = pg.transformer_config(args)
+            model = _get_model(training, pg, args, config)
+            _train_setup_calls(training, args, model, config)
+            _one_step(pg, args, model[0], config, num_microbatches=2)
+            grads[flag] = _our_grads(model[0]) if flag else _ddp_grads(model[0])
+            out[flag] = {
+                "class": isinstance(training.DDP, type),
+                "wrapper": type(model[0]) is (VeScaleFSDP if flag else DistributedDataParallel),
+                "isinstance": isinstance(model[0], training.DDP),
+                "no_sync": config.no_sync_func == model[0].no_sync,
+                "issubclass": issubclass(type(model[0]), training.DDP),
+            }
+    # Both scale each rank's summed micro-batch gradients by 1/2 and add the two ranks'
+    # (a sum of two terms is the same in either order): equal bit for bit.
+    out["grads equal"] = sorted(grads[True]) == sorted(grads[False]) and all(
+        torch.equal(grads[True][k], grads[False][k]) for k in grads[False])
+    return out
+
+
+# ---- D: clash with another FSDP ------------------------------------------------------
+def _clash(rank: int, world_size: int) -> Dict[str, str]:
+    out = {}
+    with _megatron_job(ARGV) as (pg, _):
+        for field in ("use_megatron_fsdp", "use_torch_fsdp2"):
+            args = _lm_args(pg, ARGV + ["--use-vescale-fsdp"])
+            setattr(args, field, True)
+            training = _switched(pg, args)
+            config = pg.transformer_config(args)
+            try:
+                model = _get_model(training, pg, args, config)
+                out[field] = f"no error: built {type(model[0]).__name__}"
+            except ValueError as e:
+                from vescale_zero.integrations.megatron import clash_message
+
+                out[field] = "ok" if str(e) == clash_message(field) else f"other message: {e}"
+    return out
+
+
+# ---- 3: --check-for-nan-in-loss-and-grad --------------------------------------------
+def _nan(rank: int, world_size: int) -> Dict[str, str]:
+    out = {}
+    with _megatron_job(ARGV) as (pg, _):
+        for name, argv, check in (("ddp", ARGV, True), ("vescale", ARGV + ["--use-vescale-fsdp"], True),
+                                  ("vescale one rank", ARGV + ["--use-vescale-fsdp"], True),
+                                  ("vescale unchecked", ARGV + ["--use-vescale-fsdp"], False)):
+            args = _lm_args(pg, argv)
+            args.check_for_nan_in_loss_and_grad = check
+            training = _switched(pg, args)
+            pg.seed(args)
+            config = pg.transformer_config(args)
+            model = _get_model(training, pg, args, config)
+            if name == "vescale one rank":  # rank 0's activations (so its local gradients) alone turn NaN
+                if rank == 0:
+                    model[0].module.embedding.register_forward_hook(lambda m, i, o: o * float("nan"))
+            else:
+                with torch.no_grad():  # every rank diverges alike: a NaN weight in the first layer
+                    weight = model[0].module.decoder.layers[0].mlp.linear_fc1.weight
+                    (weight if name == "ddp" else weight.to_local()).fill_(float("nan"))
+            try:
+                with record_host_syncs(torch.device("cpu")) as syncs:
+                    _one_step(pg, args, model[0], config)
+                out[name] = "stepped"
+                out[name + " syncs in data_parallel.py"] = [s for s in syncs if "data_parallel.py" in s]
+            except RuntimeError as e:
+                out[name] = str(e)
+    return out
+
+
+# ---- 4: --log-params-norm ----------------------------------------------------------
+def _calc_params_l2_norm(args, model: List[torch.nn.Module], force_create_fp32_copy: bool = False) -> float:
+    """core_v0.16.1 megatron/training/utils.py calc_params_l2_norm, lines 48-190 (the
+    non-Megatron-FSDP path): the same megatron-core helpers and collectives in the same order,
+    the multi-tensor L2 norm written as a plain norm of the collected tensors."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+    from megatron.core.utils import get_data_parallel_group_if_dtensor, to_local_if_dtensor
+
+    def norm_2(tensors: List[torch.Tensor]) -> torch.Tensor:
+        if not tensors:
+            return torch.zeros(1)
+        return torch.stack([t.float().norm() ** 2 for t in tensors]).sum().reshape(1)
+
+    def data_of(param: torch.Tensor, into: List[torch.Tensor], sharded: List[torch.Tensor]) -> None:
+        local = to_local_if_dtensor(param)
+        if not args.bf16:
+            into.append(local.data)
+        elif not force_create_fp32_copy and hasattr(local, "main_param"):
+            if getattr(local, "main_param_sharded", False):
+                if local.main_param is not None:
+                    sharded.append(local.main_param)
+            else:
+                into.append(local.main_param)
+        else:
+            into.append(local.data.float())
+
+    dense, moe, sharded, dp_group = [], [], [], None
+    for chunk in model:
+        for param in chunk.parameters():
+            dp_group = get_data_parallel_group_if_dtensor(param, dp_group)
+            if not param_is_not_tensor_parallel_duplicate(param):
+                continue
+            if not getattr(param, "allreduce", True):
+                data_of(param, moe, sharded)
+            elif param_is_not_shared(param):
+                data_of(param, dense, sharded)
+    total = norm_2(dense)
+    if dp_group is not None:
+        torch.distributed.all_reduce(total, group=dp_group)
+    sharded_total = norm_2(sharded)
+    torch.distributed.all_reduce(sharded_total, group=mpu.get_data_parallel_group(with_context_parallel=True))
+    total += sharded_total
+    moe_total = norm_2(moe)
+    dense_group = mpu.get_model_parallel_group()
+    expert_group = mpu.get_expert_tensor_model_pipeline_parallel_group()
+    ranks = torch.distributed.get_process_group_ranks
+    if ranks(dense_group) == ranks(expert_group):
+        total += moe_total
+        torch.distributed.all_reduce(total, group=dense_group)
+    else:
+        torch.distributed.all_reduce(total, group=dense_group)
+        torch.distributed.all_reduce(moe_total, group=expert_group)
+        total += moe_total
+    return total.item() ** 0.5
+
+
+NORM_VARIANTS = {"dense": [], "bf16": ["--bf16"],
+                 "experts ep2": ["--num-experts", "2", "--expert-model-parallel-size", "2"],
+                 "hsdp": ["--num-distributed-optimizer-instances", "2"]}
+
+
+def _params_norm(rank: int, world_size: int) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for variant, extra in NORM_VARIANTS.items():
+        with _megatron_job(ARGV + extra) as (pg, _):
+            for name, argv in (("ddp", ARGV + extra), ("vescale", ARGV + extra + ["--use-vescale-fsdp"])):
+                args = _lm_args(pg, argv)
+                if name == "ddp":  # the same weights, unsharded (DDP's instances are for its distributed optimizer)
+                    args.num_distributed_optimizer_instances = 1
+                training = _switched(pg, args)
+                pg.seed(args)
+                config = pg.transformer_config(args)
+                model = _get_model(training, pg, args, config)
+                try:  # core_v0.16.1 training.py line 2894: params_norm = calc_params_l2_norm(model)
+                    out[(variant, name)] = training.calc_params_l2_norm(model)
+                except Exception as e:  # noqa: BLE001 - reported by the test
+                    out[(variant, name)] = f"{type(e).__name__}: {e}"
+                if name == "ddp":
+                    out[(variant, "terms")] = sum(p.numel() for p in model[0].parameters())
+    return out
+
+
+# ---- E: --optimizer muon -------------------------------------------------------------
+def _muon(rank: int, world_size: int) -> Dict[str, Any]:
+    from vescale_zero.integrations.megatron import VeScaleOptimizer
+    from vescale_zero.optim import Muon
+
+    out: Dict[str, Any] = {}
+    with _megatron_job(ARGV) as (pg, _):
+        args = _lm_args(pg, ARGV + ["--use-vescale-fsdp"])
+        args.optimizer = "muon"
+        training = _switched(pg, args)
+        pg.seed(args)
+        config = pg.transformer_config(args)
+        model = _get_model(training, pg, args, config)
+        opt_config = pg.optimizer_config(args)
+        try:
+            # core_v0.16.1 training.py setup_model_and_optimizer, lines 1459-1477: 'muon' in the
+            # optimizer name goes to get_megatron_muon_optimizer.
+            optimizer = training.get_megatron_muon_optimizer(
+                opt_config, model, config_overrides=None, use_gloo_process_groups=True,
+                layer_wise_distributed_optimizer=False)
+        except ValueError as e:
+            out["built"] = str(e)
+            return out
+        out["built"] = "ok"
+        out["ours"] = isinstance(optimizer, VeScaleOptimizer) and any(
+            isinstance(o, Muon) for o in getattr(optimizer, "optimizers", [optimizer.optimizer]))
+        args.vescale_optimizer = "shampoo"
+        try:
+            training.get_megatron_muon_optimizer(opt_config, model, config_overrides=None)
+            out["two optimizers"] = "no error"
+        except ValueError as e:
+            out["two optimizers"] = "ok" if "--vescale-optimizer muon" in str(e) else str(e)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> Dict[str, List[Any]]:
+    return run_cases_on_ranks({
+        "isinstance": (_isinstance_ddp, ()), "clash": (_clash, ()), "nan": (_nan, ()),
+        "params_norm": (_params_norm, ()), "muon": (_muon, ()),
+    }, 2, timeout=400)
+
+
+def test_megatron_lm_train_isinstance_ddp(results):
+    """A: training.DDP stays a class: Megatron-LM's isinstance in train() passes, flag on or off."""
+    for res in results["isinstance"]:
+        assert res.pop("grads equal"), "VeScaleFSDP's reduced gradients differ from megatron-core DDP's"
+        for flag, checks in res.items():
+            assert all(checks.values()), (flag, checks)
+
+
+def test_megatron_lm_clash_with_other_fsdp(results):
+    """D: --use-vescale-fsdp with --use-megatron-fsdp / --use-torch-fsdp2 stops with the one message."""
+    for res in results["clash"]:
+        assert res == {"use_megatron_fsdp": "ok", "use_torch_fsdp2": "ok"}, res
+
+
+def test_megatron_lm_check_for_nan_in_grad(results):
+    """3: a NaN gradient stops VeScaleFSDP as it stops megatron-core's DDP; off: no check."""
+    for res in results["nan"]:
+        assert "found NaN in local grad norm" in res["ddp"], res
+        assert "found NaN or Inf in the gradients" in res["vescale"], res
+        assert "found NaN or Inf in the gradients" in res["vescale one rank"], res  # every rank stops, none hangs
+        assert "--no-check-for-nan-in-loss-and-grad" in res["vescale"], res
+        assert res["vescale unchecked"] == "stepped", res
+        assert res["vescale unchecked syncs in data_parallel.py"] == [], res  # no host sync with the flag off
+
+
+def test_megatron_lm_params_norm(results):
+    """4: Megatron-LM's calc_params_l2_norm gives DDP's figure on VeScaleFSDP's shards (same
+    weights; norm^2 is a sum of N squares in another order: within gamma_N relative)."""
+    for res in results["params_norm"]:
+        for variant in NORM_VARIANTS:
+            ddp, ours, n = res[(variant, "ddp")], res[(variant, "vescale")], res[(variant, "terms")]
+            # n squares per rank, at most 2n in all: each sum within gamma_2n of the exact one
+            assert isinstance(ours, float) and abs(ours ** 2 - ddp ** 2) <= 2 * gamma(2 * n) * ddp ** 2, (
+                variant, ours, ddp)
+
+
+def test_megatron_lm_optimizer_muon(results):
+    """E: --optimizer muon builds vescale-zero's Muon on the shards; beside another --vescale-optimizer, refused."""
+    for res in results["muon"]:
+        assert res == {"built": "ok", "ours": True, "two optimizers": "ok"}, res
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([os.path.abspath(__file__), "-q"]))
