@@ -6,8 +6,10 @@ pipeline parallelism, ``finalize_model_grads``), on CPU/gloo behind the test-onl
 shim. The reference optimizer is Megatron's FP32 step written out (its own
 ``get_grad_norm_fp32`` over the model-parallel group, its clipping rule, then
 ``torch.optim.AdamW``), because Megatron's optimizer classes hard-code CUDA tensors.
-Tolerance: 1e-6 relative per tensor (fp32; the norm is summed in another order), 5e-6
-with three data-parallel ranks (see the test).
+Comparisons: what the math guarantees (tests/numerics.py [Note: comparing runs that sum in
+another order]): bit-exact where both runs add the same terms in the same order (two
+data-parallel ranks: every gradient sum has two addends); otherwise the first loss exactly,
+the first step's reduced gradients within the summation-order bound, weights within Adam's.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch.distributed as dist
 pytest.importorskip("megatron.core", reason="megatron-core is a test dependency (pip install -e '.[test]')")
 
 from tests.distributed import run_cases_on_ranks, run_on_ranks  # noqa: E402
+from tests.numerics import adam_divergence_bound, adam_step_bound, gamma, reduction_order_bound  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "megatron", "pretrain_gpt.py")
@@ -67,6 +70,71 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
 
+def _abs_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+
+
+LR = 1e-2  # SMALL's --lr
+
+
+def _noting_local_sums(ddp) -> Dict[str, tuple]:
+    """Test-only: wraps megatron-core DDP's ``finish_grad_sync`` so that its first call (step
+    0), before the reduction, notes per parameter (state-dict key) ``(S, n, c)``: ``S`` the
+    sum over the parameter's data-parallel group of every rank's |local gradient| (its fp32
+    ``main_grad``: the micro-batches' gradients accumulated, still unscaled), ``n`` that
+    group's size (the addends of the reduction) and ``c`` the scaling DDP applies (1 / dp:
+    megatron-core scales dense and expert gradients by the data-parallel size, and reduces
+    experts over the expert-data-parallel group). Returns the dict, filled at step 0."""
+    noted: Dict[str, tuple] = {}
+    params = {k: v for k, v in ddp.module.state_dict(keep_vars=True).items()
+              if isinstance(v, torch.nn.Parameter) and v.requires_grad}
+    finish = ddp.finish_grad_sync
+
+    def finish_and_note(*a, **k):
+        if not noted:
+            scale = 1.0 / ddp.dp_cp_group.size()
+            for key, p in params.items():
+                group = ddp.dp_cp_group if getattr(p, "allreduce", True) else ddp.expt_dp_group
+                s = p.main_grad.detach().abs()
+                dist.all_reduce(s, group=group)
+                noted[key] = (s, group.size(), scale)
+        return finish(*a, **k)
+
+    ddp.finish_grad_sync = finish_and_note
+    return noted
+
+
+def _gradient_bound(s: torch.Tensor, n: int, scale: float) -> torch.Tensor:
+    """How far two runs' reduced gradients ``scale * (sum of n local gradients)`` can be apart
+    when every rank's local gradient is the same bits in both (same weights, data and ops, the
+    micro-batches accumulated in the same order: 0 + g1 exactly, then + g2), so that only the
+    order of the n-addend cross-rank sum differs. Two addends: a + b == b + a, and scale = 1/dp
+    with dp 2 or 4 is a power of two (exact), so bit-identical: 0. Otherwise each run is within
+    gamma_n * scale * S of the exact value (n - 1 additions and one rounding of the scaling,
+    before or after the sum), so the two within 2 * gamma_n * scale * S: reduction_order_bound
+    with world n is that for scale = 1/n (dense parameters); experts are scaled by 1/dp but sum
+    over the expert-data-parallel group (n < dp), hence S * scale * n."""
+    if n <= 2 and math.log2(1.0 / scale).is_integer():
+        return torch.zeros_like(s)
+    return reduction_order_bound(s * (scale * n), n)
+
+
+def _first_grads_within(ours: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor], noted: Dict[str, tuple],
+                        where: str = "") -> List[str]:
+    """The first step's reduced gradients, ours against megatron-core DDP's, each element
+    within :func:`_gradient_bound`; the failures."""
+    if sorted(ours) != sorted(ref):
+        return [f"{where}: gradient keys differ: {sorted(set(ours) ^ set(ref))}"]
+    bad = []
+    for k, g in ref.items():
+        bound = _gradient_bound(*noted[k])
+        excess = ((ours[k] - g).abs() - bound).max().item() if g.numel() else 0.0
+        if not excess <= 0:
+            bad.append(f"{where} {k}: first-step gradient {excess:.3e} past the summation-order bound "
+                       f"({noted[k][1]} addends)".lstrip())
+    return bad
+
+
 def _train_both(rank: int, world_size: int, argv: List[str]) -> Dict:
     from tests.megatron_shim import MegatronFP32Step, install_cuda_shim
 
@@ -79,19 +147,25 @@ def _train_both(rank: int, world_size: int, argv: List[str]) -> Dict:
         pg.seed(args)
         config = pg.transformer_config(args)
         ddp = pg.build_model(args, config)
-        ref = pg.train_loop(args, ddp, MegatronFP32Step(ddp, pg.optimizer_config(args)), config)
+        noted = _noting_local_sums(ddp)
+        ref_step = _FirstStepGrads(MegatronFP32Step(ddp, pg.optimizer_config(args)), lambda d=ddp: _ddp_grads(d))
+        ref = pg.train_loop(args, ddp, ref_step, config)
         reference = {k: v.detach().clone() for k, v in ddp.state_dict().items() if torch.is_tensor(v)}
         del ddp
 
         args.use_vescale_fsdp = True
         model, optimizer, config = pg.build(args)
-        run = pg.train_loop(args, model, optimizer, config)
+        step = _FirstStepGrads(optimizer, lambda: _our_grads(model))
+        run = pg.train_loop(args, model, step, config)
         ours = model.state_dict()  # full tensors, gathered over data parallel
         zero_copy = _zero_copy_violations(model, optimizer)
         rows_cut = _rows_cut(model)
         return {
             "keys": (sorted(reference), sorted(k for k, v in ours.items() if torch.is_tensor(v))),
             "errors": {k: _relative_error(ours[k], reference[k]) for k in reference if k in ours},
+            "abs errors": {k: _abs_error(ours[k], reference[k]) for k in reference if k in ours},
+            "first grads": _first_grads_within(step.grads, ref_step.grads, noted),
+            "grad elements": sum(g.numel() for g in ref_step.grads.values()),
             "losses": (ref["losses"], run["losses"]),
             "norms": (ref["grad_norms"], run["grad_norms"]),
             "zero_copy": zero_copy,
@@ -140,16 +214,27 @@ def _rows_cut(model) -> List[str]:
     return out
 
 
-def _check(results: List[Dict], tolerance: float, steps: int = 3) -> None:
+def _check(results: List[Dict], exact: bool, steps: int = 3) -> None:
+    """Ours against megatron-core DDP: the first step's reduced gradients within the
+    summation-order bound (0 where every sum has two addends) and the first loss exactly (the
+    same weights, data and ops, and the same loss all-reduce); then ``exact``: every loss and
+    weight bit-identical (the same gradients give the same Adam steps); otherwise the weights
+    within adam_divergence_bound (absolute, per element) and later losses not compared by value
+    (they come from those weights)."""
     for rank, res in enumerate(results):
         ref_keys, our_keys = res["keys"]
         assert ref_keys == our_keys, f"rank {rank}: state dict keys differ"
-        worst = max(res["errors"].items(), key=lambda kv: kv[1])
-        assert worst[1] <= tolerance, f"rank {rank}: {worst[0]} differs from DDP by {worst[1]:.2e} (relative)"
+        assert not res["first grads"], res["first grads"]
         ref_losses, losses = res["losses"]
         assert len(losses) == len(ref_losses)
-        for a, b in zip(losses, ref_losses):
-            assert abs(a - b) <= tolerance * abs(b), (losses, ref_losses)
+        assert losses[:1] == ref_losses[:1], (losses, ref_losses)
+        if exact:
+            worst = max(res["errors"].items(), key=lambda kv: kv[1])
+            assert worst[1] == 0.0, f"rank {rank}: {worst[0]} differs from DDP by {worst[1]:.2e} (relative)"
+            assert losses == ref_losses, (losses, ref_losses)
+        else:
+            worst = max(res["abs errors"].items(), key=lambda kv: kv[1])
+            assert worst[1] <= adam_divergence_bound(LR, steps), f"rank {rank}: {worst[0]} {worst[1]:.2e} off DDP"
         assert not res["zero_copy"], res["zero_copy"]
     last = [r for r in results if r["losses"][1]]
     assert last and all(len(r["losses"][1]) == steps for r in last)
@@ -170,29 +255,37 @@ def _check(results: List[Dict], tolerance: float, steps: int = 3) -> None:
 )
 def test_vescale_fsdp_equals_megatron_ddp(world_size, dp, layout):
     """No clipping: with two data-parallel ranks every sum has two addends, so the runs are
-    bit-identical; with three or four, gloo's reduce-scatter and Megatron's all-reduce add
-    in different orders (an ulp per gradient, which Adam carries on): 5e-6 relative."""
+    bit-identical; with three or four, gloo's reduce-scatter and Megatron's all-reduce add in
+    different orders: the first step's gradients within the summation-order bound, the weights
+    within Adam's (:func:`_check`). (moe-ep2-dp4: experts sum over expert-dp 2, exactly.)"""
     argv = SMALL + layout + ["--clip-grad", "0", "--global-batch-size", str(2 * 2 * dp)]  # 2 micro-batches
     results = run_on_ranks(_train_both, world_size, argv, timeout=300)
-    _check(results, tolerance=0.0 if dp == 2 else 5e-6)
+    _check(results, exact=dp == 2)
     if "row" in layout:
         assert all(not r["rows_cut"] for r in results), [r["rows_cut"] for r in results]
         assert all(r["tp"] == 2 for r in results)
 
 
 def test_clipping_matches_megatron():
-    """Gradient norm over ragged shards (one world all-reduce) equals Megatron's over
-    replicated gradients to 1e-6; the clipped runs then agree to 1e-5 (the norms are summed
-    in different orders, and an ulp in the clip coefficient is amplified by Adam's second
-    step where consecutive gradients nearly cancel)."""
+    """Clipping at dp2. The first step's reduced gradients are bit-identical (two addends) and
+    so is the first loss. The gradient norm is then the square root of the same N squares summed
+    in two orders: Megatron's per-tensor norms, squared and summed over the model-parallel
+    group; ours per shard, summed over the data-parallel world. All terms are positive, so each
+    squared norm is within gamma_N relative of the exact one (N - 1 additions, one rounding per
+    square), plus a few roundings of Megatron's per-tensor square roots and squares and of the
+    final root: both within gamma_2N of the exact norm, so within 2 gamma_2N of each other
+    (N ~ 3e4: 6e-3). Later norms come from weights that differ and are not compared by value.
+    The clip coefficients then differ by that much, which Adam's normalised step cancels except
+    through eps and across steps (consecutive coefficients differ in each run by their own
+    rounding): the weights within adam_divergence_bound."""
     argv = SMALL + ["--clip-grad", "0.5", "--global-batch-size", "8"]
     results = run_on_ranks(_train_both, 2, argv, timeout=300)
-    _check(results, tolerance=1e-5)
+    _check(results, exact=False)
     for res in results:
         ref_norms, norms = res["norms"]
         assert all(n is not None for n in norms) and len(norms) == 3
-        for a, b in zip(norms, ref_norms):
-            assert abs(a - b) <= 1e-6 * b, (norms, ref_norms)
+        assert abs(norms[0] - ref_norms[0]) <= 2 * gamma(2 * res["grad elements"]) * ref_norms[0], (norms, ref_norms)
+        assert ref_norms[0] > 0.5, ref_norms  # the first step clips
 
 
 # ---- activation recompute and idle experts -------------------------------------------
@@ -277,7 +370,8 @@ def _steps_differ(a: List[tuple], b: List[tuple]) -> tuple:
 
 def _both_recorded(pg, argv: List[str]) -> Dict[str, tuple]:
     """megatron-core DDP + Megatron's FP32 step, then VeScaleFSDP + VeScaleOptimizer, on
-    ``argv``: ``{"ddp"|"ours": (losses, recorded steps)}``."""
+    ``argv``: ``{"ddp"|"ours": (losses, recorded steps), "noted": DDP's first-step local sums
+    (:func:`_noting_local_sums`)}``."""
     from tests.megatron_shim import MegatronFP32Step
 
     args = pg.build_parser().parse_args(argv)
@@ -285,6 +379,7 @@ def _both_recorded(pg, argv: List[str]) -> Dict[str, tuple]:
     pg.seed(args)
     config = pg.transformer_config(args)
     ddp = pg.build_model(args, config)
+    noted = _noting_local_sums(ddp)
     ref = _Recorder(MegatronFP32Step(ddp, pg.optimizer_config(args)), lambda: _ddp_grads(ddp),
                     lambda: {k: v.detach().clone() for k, v in ddp.state_dict().items() if torch.is_tensor(v)})
     ref_losses = pg.train_loop(args, ddp, ref, config)["losses"]
@@ -293,7 +388,7 @@ def _both_recorded(pg, argv: List[str]) -> Dict[str, tuple]:
     ours = _Recorder(optimizer, lambda: _our_grads(model),
                      lambda: {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)})
     losses = pg.train_loop(args, model, ours, config)["losses"]
-    return {"ddp": (ref_losses, ref.steps), "ours": (losses, ours.steps)}
+    return {"ddp": (ref_losses, ref.steps), "ours": (losses, ours.steps), "noted": noted}
 
 
 def _recorded_runs(rank: int, world_size: int, argv: List[str], variants: Dict[str, List[str]],
@@ -322,6 +417,10 @@ def _recorded_runs(rank: int, world_size: int, argv: List[str], variants: Dict[s
             out[name] = {
                 "losses": (losses, ref_losses),
                 "ours vs ddp": _steps_differ(steps, ref_steps),
+                "first grads": _first_grads_within(steps[0][0], ref_steps[0][0], run["noted"], name)
+                if steps and ref_steps else [f"{name}: no steps"],
+                "weights vs ddp": [max(_abs_error(w[k], r[k]) for k in r if k in w)
+                                   for (_, w), (_, r) in zip(steps, ref_steps)],
                 "ddp vs its plain run": _steps_differ(ref_steps, plain["ddp"][1]),
                 "ours vs its plain run": _steps_differ(steps, plain["ours"][1]),
                 "losses vs plain": (losses == plain["ours"][0], ref_losses == plain["ddp"][0]),
@@ -331,10 +430,13 @@ def _recorded_runs(rank: int, world_size: int, argv: List[str], variants: Dict[s
         return {"variants": out, "extra": report() if report is not None else None}
 
 
-def _check_recorded(results: List[Dict], variants: List[str], tolerance: float,
+def _check_recorded(results: List[Dict], variants: List[str], exact: bool,
                     same_as_plain: Optional[List[str]] = None, steps: int = 3) -> None:
-    """Every variant ran; ours equals DDP (losses, per-step gradients and weights) within
-    ``tolerance`` in each; those in ``same_as_plain`` equal their plain run bit for bit, in
+    """Every variant ran; in each, ours against DDP: the first step's reduced gradients within
+    the summation-order bound and the first loss exactly; then, if ``exact``, every loss and
+    every step's gradients and weights bit for bit, else the weights after step t within
+    adam_divergence_bound(lr, t) (later gradients and losses come from those weights and are
+    not compared by value). Those in ``same_as_plain`` equal their plain run bit for bit, in
     both systems."""
     failures = []
     for rank, res in enumerate(results):
@@ -345,12 +447,16 @@ def _check_recorded(results: List[Dict], variants: List[str], tolerance: float,
                 failures.append(f"rank {rank} {name}: {v['error']}")
                 continue
             losses, ref_losses = v["losses"]
-            if len(losses) != steps or len(ref_losses) != steps or not all(
-                    abs(a - b) <= tolerance * abs(b) for a, b in zip(losses, ref_losses)):
+            if len(losses) != steps or len(ref_losses) != steps or (
+                    losses != ref_losses if exact else losses[:1] != ref_losses[:1]):
                 failures.append(f"rank {rank} {name}: losses {losses} vs DDP {ref_losses}")
+            failures += [f"rank {rank} {bad}" for bad in v["first grads"]]
             err, where = v["ours vs ddp"]
-            if not err <= tolerance:
+            if exact and err != 0.0:
                 failures.append(f"rank {rank} {name}: {where} differs from DDP by {err:.2e} (relative)")
+            for t, err in enumerate(v["weights vs ddp"], 1):
+                if not err <= (0.0 if exact else adam_divergence_bound(LR, t)):
+                    failures.append(f"rank {rank} {name}: weights after step {t} {err:.2e} off DDP")
             if v["zero in ours only"]:
                 failures.append(f"rank {rank} {name}: gradients zero in ours only: {v['zero in ours only']}")
             if name in (same_as_plain or ()):
@@ -369,12 +475,12 @@ def test_activation_recompute_equals_megatron_ddp(world_size):
     """``--recompute-granularity full`` (uniform by 1 and 2 layers, block) and ``selective``
     (core attention; MLP and layernorms): VeScaleFSDP equals megatron-core DDP with the same
     settings step by step -- losses, reduced gradients, weights -- bit for bit at dp2 (as
-    without recompute), 5e-6 at dp3 (summation order, see the parity test); and every
-    recomputed run equals the run without recompute bit for bit, in both systems."""
+    without recompute); at dp3 (summation order, see the parity test) the first loss exactly,
+    the first step's gradients within the summation-order bound, the weights within Adam's;
+    and every recomputed run equals the run without recompute bit for bit, in both systems."""
     argv = SMALL + ["--clip-grad", "0", "--global-batch-size", str(2 * 2 * world_size)]
     results = run_on_ranks(_recorded_runs, world_size, argv, RECOMPUTE, timeout=300)
-    _check_recorded(results, list(RECOMPUTE), tolerance=0.0 if world_size == 2 else 5e-6,
-                    same_as_plain=list(RECOMPUTE))
+    _check_recorded(results, list(RECOMPUTE), exact=world_size == 2, same_as_plain=list(RECOMPUTE))
 
 
 # MoE with an expert idle on one data-parallel rank: 4 experts, top-2, over dp2 (ep1)
@@ -443,7 +549,7 @@ def test_expert_idle_on_one_rank_equals_megatron_ddp():
     idle, busy = results[0]["extra"], results[1]["extra"]
     assert idle["idle expert tokens"][1] == 0 and busy["idle expert tokens"][0] > 0, (idle, busy)
     assert idle["skipped"] > 0 and busy["skipped"] == 0, (idle, busy)
-    _check_recorded(results, list(MOE_IDLE_VARIANTS), tolerance=0.0, same_as_plain=list(MOE_IDLE_VARIANTS))
+    _check_recorded(results, list(MOE_IDLE_VARIANTS), exact=True, same_as_plain=list(MOE_IDLE_VARIANTS))
 
 
 def _resume_and_interchange(rank: int, world_size: int, argv: List[str], ckpt_dir: str) -> Dict:
@@ -597,6 +703,9 @@ class _FirstStepGrads:
     def zero_grad(self, *args, **kwargs):
         return self.inner.zero_grad(*args, **kwargs)
 
+    def __getattr__(self, name):  # the rest (checkpointing) is the optimizer's
+        return getattr(self.inner, name)
+
     def step(self):
         if self.grads is None:
             self.grads = self.take()
@@ -656,7 +765,7 @@ def _bf16_accumulation(rank: int, world_size: int, argv: List[str]) -> Dict:
         losses = pg.train_loop(args, model, step, config)["losses"]
         ours = model.state_dict()
         return {"grads": (ref_step.grads, step.grads), "abs_sum": abs_sum, "losses": losses,
-                "masters": {k: _relative_error(ours[k], v) for k, v in reference.items()}}
+                "masters": {k: _abs_error(ours[k], v) for k, v in reference.items()}}
 
 
 @pytest.mark.parametrize("dp", [2, 3])
@@ -666,29 +775,30 @@ def test_bf16_accumulates_in_fp32_like_megatron_ddp(dp):
     into the group's fp32 buffer in the same order (grad_reduce [Note: accumulating in the reduce
     dtype]), scales alike and reduce-scatters. So each rank's fp32 sums are the same numbers, and
     only the cross-rank sum's order may differ: with two ranks it cannot (one addition), so
-    the gradients are equal bit for bit; with m ranks each side is within (m - 1) u S / m of the
-    exact mean (S = sum over ranks of |R_r|, one more rounding of the 1/m scaling common to
-    both), so they differ by at most 2 m u S / m elementwise. The masters after 4 Adam steps
-    (lr 1e-2): equal at dp 2 (same gradients, same updates); at dp 3 an ulp in a gradient can
-    flip the rounding of a bf16 compute weight (one bf16 ulp, 3.9e-3 relative), after which
-    gradients differ at bf16 level and Adam's normalised step moves near-zero components
-    differently (up to ~lr per step): allowed 2e-2 relative per tensor (measured 5.1e-3).
+    the gradients are equal bit for bit; with m ranks each side is within gamma_m S / m of the
+    exact mean (S = sum over ranks of |R_r|; m - 1 additions and one rounding of the 1/m
+    scaling), so they differ by at most reduction_order_bound(S, m) = 2 gamma_m S / m
+    elementwise. The masters after 4 Adam steps (lr 1e-2): equal at dp 2 (same gradients, same
+    updates); at dp 3 an ulp in a gradient can flip the rounding of a bf16 compute weight, after
+    which gradients differ at bf16 level and Adam's normalised step moves near-zero components
+    differently: within adam_divergence_bound(lr, 4) per element, what any two Adam runs from the
+    same weights can be apart (measured 5.1e-3 relative per tensor).
     Before the fix (gradients summed in bf16): 4.6e-3 / 3.3e-3 relative off in the gradients
     (6.6e5x / 1.5e5x the bound at dp 2 / 3), masters 0.28 / 0.27 relative off after 4 steps."""
     argv = SMALL + ["--bf16", "--accumulate-allreduce-grads-in-fp32", "--clip-grad", "0", "--train-iters", "4",
                     "--global-batch-size", str(2 * 4 * dp)]  # Megatron's optimizers cannot clip on CPU
-    u = 2.0 ** -24
     for rank, res in enumerate(run_on_ranks(_bf16_accumulation, dp, argv, timeout=300)):
         ref, ours = res["grads"]
         assert sorted(ref) == sorted(ours)
         for name, g in ref.items():
-            bound = 2 * u * res["abs_sum"][name] if dp > 2 else torch.zeros_like(g)
+            bound = reduction_order_bound(res["abs_sum"][name], dp) if dp > 2 else torch.zeros_like(g)
             diff = (ours[name] - g).abs()
             assert bool((diff <= bound).all()), (
                 f"rank {rank}: {name}'s gradient is {diff.max().item():.2e} off megatron-core DDP's "
                 f"({_relative_error(ours[name], g):.2e} relative), bound {bound.max().item():.1e}")
         worst = max(res["masters"].items(), key=lambda kv: kv[1])
-        assert worst[1] <= (0.0 if dp == 2 else 2e-2), f"rank {rank}: fp32 master {worst[0]} {worst[1]:.2e} off"
+        allowed = 0.0 if dp == 2 else adam_divergence_bound(LR, 4)
+        assert worst[1] <= allowed, f"rank {rank}: fp32 master {worst[0]} {worst[1]:.2e} off (absolute)"
         assert len(res["losses"]) == 4 and res["losses"][-1] < res["losses"][0], res["losses"]
 
 
@@ -987,7 +1097,11 @@ def _resume_from_megatron(rank: int, world_size: int, argv: List[str], ckpt: str
             ref, ref_opt, config = megatron_loads(ckpt)
             ref_loaded = _megatron_weights(ref, ref_opt)
             ref_state = _full_adam_state(ref, ref_opt)
+            # the resumed step's local sums and reduced gradients (fp32 runs: the bound is fp32's)
+            noted = None if args.bf16 else _noting_local_sums(ref)
+            ref_opt = _FirstStepGrads(ref_opt, lambda: _ddp_grads(ref))
             ref_tail = pg.train_loop(args, ref, ref_opt, config, first_step=2)["losses"]
+            ref_grads, ref_opt = ref_opt.grads, ref_opt.inner
             ref_final = _megatron_weights(ref, ref_opt)
 
         args.use_vescale_fsdp, args.use_distributed_optimizer = True, False
@@ -1000,19 +1114,21 @@ def _resume_from_megatron(rank: int, world_size: int, argv: List[str], ckpt: str
         ours_loaded = model.state_dict()
         state, step = full_optimizer_state(model.module, optimizer.optimizer)
         compared = None if converted is None else _converted_compared(pg, args, converted, ours_loaded, state, rank)
-        tail = pg.train_loop(args, model, optimizer, config, first_step=2)["losses"]
+        step_grads = _FirstStepGrads(optimizer, lambda: _our_grads(model))
+        tail = pg.train_loop(args, model, step_grads, config, first_step=2)["losses"]
         ours_final = model.state_dict()
         out = {
             "weights loaded": 0.0 if ref_loaded is None else max(
                 _relative_error(ours_loaded[k], v) for k, v in ref_loaded.items()),
             "step": step, "tails": (tail, ref_tail),
-            "continued": max(_relative_error(ours_final[k], v) for k, v in ref_final.items()),
+            "continued": max(_abs_error(ours_final[k], v) for k, v in ref_final.items()),
             "converted": compared,
         }
         if ref_state is not None:
             out["state loaded"] = max(_relative_error(state[n][k], v) for n, st in ref_state.items()
                                       for k, v in st.items())
             out["state keys"] = (sorted(state), sorted(ref_state))
+            out["resumed grads"] = [] if noted is None else _first_grads_within(step_grads.grads, ref_grads, noted)
         if not distributed:
             # Back: ours writes torch_dist, each rank its own shard (the streamed save, no gather);
             # Megatron's DDP loads it exactly.
@@ -1034,7 +1150,7 @@ def _resume_from_megatron(rank: int, world_size: int, argv: List[str], ckpt: str
             out["vs saved"] = (max(_relative_error(ours_loaded[k], v) for k, v in saved["saved"].items()),
                                max(_relative_error(state[n][k], v) for n, st in saved["saved state"].items()
                                    for k, v in st.items()), sorted(state) == sorted(saved["saved state"]))
-            out["vs uninterrupted"] = max(_relative_error(ours_final[k], v) for k, v in saved["final"].items())
+            out["vs uninterrupted"] = max(_abs_error(ours_final[k], v) for k, v in saved["final"].items())
         return out
 
 
@@ -1058,6 +1174,11 @@ def _vescale_writes_dist_checkpoint(rank: int, world_size: int, argv: List[str],
         pg.train_loop(args, model, optimizer, config, first_step=2)
         return {"tp": parallel_state.get_tensor_model_parallel_rank(), "saved": saved, "saved state": saved_state,
                 "final": {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}}
+
+
+# Two AdamW runs resumed from the same weights and state, one step (the third) each: each moves an
+# element by at most lr * adam_step_bound(3), whatever its gradient (tests/numerics.py).
+RESUMED_STEP = 2 * LR * adam_step_bound(3)
 
 
 def _by_tp(written: List[Dict]) -> Dict[int, Dict]:
@@ -1141,23 +1262,34 @@ def test_megatron_dist_checkpoint_resumes_in_vescale_fsdp_and_back(tmp_path, meg
     Adam, or MoE at ep2 with its chained dense and expert Adams); VeScaleFSDP loads it at
     tp1 x dp3 (ep1: experts over 3 ranks) (the Adam cases: weights -- the
     fp32 masters in bf16 -- and moments exactly as Megatron loads them), and the next step
-    equals Megatron's own continuation. ``vescale-zero convert --from megatron`` gives a
+    follows Megatron's own continuation: the same loss, in fp32 against Megatron's DDP at this
+    layout the reduced gradients within the summation-order bound, the weights within one
+    AdamW step. ``vescale-zero convert --from megatron`` gives a
     checkpoint that loads to the same state. Ours then saves torch_dist and megatron-core
     DDP + its Adam loads it exactly (weights or masters, moments, step)."""
     from vescale_zero.checkpoint.sources import convert
 
     source, flags = DIST_CKPT_CASES[case]
     runs = megatron_dist_checkpoints[case]
-    distributed, bf16, moe = "--use-distributed-optimizer" in flags, "--bf16" in flags, flags == MOE_EP2
+    distributed, moe = "--use-distributed-optimizer" in flags, flags == MOE_EP2
     ckpt, back, converted = runs["paths"]
     for res in runs["resume"]:
         assert res["weights loaded"] == 0.0 and res["step"] == 2.0, res
-        # dp3: reduce-scatter vs all-reduce summation order; bf16: Adam normalises steps of bf16-reduced
-        # gradients, so that order moves near-zero elements by up to lr (measured 1.6e-3)
-        assert res["continued"] <= (5e-3 if bf16 else 5e-6), res
-        assert moe or res["converted"] == (0.0, 0.0, 2.0, True, 0.0), res
+        # The resumed step starts from the same weights and Adam state in both (checked exactly) and
+        # the same data; its loss: the same forward, the same loss all-reduce -- bit-identical
+        # against Megatron's DDP loading it at this layout. The distributed-optimizer case compares
+        # with the source's own continuation at dp2: the same six per-micro-batch losses (pairs of
+        # consecutive samples either way), averaged as 3 x 2 vs 2 x 3 -- positive terms, a few
+        # roundings (two sums, two divisions): each within gamma_6 relative of the exact mean.
         tail, ref_tail = res["tails"]
-        assert len(tail) == 1 and abs(tail[0] - ref_tail[0]) <= 1e-6 * abs(ref_tail[0]), res
+        assert len(tail) == 1 and (abs(tail[0] - ref_tail[0]) <= 2 * gamma(6) * ref_tail[0] if distributed
+                                   else tail == ref_tail), res
+        # its reduced gradients (fp32 against Megatron's DDP at this layout): dp3 / dp4 sum in
+        # another order than Megatron's all-reduce -- within the summation-order bound
+        assert not res.get("resumed grads"), res["resumed grads"]
+        # the weights after it: one AdamW step from the same state (bf16: of bf16-reduced gradients)
+        assert res["continued"] <= RESUMED_STEP, res
+        assert moe or res["converted"] == (0.0, 0.0, 2.0, True, 0.0), res
         if not distributed:
             assert res["state keys"][0] == res["state keys"][1] and res["state loaded"] == 0.0, res
             assert res["back weights"] == 0.0 and res["back state"] == 0.0 and res["back step"] == 3.0, res
@@ -1189,18 +1321,24 @@ def test_streamed_dist_checkpoint_resumes_at_another_layout(megatron_dist_checkp
     """VeScaleFSDP + Adam writes torch_dist with the streamed save (each rank its boxes, no
     gather) at dp2 or tp2 x dp2; at dp3 or tp2 x dp1 VeScaleFSDP loads exactly the weights and
     Adam state saved (step 2), and so does megatron-core DDP + its Adam; the next step stays
-    within 5e-6 of the uninterrupted run (another data-parallel size sums the gradients in
-    another order) and equals Megatron's own continuation; ours saves again, Megatron loads it
-    exactly; at dp3 the offline-converted checkpoint loads to the same state."""
+    within one AdamW step of the uninterrupted run (another data-parallel size sums the
+    gradients in another order) and Megatron's own continuation (the same loss,
+    gradients within the summation-order bound); ours saves again, Megatron loads it exactly; at
+    dp3 the offline-converted checkpoint loads to the same state."""
     runs = megatron_dist_checkpoints[case]
     assert runs["resume"], runs
     for res in runs["resume"]:
         assert res["vs saved"] == (0.0, 0.0, True), res
         assert res["weights loaded"] == 0.0 and res["state loaded"] == 0.0 and res["step"] == 2.0, res
         assert res["state keys"][0] == res["state keys"][1], res
-        assert res["vs uninterrupted"] <= 5e-6 and res["continued"] <= 5e-6, res
+        # the next step from the same weights and Adam state: against the uninterrupted run (another
+        # data-parallel size: another summation order) and Megatron's DDP at this layout (another
+        # order again), one AdamW step apart at most; its loss (same weights, data, forward and loss
+        # all-reduce) and reduced gradients (summation-order bound) against Megatron's DDP
+        assert res["vs uninterrupted"] <= RESUMED_STEP and res["continued"] <= RESUMED_STEP, res
+        assert not res["resumed grads"], res["resumed grads"]
         tail, ref_tail = res["tails"]
-        assert len(tail) == 1 and abs(tail[0] - ref_tail[0]) <= 1e-6 * abs(ref_tail[0]), res
+        assert len(tail) == 1 and tail == ref_tail, res
         assert res["back weights"] == 0.0 and res["back state"] == 0.0 and res["back step"] == 3.0, res
         assert case != "vescale-dp2-adam" or res["converted"] == (0.0, 0.0, 2.0, True, 0.0), res
 
@@ -1353,6 +1491,30 @@ def _nothing() -> Iterator[None]:
     yield
 
 
+class _NoStep:
+    """An optimizer that does not step (for a run that only reduces gradients)."""
+
+    def zero_grad(self, *args, **kwargs) -> None:
+        pass
+
+    def step(self):
+        return True, None, None
+
+
+def _ddp_local_sums(pg, args) -> Dict[str, tuple]:
+    """One step of megatron-core DDP on ``args`` (no update), for its first-step local sums
+    (:func:`_noting_local_sums`): every rank's local gradients are what ours computes from the
+    same weights and data (fp32 sums of the micro-gradients, in the same order)."""
+    iters, args.use_vescale_fsdp, args.train_iters = args.train_iters, False, 1
+    pg.seed(args)
+    config = pg.transformer_config(args)
+    ddp = pg.build_model(args, config)
+    noted = _noting_local_sums(ddp)
+    pg.train_loop(args, ddp, _NoStep(), config)
+    args.use_vescale_fsdp, args.train_iters = True, iters
+    return noted
+
+
 def _megatron_hsdp(rank: int, world_size: int, argv: List[str], ckpt: Optional[str]) -> Dict:
     """The flat run (``--use-vescale-fsdp``, every rank one shard) and the HSDP run
     (``--num-distributed-optimizer-instances 2``) of ``argv``, with a communication spy on
@@ -1363,18 +1525,29 @@ def _megatron_hsdp(rank: int, world_size: int, argv: List[str], ckpt: Optional[s
     from tests.comm_spy import CommSpy
 
     with _megatron_job(argv) as (pg, args):
+        noted = _ddp_local_sums(pg, args)
         model, optimizer, config = pg.build(args)
-        flat_losses, flat_norms = _step_by_step(pg, args, model, optimizer, config)
+        flat_first = _FirstStepGrads(optimizer, lambda: _our_grads(model))
+        flat_losses, flat_norms = _step_by_step(pg, args, model, flat_first, config)
         flat = model.state_dict()
         flat_shards = [dist.get_process_group_ranks(g.process_group) for g in model.vescale_groups]
     spy = CommSpy()
     with _megatron_job(argv + ["--num-distributed-optimizer-instances", "2"]) as (pg, args):
         model, optimizer, config = pg.build(args)
+        first = _FirstStepGrads(optimizer, lambda: _our_grads(model))
+        # for the first norm: the gradient bound's 2-norm and the number of gradient elements over
+        # the model-parallel group (shared and TP-duplicate parameters counted again: only larger)
+        mp = torch.tensor([sum(float(_gradient_bound(*noted[k]).double().pow(2).sum()) for k in noted),
+                           sum(g.numel() for g in flat_first.grads.values())], dtype=torch.float64)
+        dist.all_reduce(mp, group=parallel_state.get_model_parallel_group())
+        bound_norm, elements = math.sqrt(mp[0].item()), int(mp[1].item())
         with spy.installed():
-            losses, norms = _step_by_step(pg, args, model, optimizer, config, spy, ckpt)
+            losses, norms = _step_by_step(pg, args, model, first, config, spy, ckpt)
         hsdp = model.state_dict()
         groups = model.vescale_groups
         out = {
+            "first grads": _first_grads_within(first.grads, flat_first.grads, noted),
+            "bound norm": bound_norm, "grad elements": elements,
             "errors": {k: (hsdp[k] - v).abs().max().item() for k, v in flat.items() if torch.is_tensor(v)},
             "keys": (sorted(hsdp), sorted(flat)),
             "losses": (losses, flat_losses), "norms": (norms, flat_norms),
@@ -1416,16 +1589,32 @@ def _megatron_hsdp(rank: int, world_size: int, argv: List[str], ckpt: Optional[s
     return out
 
 
-def _check_hsdp(results: List[Dict], tolerance: float, shards: tuple, dp: int = 4, flat: tuple = (4,)) -> None:
-    """``shards``: the sizes of the shard groups (dense, and experts' if any); ``flat``: of
-    the flat run's groups; two instances: every replicate group has 2 ranks."""
+def _check_hsdp(results: List[Dict], shards: tuple, dp: int = 4, flat: tuple = (4,), norm: bool = True) -> None:
+    """HSDP against the flat run: the first step's reduced gradients within the summation-order
+    bound (:func:`_gradient_bound`; HSDP sums (a+b)+(c+d) over two collectives, flat one sum of
+    four; with dp 2, two instances of one rank, a + b in both: exact) and the first loss exactly
+    (the same weights, data, forward and loss all-reduce); if ``norm``, the first gradient norm
+    within |norm(g) - norm(g')| <= ||g - g'|| <= the bound's 2-norm, plus each run's rounding of
+    a norm of N squares summed in its own order (2 gamma_2N relative, see the clipping test).
+    Even with dp 2 the norms' orders differ (flat: a shard of 2 ranks; HSDP: one rank's whole
+    group), so the clip coefficients differ by rounding, and every case clips: the weights are
+    within adam_divergence_bound(lr, 3) (Adam cancels the common scale but not its change
+    across steps), later losses and norms come from them and are not compared by value.
+    ``shards``: the sizes of the shard groups (dense, and experts' if any); ``flat``: of the
+    flat run's groups; two instances: every replicate group has 2 ranks."""
     for rank, res in enumerate(results):
         assert res["keys"][0] == res["keys"][1]
+        assert not res["first grads"], res["first grads"]
         worst = max(res["errors"].items(), key=lambda kv: kv[1])
-        assert worst[1] <= tolerance, f"rank {rank}: {worst[0]} differs from the flat run by {worst[1]:.2e} (abs)"
+        allowed = adam_divergence_bound(LR, 3)
+        assert worst[1] <= allowed, f"rank {rank}: {worst[0]} differs from the flat run by {worst[1]:.2e} (abs)"
         for ours, theirs in (res["losses"], res["norms"]):
             assert len(ours) == len(theirs)
-            assert all(abs(a - b) <= tolerance * abs(b) for a, b in zip(ours, theirs)), (ours, theirs)
+        (losses, flat_losses), (norms, flat_norms) = res["losses"], res["norms"]
+        assert losses[:1] == flat_losses[:1], res["losses"]
+        if norm:
+            slack = res["bound norm"] + 2 * gamma(2 * res["grad elements"]) * flat_norms[0]
+            assert abs(norms[0] - flat_norms[0]) <= slack, (norms, flat_norms, slack)
         assert res["dp"] == dp and not res["zero_copy"], res
         # flat: one group of every data-parallel rank; HSDP: instances of `shard`, replicas across
         assert sorted(len(g) for g in res["flat shard groups"]) == sorted(flat), res["flat shard groups"]
@@ -1442,25 +1631,24 @@ def _check_hsdp(results: List[Dict], tolerance: float, shards: tuple, dp: int = 
 
 @pytest.mark.slow
 def test_megatron_hsdp_equals_flat_vescale_fsdp(tmp_path):
-    """``--num-distributed-optimizer-instances 2`` at 4 ranks (instances {0,1} {2,3}) equals
-    the flat ``--use-vescale-fsdp`` run at 4 ranks: AdamW with clipping (the norm counts one
-    instance), 2 micro-batches a step, weights within 1e-6 (absolute; HSDP sums each gradient
-    as (a+b)+(c+d) over two collectives, flat as one sum of four), losses and norms within
-    1e-6 relative; all-gathers and reduce-scatters in groups of 2, one all-reduce per group
-    per step across the instances; a dist-checkpoint saved under HSDP resumes in the flat
-    layout, and so do the optimizer shards ``save_sharded`` writes (``--ckpt-format torch``;
-    vz.checkpoint, the first instance writes; the dist-checkpoint too: each of its ranks its
-    own shard). The same holds beside TP=2 and PP=2 (a 3-D
-    mesh over Megatron's groups; dp 2 = 2 instances of one rank), for MoE (ep 2: experts
-    sharded in the instance's expert-data-parallel group, replicated across instances), with
+    """``--num-distributed-optimizer-instances 2`` at 4 ranks (instances {0,1} {2,3}) trains
+    like the flat ``--use-vescale-fsdp`` run at 4 ranks: AdamW with clipping (the norm counts
+    one instance), 2 micro-batches a step, HSDP summing each gradient as (a+b)+(c+d) over two
+    collectives, flat as one sum of four; all-gathers and reduce-scatters in groups of 2, one
+    all-reduce per group per step across the instances; a dist-checkpoint saved under HSDP
+    resumes in the flat layout, and so do the optimizer shards ``save_sharded`` writes
+    (``--ckpt-format torch``; vz.checkpoint, the first instance writes; the dist-checkpoint
+    too: each of its ranks its own shard). The same holds beside TP=2 and PP=2 (a 3-D mesh over
+    Megatron's groups; dp 2 = 2 instances of one rank), for MoE (ep 2: experts sharded in the
+    instance's expert-data-parallel group, replicated across instances), with
     ``--vescale-optimizer muon`` (Newton-Schulz inside the instance) and in bf16 with fp32
-    gradient accumulation and reduction: within 2e-2 there. Each rank's fp32 sum of its bf16
-    micro-gradients (grad_reduce [Note: accumulating in the reduce dtype]) has full fp32
-    precision, so the two reduction orders give masters an fp32 ulp apart; one that flips the
-    rounding of a bf16 compute weight makes the gradients differ at bf16 level, which Adam's
-    normalised step can turn into up to ~lr (1e-2) per step for a near-zero component, as any
-    two bf16 reduction orders do (measured 3.4e-4; when micro-gradients were summed in bf16,
-    sums of a few bf16 numbers were exact in fp32 in either order and the runs matched to 1e-6)."""
+    gradient accumulation and reduction. What is compared (:func:`_check_hsdp`): the first loss
+    exactly; the first step's reduced gradients within the summation-order bound (each rank's
+    local gradients taken from megatron-core DDP on the same weights and data: in bf16 too, each
+    rank's fp32 sum of its bf16 micro-gradients, grad_reduce [Note: accumulating in the reduce
+    dtype]) -- bit-identical at dp 2; the first norm within the bound that gives; the weights
+    (fp32 masters) within Adam's bound; the resumed step (same weights and Adam state): the same
+    loss, weights within one AdamW step."""
     (tmp_path / "hsdp-ckpt").mkdir()
     cases = {
         "adam+ckpt": (_megatron_hsdp, (HSDP, str(tmp_path / "hsdp-ckpt"))),
@@ -1472,15 +1660,17 @@ def test_megatron_hsdp_equals_flat_vescale_fsdp(tmp_path):
         "bf16": (_megatron_hsdp, (HSDP + ["--bf16", "--accumulate-allreduce-grads-in-fp32"], None)),
     }
     out = run_cases_on_ranks(cases, 4, timeout=500)
-    _check_hsdp(out["adam+ckpt"], 1e-6, shards=(2,))
+    _check_hsdp(out["adam+ckpt"], shards=(2,))
     for res in out["adam+ckpt"]:
         assert res["writers"] == [0, 1], res["writers"]  # the streamed save: instance {0, 1} writes, {2, 3} not
         for how in ("resumed", "resumed vz"):
-            assert res[how] <= 1e-6, (how, res[how])
+            # the flat job's step from HSDP's weights and Adam state against HSDP's own step: the same
+            # loss (same weights, data, forward, loss all-reduce), weights one AdamW step apart at most
+            assert res[how] <= RESUMED_STEP, (how, res[how])
             ours, ref = res[f"{how} losses"]
-            assert len(ours) == len(ref) and all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(ours, ref)), (how, ours)
-    _check_hsdp(out["tp2"], 1e-6, shards=(1,), dp=2, flat=(2,))
-    _check_hsdp(out["pp2"], 1e-6, shards=(1,), dp=2, flat=(2,))
-    _check_hsdp(out["moe-ep2"], 1e-6, shards=(1, 2), flat=(2, 4))
-    _check_hsdp(out["muon"], 1e-6, shards=(2,))
-    _check_hsdp(out["bf16"], 2e-2, shards=(2,))
+            assert len(ours) == len(ref) == 1 and ours == ref, (how, ours, ref)
+    _check_hsdp(out["tp2"], shards=(1,), dp=2, flat=(2,))
+    _check_hsdp(out["pp2"], shards=(1,), dp=2, flat=(2,))
+    _check_hsdp(out["moe-ep2"], shards=(1, 2), flat=(2, 4), norm=False)  # experts over ep: not summed here
+    _check_hsdp(out["muon"], shards=(2,))
+    _check_hsdp(out["bf16"], shards=(2,))
