@@ -65,10 +65,13 @@ def _managed_index(module: nn.Module) -> Dict[int, Tuple[ParamGroup, int]]:
     return index
 
 
-def _full_views(group: ParamGroup, local: torch.Tensor) -> List[torch.Tensor]:
-    """One all-gather of ``local`` (laid out as the group's shard) into a new flat buffer;
-    each managed tensor whole, as a view into it. Collective."""
-    flat = torch.empty(group.plan.global_size, dtype=local.dtype, device=group.device)
+def _full_views(group: ParamGroup, local: torch.Tensor, scratch: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
+    """One all-gather of ``local`` (laid out as the group's shard) into a new flat buffer (or
+    into the front of ``scratch``); each managed tensor whole, as a view into it. Collective."""
+    if scratch is not None:
+        flat = scratch.narrow(0, 0, group.plan.global_size)
+    else:
+        flat = torch.empty(group.plan.global_size, dtype=local.dtype, device=group.device)
     all_gather(flat, local, group.process_group)
     return [flat.narrow(0, off, spec.numel).view(group.managed[i].shape)
             for i, (spec, off) in enumerate(zip(group.plan.specs, group.plan.offsets))]
@@ -84,17 +87,20 @@ def _gather_pieces(group: ParamGroup, pieces: List[Optional[torch.Tensor]], dtyp
     return _full_views(group, local)
 
 
-def _gather_group(group: ParamGroup, keep: bool, cpu_offload: bool, compute_dtype: bool) -> Dict[int, torch.Tensor]:
+def _gather_group(group: ParamGroup, keep: bool, cpu_offload: bool, compute_dtype: bool,
+                  scratch: Optional[torch.Tensor] = None) -> Dict[int, torch.Tensor]:
     """id(sharded parameter) -> its full tensor, for one group (``{}`` unless ``keep``). Collective.
 
-    [Note: one group at a time] The group's full buffer is a local of this call: with
-    ``cpu_offload`` (or without ``keep``) nothing refers to it once the call returns, so the
-    device never holds two groups' buffers -- a loop variable over the views in the caller
-    would keep the last one alive into the next group's gather.
+    [Note: one group at a time] With ``cpu_offload`` (or without ``keep``) nothing of a
+    group's full buffer outlives its call, so every group gathers into one ``scratch`` buffer
+    of the largest group's size: the device holds one group's full buffer whatever the
+    collective backend does with the previous one (a gloo worker thread may drop its last
+    reference to a finished collective's output a moment after ``wait()`` returns, so a
+    fresh buffer per group can coexist with the last).
     """
     dtype = group.param_dtype if compute_dtype else group.master.local.dtype
     out: Dict[int, torch.Tensor] = {}
-    for param, full in zip(group.sharded_params, _full_views(group, group.master.local)):
+    for param, full in zip(group.sharded_params, _full_views(group, group.master.local, scratch)):
         if keep:
             # with cpu_offload each tensor gets its own storage (serialisers refuse views of one buffer)
             out[id(param)] = full.to(device="cpu", dtype=dtype, copy=True) if cpu_offload else full.to(dtype)
@@ -144,8 +150,18 @@ def full_state_dict(
     state = module.state_dict(keep_vars=True)
     index = _managed_index(module)
     gathered: Dict[int, torch.Tensor] = {}
-    for group in groups_of(module):
-        gathered.update(_gather_group(group, keep, cpu_offload, compute_dtype))
+    groups = groups_of(module)
+    scratch: Dict[tuple, torch.Tensor] = {}
+    if cpu_offload or not keep:  # nothing of a group's buffer is kept: [Note: one group at a time]
+        sizes: Dict[tuple, int] = {}
+        for group in groups:
+            key = (group.master.local.dtype, group.device)
+            sizes[key] = max(sizes.get(key, 0), group.plan.global_size)
+        scratch = {key: torch.empty(size, dtype=key[0], device=key[1]) for key, size in sizes.items()}
+    for group in groups:
+        gathered.update(_gather_group(group, keep, cpu_offload, compute_dtype,
+                                      scratch.get((group.master.local.dtype, group.device))))
+    scratch.clear()
     if not keep:
         return {}
     out: Dict[str, torch.Tensor] = {}
