@@ -240,18 +240,21 @@ class Shampoo(torch.optim.Optimizer):
     def _restore_layout(self, p: torch.Tensor, state: dict, block: int) -> None:
         """The preconditioners as four stacked tensors, ragged over the full matrix's blocks
         ([Note: preconditioner state]); made at the first step, and from the list of per-block
-        dicts that checkpoints written before hold (``"blocks"``)."""
+        dicts that checkpoints written before hold (``"blocks"``). Called at every step: in
+        layout already, it returns at once."""
+        missing = [k for k in _PRECONDITIONERS if k not in state or is_ragged(state[k]) != is_ragged(p)]
+        if not missing and "blocks" not in state:
+            return
         full_shape, first_row, n_rows = self._full_shape_and_rows(p, block)
         rows, cols = _matrix_shape(full_shape)
         local = local_piece(p)
-        sides = _sides(rows, cols, block)
+        sides = dict(zip(_PRECONDITIONERS, _sides(rows, cols, block)))
         blocks = self._blocks(n_rows, cols, block) if local.numel() else []
-        first, last, total = self._block_span(full_shape, first_row, n_rows, block)
+        total = self._block_span(full_shape, first_row, n_rows, block)[2]
         old = state.pop("blocks", None)
-        for key, side in zip(_PRECONDITIONERS, sides):
+        for key in missing:
+            side = sides[key]
             value = state.get(key)
-            if value is not None and is_ragged(value) == is_ragged(p):
-                continue  # in its layout already
             if value is None:
                 value = torch.zeros(len(blocks), side, side, dtype=torch.float32, device=local.device)
                 for i, entry in enumerate(old or ()):
