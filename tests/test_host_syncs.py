@@ -4,7 +4,7 @@ running ahead of the device (issue 28, item 4).
 
 Where a host value is part of the contract it is counted instead: a rank on which some
 parameter got no gradient must learn whether any rank used it (``.grad = None`` or not:
-runtime [Note: usage flags without a host read]); Megatron's optimizer API returns the grad
+unused_grads [Note: usage flags without a host read]); Megatron's optimizer API returns the grad
 norm as a float and decides the fp16 skip on the host, once each per step, as megatron-core's
 own ``MixedPrecisionOptimizer`` does.
 """
@@ -104,7 +104,7 @@ def test_no_host_sync_from_forward_to_optimizer_step(world_size):
     assert unused[0]["calls"] == [], f"rank 0 used every parameter, yet synced: {unused[0]['calls']}"
     for rank, res in enumerate(unused[1:], start=1):
         # a rank without ``extra``'s gradient reads the usage flags back: one read per step
-        assert len(res["calls"]) == STEPS and all(c.startswith("tolist at runtime.py") for c in res["calls"]), (
+        assert len(res["calls"]) == STEPS and all(c.startswith("tolist at unused_grads.py") for c in res["calls"]), (
             rank, res["calls"])
     for res in unused:  # used on rank 0, so every rank's shard keeps its gradient
         assert {"extra.weight", "extra.bias"} <= set(res["with_grad"]), res["with_grad"]

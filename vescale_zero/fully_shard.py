@@ -28,6 +28,7 @@ from .fp8_gather import FP8Filter, default_fp8_filter, tile_band_granularity
 from .granularity import GranularityPolicy, resolve_granularities
 from .param_group import GroupState, ManagedParam, ParamGroup
 from .runtime import STATE_ATTR, FSDPState, in_backward_pass
+from .unused_grads import UNUSED_GRAD_POLICIES
 
 __all__ = ["fully_shard", "fully_shard_layers", "RaggedFSDPModule", "MixedPrecisionPolicy", "DEFAULT_ALIGN_BYTES",
            "groups_of", "sharded_counterpart", "BUFFER_NEEDS_INIT", "HSDP_DIM_NAMES"]
@@ -89,17 +90,17 @@ class RaggedFSDPModule:
                 st.group.gradient_divide_factor = factor
 
     def set_unused_grads(self, policy: str, *, recurse: bool = True) -> None:
-        """What a parameter gets that no rank used since the last synced backward (param_group
+        """What a parameter gets that no rank used since the last synced backward (unused_grads
         [Note: unused everywhere]): ``"none"`` (default) leaves its sharded ``.grad`` None,
         as DDP and FSDP2 do, so optimizers skip it; ``"zero"`` gives it a zero gradient, as
         ZeRO-3 and Megatron's DDP do, so optimizers step it (weight decay included)."""
-        if policy not in ("none", "zero"):
+        if policy not in UNUSED_GRAD_POLICIES:
             raise ValueError(f"unused-gradient policy must be 'none' (DDP, FSDP2) or 'zero' (ZeRO-3, Megatron), "
                              f"got {policy!r}")
         for m in self.modules() if recurse else [self]:
             st = getattr(m, _STATE, None)
             if st is not None and st.group is not None:
-                st.group.unused_grads = policy
+                st.group.usage.policy = policy
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> nn.Module:
         """``nn.Module._apply`` (``to``, ``to_empty``, ``float()``...) on a sharded module.

@@ -34,14 +34,8 @@ The reduce-scatter needs every gradient of the group for this backward. The grou
     by then has none in this backward (an MoE expert that got no token on this rank);
   * the end of the backward (the root's final callback).
 
-[Note: unused everywhere]
-A parameter without a gradient on *every* rank (over all micro-batches since the last
-synced backward) gets ``.grad = None`` on its sharded parameter, as with DDP and FSDP2, so
-optimizers skip it (no weight decay, no moment decay); ``unused_grads = "zero"`` keeps a zero
-gradient instead, as ZeRO-3 and Megatron's DDP do (the DeepSpeed and Megatron adapters set
-it). Which parameters got gradients anywhere is one small all-reduce of flags per process
-group at the end of a synced backward, read on the host only by a rank on which some
-parameter got none (``vescale_zero.runtime`` [Note: usage flags without a host read]).
+Which parameters got no gradient on any rank, and what their ``.grad`` becomes, is
+``vescale_zero.unused_grads`` ([Note: unused everywhere]); each group keeps its ``usage``.
 
 *When* it becomes ready may differ between ranks (which parameters got gradients differs);
 the order in which ready groups issue their reduce-scatters must not: see
@@ -71,6 +65,7 @@ from .param_gather import make_param_gather
 from .planner import ShardPlan, TensorSpec, plan
 from .ragged_param import ManagedParam, RaggedParam, ShardedRange
 from .ragged_tensor import local_piece, ragged_spec, shard_mesh
+from .unused_grads import GradUsage
 
 __all__ = ["slot_of", "ManagedParam", "ParamGroup", "GroupState", "ShardedRange", "BackwardProgress", "ForwardRecord",
            "InputGradTrigger", "Part"]
@@ -160,9 +155,7 @@ class ParamGroup:
         self.on_ready: Optional[Callable[["ParamGroup"], None]] = None  # set by the runtime
         self.on_grad: Optional[Callable[[], None]] = None  # set by the runtime: each gradient's arrival
         self.forwards = ForwardRecord()  # the forwards it ran in, and their input triggers
-        self.unused_grads = "none"  # see [Note: unused everywhere]
-        self._used: Set[int] = set()  # indices with a gradient since the last synced backward
-        self._usage: Optional[tuple] = None  # (used here, had a sharded .grad before) of the synced backward
+        self.usage = GradUsage()  # unused_grads [Note: unused everywhere]
         self.to_sharded_params()
 
     def _build(self, device: torch.device, templates: Sequence[nn.Parameter],
@@ -382,40 +375,17 @@ class ParamGroup:
         self.progress.issued = True
         if not self._grad_indices:
             return False
-        used = self._used | self.progress.arrived
         if not self.grads.requires_grad_sync:
-            self._used = used
+            self.usage.note_unsynced(self.progress.arrived)
             self.grads.accumulate_unsynced([(i, self.params[i].unsharded) for i in self._grad_indices])
             return False
-        self._used = set()
         # grad_shard [Note: a kept gradient stays the caller's]
         self.grads.sharded.disown_unless_held_by(local_piece(self.params[i].sharded.grad)
                                                  for i in self._grad_indices)
         had_grad = {i for i in self._grad_indices if self.params[i].sharded.grad is not None}
-        if self.unused_grads == "none":
-            self._usage = (used, had_grad)
+        self.usage.note_synced(self._grad_indices, self.progress.arrived, had_grad)
         self.grads.issue(bool(had_grad), [(i, self.params[i].unsharded) for i in self._grad_indices])
         return True
-
-    def local_usage(self) -> Optional[List[int]]:
-        """1/0 per parameter with gradients: got one on this rank since the last synced
-        backward; ``None`` unless this backward reduced and [Note: unused everywhere] applies."""
-        if self._usage is None:
-            return None
-        used = self._usage[0]
-        return [1 if i in used else 0 for i in self._grad_indices]
-
-    def drop_unused_grads(self, used_anywhere: Optional[Sequence[int]]) -> None:
-        """After :meth:`finish_grad_sync`: ``.grad = None`` for the parameters no rank used
-        (flags in :meth:`local_usage` order), unless they held a gradient before; ``None``:
-        every one was used here (nothing to drop)."""
-        _, had_grad = self._usage
-        self._usage = None
-        if used_anywhere is None:
-            return
-        for i, flag in zip(self._grad_indices, used_anywhere):
-            if not flag and i not in had_grad:
-                self.params[i].sharded.grad = None
 
     def finish_grad_sync(self) -> None:
         """Wait for the reduce-scatter and give the sharded parameters their ``.grad``."""

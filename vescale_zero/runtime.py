@@ -103,29 +103,6 @@ group is ready, so the rest issue, in order; a group that only ran under ``no_gr
 never recomputed issues nothing. Readiness may differ between ranks (an MoE expert without
 tokens on one rank), the sequence of collectives cannot.
 
-[Note: usage flags without a host read]
-With ``set_unused_grads("none")`` a parameter that got no gradient on *any* rank gets
-``.grad = None`` (param_group [Note: unused everywhere]), which needs every rank's usage
-flags. Reading them back with ``.tolist()`` on every synced backward made the host wait for
-the whole backward and every reduce-scatter: a stall per step on a GPU, where the host must
-run ahead of the device. What we do instead:
-  * a parameter used on this rank is used anywhere, so a rank that saw a gradient for every
-    parameter knows the answer (drop nothing) without the others' flags. It still takes
-    part in the all-reduce (every rank must issue the same collectives, and it cannot know
-    whether another rank needs the result), but never reads it: the collective stays queued
-    on the device like the reduce-scatters, and the host goes on;
-  * the flags are made on the device (ones, zeros filled in), not copied from a Python
-    list: a host-to-device copy from pageable memory also waits for the device's queue;
-  * a rank on which some parameter got no gradient (an MoE expert without tokens) must
-    know whether another rank used it before anything reads ``.grad`` (an optimizer
-    decides on the host whether to skip a parameter), so it reads its groups' reduced flags
-    back, all process groups' at once: one host read per synced backward, only there.
-    DDP with ``find_unused_parameters=True`` reads its used-map back the same way.
-Deferring ``.grad = None`` past the end of backward (to the optimizer step, or to a read of
-``.grad``) was rejected: the first thing to look at ``.grad`` after backward is the host
-(the user's code, clipping, the optimizer's skip), so the read would only move, and a
-``.grad`` that changes from a tensor to None between two reads would surprise.
-
 [Note: meshes] A sub-module may shard over another group than its root (MoE experts over
 the expert-data-parallel group, the rest over data-parallel): each group's collectives
 only involve its own ranks, which run the same modules in the same order.
@@ -134,7 +111,7 @@ only involve its own ranks, which run the same modules in the same order.
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set
 
 import torch
 import torch.distributed as dist
@@ -145,6 +122,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from .eager_hooks import outside_compile
 from .group_progress import GroupState, InputGradTrigger, Part
 from .param_group import ParamGroup
+from .unused_grads import drop_unused, usage_anywhere
 
 __all__ = ["FSDPState", "RootContext", "STATE_ATTR", "in_backward_pass"]
 
@@ -394,71 +372,19 @@ class RootContext:
             if group.part_in(self.backward_of) is Part.TAKES_PART:
                 group.force_ready()  # no-op for groups already ready; issues nothing by itself
         self.issue_ready(final=True)
-        usage = self._usage_anywhere()
+        usage = usage_anywhere(self.reduce_order())
         self.reducing.clear()
         for state in self.states:
             if state.group is not None:
                 state.group.finish_grad_sync()
                 state.group.reshard()
                 state.group.end_backward(self.backward_of)
-        self._drop_unused(usage)
+        drop_unused(usage)  # unused_grads [Note: unused everywhere]
         if self.backward_of is not None:
             for fid in [f for f in self.post_orders if f <= self.backward_of]:
                 del self.post_orders[fid]
         self.in_backward = False
         self.backward_of = None
-
-    def _usage_anywhere(self) -> List[Tuple[ParamGroup, Optional[torch.Tensor]]]:
-        """param_group [Note: unused everywhere]: one all-reduce (MAX) of the usage flags of
-        every group on a process group, in the one order; ``[(group, flags)]``, ``flags`` the
-        group's part of the reduced flags where this rank must read them, else None
-        ([Note: usage flags without a host read])."""
-        buckets: Dict[tuple, List[Tuple[ParamGroup, List[int]]]] = {}
-        for group in self.reduce_order():
-            flags = group.local_usage()
-            if flags is not None:
-                buckets.setdefault((id(group.process_group), id(group.replicate_group)), []).append((group, flags))
-        out: List[Tuple[ParamGroup, Optional[torch.Tensor]]] = []
-        for entries in buckets.values():
-            first = entries[0][0]
-            local = [f for _, flags in entries for f in flags]
-            flat = _flags_on_device(local, first.device)
-            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=first.process_group)
-            if first.replicate_group is not None:  # HSDP: used on any replica is used
-                dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=first.replicate_group)
-            for (group, flags), part in zip(entries, flat.split([len(f) for _, f in entries])):
-                out.append((group, part if not all(flags) else None))
-        return out
-
-    @staticmethod
-    def _drop_unused(usage: List[Tuple[ParamGroup, Optional[torch.Tensor]]]) -> None:
-        """``.grad = None`` where no rank used a parameter: one host read of the flags that
-        this rank must know, none if it used every parameter ([Note: usage flags without a
-        host read])."""
-        needed = [flags for _, flags in usage if flags is not None]
-        values = torch.cat(needed).tolist() if needed else []
-        at = 0
-        for group, flags in usage:
-            if flags is None:
-                group.drop_unused_grads(None)  # used here, so used anywhere: nothing to drop
-                continue
-            group.drop_unused_grads(values[at:at + flags.numel()])
-            at += flags.numel()
-
-
-def _flags_on_device(flags: List[int], device: torch.device) -> torch.Tensor:
-    """``flags`` (0/1) as an int32 tensor on ``device`` without a host-to-device copy (a copy
-    from pageable memory waits for the device's queue): ones, then the zeros filled in, one
-    fill per run of zeros (only parameters without a gradient here make one)."""
-    out = torch.ones(len(flags), dtype=torch.int32, device=device)
-    start = None
-    for i, f in enumerate(flags + [1]):
-        if not f and start is None:
-            start = i
-        elif f and start is not None:
-            out[start:i].zero_()
-            start = None
-    return out
 
 
 class FSDPState:
