@@ -26,6 +26,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from .eager_hooks import outside_compile
 from .fp8_gather import FP8Filter, default_fp8_filter, tile_band_granularity
 from .granularity import GranularityPolicy, resolve_granularities
+from .layer_discovery import find_layer_classes
 from .param_group import GroupState, ManagedParam, ParamGroup
 from .runtime import STATE_ATTR, FSDPState, in_backward_pass
 from .unused_grads import UNUSED_GRAD_POLICIES
@@ -425,12 +426,12 @@ def fully_shard_layers(model: nn.Module, layer_classes: Optional[List[str]] = No
 
     Args:
         layer_classes: class names of the modules that form one group each. Default: the
-            classes of the modules held in ``nn.ModuleList``s (a model's layers).
+            model's layers (layer_discovery [Note: finding the layers]: the classes held in
+            ``nn.ModuleList``s, else the outermost classes repeated among siblings).
         kwargs: passed to every ``fully_shard`` call.
     """
     if layer_classes is None:
-        layer_classes = sorted({type(m).__name__ for lst in model.modules() if isinstance(lst, nn.ModuleList)
-                                for m in lst})
+        layer_classes = find_layer_classes(model)
     wanted = set(layer_classes)
     found = set()
     for module in list(model.modules()):
