@@ -28,7 +28,7 @@ from .fp8_gather import FP8Filter, default_fp8_filter, tile_band_granularity
 from .granularity import GranularityPolicy, resolve_granularities
 from .layer_discovery import find_layer_classes
 from .param_group import GroupState, ManagedParam, ParamGroup
-from .runtime import STATE_ATTR, FSDPState, in_backward_pass
+from .runtime import STATE_ATTR, FSDPState, RootContext, in_backward_pass
 from .unused_grads import UNUSED_GRAD_POLICIES
 
 __all__ = ["fully_shard", "fully_shard_layers", "RaggedFSDPModule", "MixedPrecisionPolicy", "DEFAULT_ALIGN_BYTES",
@@ -64,6 +64,24 @@ class RaggedFSDPModule:
         group = self.vescale_group
         if group is not None:
             group.reshard()
+
+    def hold_full_parameters(self) -> None:
+        """Gather every group under this root once and keep the full parameters installed, the
+        hooks paused, until :meth:`release_full_parameters`: forwards without grad (generation)
+        then gather nothing (runtime [Note: full parameters held])."""
+        self._root_context().hold_full_parameters()
+
+    def release_full_parameters(self) -> None:
+        """Reshard every group and resume the hooks (no-op unless held)."""
+        self._root_context().release_full_parameters()
+
+    def _root_context(self) -> RootContext:
+        state = getattr(self, _STATE)
+        ctx = state.lazy_init()
+        if ctx.root is not state:
+            raise RuntimeError(f"{type(self).__name__} is not the root fully_shard module of its model (the "
+                               f"outermost one, {type(ctx.root.module).__name__}): call this on the root")
+        return ctx
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """``False``: accumulate full gradients locally; the next synced backward reduces them."""

@@ -103,6 +103,15 @@ group is ready, so the rest issue, in order; a group that only ran under ``no_gr
 never recomputed issues nothing. Readiness may differ between ranks (an MoE expert without
 tokens on one rank), the sequence of collectives cannot.
 
+[Note: full parameters held]
+``hold_full_parameters`` (a root's) gathers every group once, installs the full parameters
+and pauses the hooks: forwards then run on plain full tensors, with no gather per forward
+(generation: one forward per token; TRL pauses ZeRO-3's hooks the same way). Only forwards
+without grad may run meanwhile (a backward would need the hooks); a forward with grad is
+refused. Groups left gathered by an earlier forward are gathered afresh (an optimizer step may
+have changed their shards since). ``release_full_parameters`` reshards every group and
+resumes the hooks.
+
 [Note: meshes] A sub-module may shard over another group than its root (MoE experts over
 the expert-data-parallel group, the rest over data-parallel): each group's collectives
 only involve its own ranks, which run the same modules in the same order.
@@ -224,6 +233,7 @@ class RootContext:
         self.forward_id = 0
         self.in_forward = False  # between the root's pre- and post-hook (not a recompute)
         self.forward_grad = False  # the current (or last) root forward runs with grad enabled
+        self.held = False  # [Note: full parameters held]
         # [Note: orders]: pre-hook orders (first call of each) of this and the previous root
         # forward, post-hook orders by forward id, the first forward's order for the reduce-scatters
         self.order = _Order()
@@ -236,6 +246,28 @@ class RootContext:
         self.backward_of: Optional[int] = None  # the forward id the current backward differentiates
         self.reducing: List[ParamGroup] = []  # reduce-scatters issued, not yet waited on
         self._reduce_order: Optional[List[ParamGroup]] = None
+
+    # ---- [Note: full parameters held] ---------------------------------------------------
+    def hold_full_parameters(self) -> None:
+        if self.in_forward or self.in_backward:
+            raise RuntimeError("hold_full_parameters runs between iterations, not inside a forward or backward")
+        for state in self.states:
+            group = state.group
+            if group is not None:
+                if group.state is not GroupState.SHARDED:
+                    group.reshard()  # gathered before a step that may have changed the shards
+                group.unshard()
+                group.wait_for_unshard()
+                group.to_unsharded_params()
+        self.held = True
+
+    def release_full_parameters(self) -> None:
+        if not self.held:
+            return
+        self.held = False
+        for state in self.states:
+            if state.group is not None:
+                state.group.reshard()
 
     # ---- a root forward ----------------------------------------------------------------
     def begin_forward(self, grad_enabled: bool) -> None:
@@ -428,6 +460,13 @@ class FSDPState:
     @outside_compile
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         ctx = self.lazy_init()
+        if ctx.held:
+            if torch.is_grad_enabled():
+                raise RuntimeError(
+                    "a forward with grad enabled while the full parameters are held (hold_full_parameters, or "
+                    "DeepSpeed's hooks removed for generation): its backward would find no hooks. Run it under "
+                    "torch.no_grad(), or call release_full_parameters() (DeepSpeed: re-add the hooks) first")
+            return self._cast_inputs(args, kwargs)  # [Note: full parameters held]
         recompute = in_backward_pass()
         grad_on = torch.is_grad_enabled()
         if self is ctx.root and not recompute:
@@ -459,6 +498,8 @@ class FSDPState:
     @outside_compile
     def post_forward(self, module: nn.Module, args: tuple, output: Any):
         ctx = self.context
+        if ctx.held:
+            return self._cast_output(output)  # [Note: full parameters held]
         recompute = in_backward_pass()  # a recompute's backward needs the params at once
         grad_on = torch.is_grad_enabled()
         if not recompute:
@@ -472,12 +513,14 @@ class FSDPState:
                 fid = ctx.backward_of if recompute else ctx.forward_id
                 hook = functools.partial(self._pre_backward, fid)
                 torch.autograd.graph.register_multi_grad_hook(targets, hook, mode="any")
+        return self._cast_output(output)
+
+    def _cast_output(self, output: Any) -> Any:
         mp = self.mp_policy
-        if mp is not None and mp.output_dtype is not None:
-            output = tree_map(
-                lambda t: t.to(mp.output_dtype) if torch.is_tensor(t) and t.is_floating_point() else t, output
-            )
-        return output
+        if mp is None or mp.output_dtype is None:
+            return output
+        return tree_map(lambda t: t.to(mp.output_dtype) if torch.is_tensor(t) and t.is_floating_point() else t,
+                        output)
 
     def _cast_inputs(self, args: tuple, kwargs: dict):
         mp = self.mp_policy

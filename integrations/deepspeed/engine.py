@@ -44,6 +44,7 @@ from vescale_zero.optim import AdamW8bit, Muon, Shampoo
 
 from .accelerate_stage import present_ragged_stage_to_accelerate
 from .config import RaggedOptions
+from .module_hooks import RaggedModuleHooks
 from .saving import consolidated_state_dict, install_save_hooks
 from .zero_init import fill_from_zero3, zero3_to_meta
 
@@ -235,6 +236,9 @@ class RaggedEngineMixin:
             for item in model_parameters
         ]
         super()._configure_optimizer(client_optimizer, params)
+        if self.optimizer is not None and not hasattr(self.optimizer, "parameter_offload"):
+            # ZeRO-3's handle on the module hooks: module_hooks [Note: pausing the hooks for generation]
+            self.optimizer.parameter_offload = RaggedModuleHooks(self.module)
 
     # ---- backward / step -------------------------------------------------------------
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
