@@ -8,8 +8,11 @@ subclass then
   right after DeepSpeed placed and broadcast it;
 * builds the optimizer on the sharded parameters (remapping ``model_parameters`` or a
   client optimizer that was built on the original ones);
-* lets the runtime's hooks reduce-scatter gradients at the accumulation boundary, so
-  DeepSpeed's all-reduce is a no-op; clips by the global norm over ragged shards;
+* lets the runtime's hooks reduce-scatter gradients at the accumulation boundary (every
+  backward when the caller owns it: ``"managed_gradient_accumulation": false``), so
+  DeepSpeed's all-reduce is a no-op, for ``engine.backward(loss)``, ``loss.backward()`` and
+  ``engine.scale(loss).backward()`` alike; clips by the global norm over ragged shards and
+  reports it as ZeRO-3 does;
 * keeps bf16 / fp16 itself: bf16 or fp16 compute and gathers, fp32 reduce and master
   shards (fp32 also for a model already cast to bf16 / fp16, as ZeRO-3); fp16 with
   DeepSpeed's loss scaler as ZeRO-3 configures it (dynamic or static), where an overflow
@@ -33,6 +36,8 @@ from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler, LossScalerBase
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.precision_config import DeepSpeedFP16Config
 from deepspeed.utils import groups
+from deepspeed.utils.torch import is_functorch_transforming
+from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import vescale_zero as vz
@@ -241,12 +246,58 @@ class RaggedEngineMixin:
             self.optimizer.parameter_offload = RaggedModuleHooks(self.module)
 
     # ---- backward / step -------------------------------------------------------------
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         if not self._is_pipeline():
-            self.module.set_requires_gradient_sync(self.is_gradient_accumulation_boundary())
+            self._support_torch_style_backward = True  # [Note: backward without engine.backward]
+
+    def _sync_gradients_in_this_backward(self) -> None:
+        """[Note: when gradients are reduced] Managed accumulation (DeepSpeed's default): only
+        the boundary micro-batch's backward reduce-scatters; the ones before it accumulate
+        locally, and their sum is reduced once. With ``"managed_gradient_accumulation": false``
+        the caller owns the boundary: it is ``step()``, and no backward knows whether it is the
+        last before it (``is_gradient_accumulation_boundary()`` is true only inside ``step()``),
+        so every backward reduce-scatters and the shards accumulate the reduced gradients, as
+        ZeRO-3 reduces every backward in that mode."""
+        if not self._is_pipeline():
+            sync = not self.managed_gradient_accumulation() or self.is_gradient_accumulation_boundary()
+            self.module.set_requires_gradient_sync(sync)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
+        self._sync_gradients_in_this_backward()
         if self._ragged_scaler is not None:
             loss = loss * self._ragged_scaler.loss_scale
         return super().backward(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``engine.scale(loss).backward()``: the loss times the fp16 loss scale (unchanged in
+        fp32 / bf16), as ZeRO-3's optimizer scales it."""
+        scaled = super().scale(loss)  # DeepSpeed's checks; marks the next direct backward as scaled
+        return scaled * self._ragged_scaler.loss_scale if self._ragged_scaler is not None else scaled
+
+    def _backward_prologue(self) -> None:
+        """[Note: backward without engine.backward] DeepSpeed 0.19 (checked against 0.19.8) runs
+        this from hooks it puts on the forward's outputs, for ``engine.backward(loss)`` and for a
+        direct ``loss.backward()`` / ``engine.scale(loss).backward()`` alike; its per-tensor hook
+        divides a direct backward's output gradients by the accumulation steps, as
+        ``engine.backward`` divides the loss. At stage 0 it refuses direct calls (stage 0 reduces
+        only from ``engine.backward``), but ragged's runtime hooks reduce-scatter in any backward,
+        so the engine opts in (``_support_torch_style_backward``) and does here what
+        ``engine.backward`` does before its ``loss.backward()``: choose whether this backward
+        reduces, and refuse an unscaled fp16 loss (its gradients would be divided by a scale
+        they never had). The epilogue, which ``engine.backward`` calls after its backward, runs
+        at the end of a direct backward's graph, as ZeRO-3 runs it from its post-backward hook."""
+        direct = not (self._running_engine_backward or self._is_pipeline() or is_functorch_transforming())
+        if direct:
+            if self._ragged_scaler is not None and not self._manual_backward_expected:
+                raise RuntimeError(
+                    "fp16 with stage 'ragged' scales the loss before backward, but loss.backward() was called on an "
+                    "unscaled loss: call engine.backward(loss), or engine.scale(loss).backward()")
+            self._manual_backward_expected = False
+            self._sync_gradients_in_this_backward()
+        super()._backward_prologue()
+        if direct:
+            Variable._execution_engine.queue_callback(self._backward_epilogue)
 
     def allreduce_gradients(self, bucket_size: int = 0) -> None:
         """Gradients were reduce-scattered into the shards by the runtime's hooks."""
@@ -255,16 +306,28 @@ class RaggedEngineMixin:
         self._global_grad_norm = vz.clip_grad_norm_(self.module, self.gradient_clipping())
 
     def _take_model_step(self, lr_kwargs: Any) -> None:
+        """[Note: the reported gradient norm] ``get_global_grad_norm()`` after every step is
+        what ZeRO-3 reports: the global norm of the (unscaled) gradients the step used, also
+        without clipping (ZeRO-3 computes it every step; DeepSpeed at stage 0 only when it
+        clips), and ``inf`` on an fp16 step skipped for an overflow."""
         scaler = self._ragged_scaler
         if scaler is not None:
             overflow = self._unscale_and_check_overflow(scaler.loss_scale)
             scaler.update_scale(overflow)
             if overflow:  # every rank saw the same flag: every rank skips
+                self._global_grad_norm = float("inf")
                 self.zero_grad()
                 self.skipped_steps += 1
                 self.global_steps += 1
-                self.global_samples += self.train_batch_size()
+                if self.managed_gradient_accumulation():
+                    self.global_samples += self.train_batch_size()
+                else:  # a caller-owned step counts the micro-batches it accumulated, as DeepSpeed's
+                    per_micro_batch = self.train_batch_size() // self.gradient_accumulation_steps()
+                    self.global_samples += per_micro_batch * self._unmanaged_backward_count
+                    self._unmanaged_backward_count = 0
                 return
+        if self.gradient_clipping() <= 0:  # else clip_fp32_gradients sets it
+            self._global_grad_norm = vz.sharded_grad_norm(self.module)
         super()._take_model_step(lr_kwargs)
 
     def _unscale_and_check_overflow(self, scale: float) -> bool:
