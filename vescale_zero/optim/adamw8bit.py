@@ -146,7 +146,7 @@ class AdamW8bit(torch.optim.Optimizer):
         codes, absmax = quantized
         state[key] = like_param(codes, param)
         state[key + "_absmax"] = per_block_state(absmax, param, lambda start, end: _block_span(start, end, block),
-                                                 -(-_numel(param) // block))
+                                                 -(-_numel(param) // block), like=state.get(key + "_absmax"))
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable] = None):

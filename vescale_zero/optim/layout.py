@@ -12,7 +12,7 @@ the others wait in the next collective).
 
 from __future__ import annotations
 
-from typing import Callable, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -27,13 +27,19 @@ BlockSpan = Callable[[int, int], Tuple[int, int]]
 """``(start, end)`` of a piece in elements of the flat parameter -> ``(first, last)`` block."""
 
 
-def per_block_state(piece: torch.Tensor, param: torch.Tensor, block_span: BlockSpan, total: int) -> torch.Tensor:
+def per_block_state(piece: torch.Tensor, param: torch.Tensor, block_span: BlockSpan, total: int,
+                    like: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``piece`` (this rank's per-block state, one row per block of its piece of ``param``) in
     the layout of [Note: per-block state is ragged over blocks]: a :class:`RaggedDTensor` of
-    ``total`` blocks for a sharded ``param``, ``piece`` itself for a plain one."""
+    ``total`` blocks for a sharded ``param``, ``piece`` itself for a plain one. ``like``: the
+    state this replaces (a step's new values): its layout is reused when it matches, so a
+    step does not walk every rank's range again."""
     piece = local_piece(piece)
     if not is_ragged(param):
         return piece
+    if (is_ragged(like) and like.dtype == piece.dtype and tuple(like.shape) == (total,) + tuple(piece.shape[1:])
+            and like._local_tensor.numel() == piece.numel() and like._spec.mesh is param._spec.mesh):
+        return RaggedDTensor.from_piece(piece.reshape(-1), like._spec)
     placement = param.ragged_placement
     counts = []
     for rank in range(placement.world_size):
