@@ -14,7 +14,9 @@ config (``deepspeed.checkpointing.configure``, ``DeepSpeedConfig``, ...), lets
 ``deepspeed.zero.Init`` build the model partitioned (converted to ragged shards by
 ``deepspeed.initialize``) and ``GatheredParameters`` gather ragged parameters: see
 :mod:`.parser` and :mod:`.zero_init`. Hugging Face's ``from_pretrained`` then builds a model
-partitioned under a ragged config as under ZeRO-3 (:mod:`.accelerate_stage`).
+partitioned under a ragged config as under ZeRO-3 (:mod:`.accelerate_stage`), and
+``deepspeed.utils.safe_get_full_grad`` and its family give and take what they do at ZeRO-3
+(:mod:`.safe_accessors`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from .accelerate_stage import present_ragged_as_zero3_to_transformers
 from .config import RAGGED_STAGE, RaggedOptions, apply_top_level_keys, parse_precision, parse_ragged_section
 from .engine import RaggedDeepSpeedEngine, RaggedPipelineEngine, RaggedPrecision
 from .parser import RaggedZeroConfig, install, is_ragged_config
+from .safe_accessors import install_safe_accessors
 
 __all__ = ["RaggedDeepSpeedEngine", "RaggedPipelineEngine", "RaggedOptions", "RaggedZeroConfig", "is_ragged_config",
            "split_ragged_config", "initialize"]
@@ -100,4 +103,5 @@ def initialize(*args: Any, **kwargs: Any):
 
 deepspeed.initialize = initialize
 install()
+install_safe_accessors()  # deepspeed.utils.safe_get_* / safe_set_* on ragged parameters (see .safe_accessors)
 present_ragged_as_zero3_to_transformers()  # from_pretrained builds under zero.Init (see .accelerate_stage)

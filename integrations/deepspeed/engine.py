@@ -44,6 +44,7 @@ from vescale_zero.optim import AdamW8bit, Muon, Shampoo
 
 from .accelerate_stage import present_ragged_stage_to_accelerate
 from .config import RaggedOptions
+from .safe_accessors import attach_optimizer
 from .saving import consolidated_state_dict, install_save_hooks
 from .zero_init import fill_from_zero3, zero3_to_meta
 
@@ -235,6 +236,7 @@ class RaggedEngineMixin:
             for item in model_parameters
         ]
         super()._configure_optimizer(client_optimizer, params)
+        attach_optimizer(self.basic_optimizer)  # deepspeed.utils.safe_*_optimizer_state read its state
 
     # ---- backward / step -------------------------------------------------------------
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
