@@ -1,12 +1,19 @@
 """DeepSpeed's utilities under "ragged" do what they do at ZeRO-3 (gloo, CPU, 2 ranks).
 
 * ``deepspeed.utils.safe_get_*`` / ``safe_set_*`` (full and local): the same values, and a
-  step after the same writes lands on the same weights.
+  step after the same writes lands on the same weights;
+* ``save_checkpoint(exclude_frozen_parameters=True)`` (a LoRA-like model): the frozen base is not
+  written, and a resume from it, with the base taken from the model, trains on as ZeRO-3 does.
+
+Every case runs in one spawn of 2 ranks (``runs``); one micro-batch a step, so that the two
+ranks' gradients averaged in any order are the same floats ((a + b) / 2 rounds as a / 2 + b / 2)
+and ragged can be held to ZeRO-3 bit for bit.
 """
 
 from __future__ import annotations
 
 import os
+import pathlib
 import zlib
 
 import pytest
@@ -46,6 +53,19 @@ class EvenLM(nn.Module):
         return F.cross_entropy(self.head(h).reshape(-1, self.VOCAB), targets.reshape(-1))
 
 
+def _config(stage, world_size):
+    """One micro-batch a step (see the module docstring), no clipping."""
+    return ds_config(stage, world_size, gradient_clipping=0.0, gradient_accumulation_steps=1,
+                     train_micro_batch_size_per_gpu=GLOBAL_BATCH // world_size)
+
+
+def _gathered(deepspeed, engine):
+    """Every parameter of the engine's model, full (ZeRO-3's or ragged: GatheredParameters takes both)."""
+    params = dict(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        return {n: p.data.detach().clone() for n, p in params.items()}
+
+
 # ---- safe_get_* / safe_set_* ------------------------------------------------------------------
 
 
@@ -74,10 +94,7 @@ def _accessors(rank, world_size, stage):
     deepspeed = _deepspeed()
     from deepspeed import utils as du
 
-    # one micro-batch a step: the 2 ranks' gradients averaged in any order are the same floats
-    cfg = ds_config(stage, world_size, gradient_clipping=0.0, gradient_accumulation_steps=1,
-                    train_micro_batch_size_per_gpu=GLOBAL_BATCH // world_size)
-    engine, *_ = deepspeed.initialize(model=EvenLM(), config=cfg)
+    engine, *_ = deepspeed.initialize(model=EvenLM(), config=_config(stage, world_size))
     named = dict(engine.module.named_parameters())
     shapes = {n: _full_shape(p) for n, p in named.items()}
     batches = make_batches(2, GLOBAL_BATCH)
@@ -130,21 +147,16 @@ def _accessors(rank, world_size, stage):
     return out
 
 
-@pytest.fixture(scope="module")
-def accessor_runs():
-    return run_cases_on_ranks({stage: (_accessors, (stage,)) for stage in STAGES}, WORLD, timeout=300)
-
-
 def _joined_local(per_rank, name, numel):
     return torch.cat([r[name].reshape(-1) for r in per_rank])[:numel]
 
 
-def test_safe_accessors_match_stage3(accessor_runs):
+def test_safe_accessors_match_stage3(runs):
     """Full getters: the parameter's full shape and ZeRO-3's values, bit for bit (the same forward
     on each rank; two ranks' gradients averaged: (a + b) / 2 rounds as a / 2 + b / 2; AdamW on the
     same inputs). Setters, full and local: the step after them lands where ZeRO-3's lands, bit for
     bit. Local getters: 1-D pieces that join, in rank order, into the full tensor."""
-    ref, ours = accessor_runs[3], accessor_runs["ragged"]
+    ref, ours = runs["accessors 3"], runs["accessors ragged"]
     frozen = [n for n, g in ref[0]["param0"].items() if g is None]
     assert frozen and ref[0]["param0"].keys() == ours[0]["param0"].keys(), frozen
     for rank in range(WORLD):
@@ -165,3 +177,106 @@ def test_safe_accessors_match_stage3(accessor_runs):
                 assert all(r[local_key][name].dim() == 1 for r in run), (local_key, name)
                 assert torch.equal(_joined_local([r[local_key] for r in run], name, full.numel()),
                                    full.reshape(-1)), (local_key, name)
+
+
+# ---- save_checkpoint(exclude_frozen_parameters=True) -------------------------------------------
+
+
+class LoraLike(nn.Module):
+    """A frozen base Linear (the pretrained weight, the same in every build) and a trainable
+    low-rank adapter (``adapter_seed``), as a PEFT LoRA layer."""
+
+    IN, OUT, RANK = 256, 256, 4
+
+    def __init__(self, adapter_seed: int = 1) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.base = nn.Linear(self.IN, self.OUT).requires_grad_(False)
+        torch.manual_seed(adapter_seed)
+        self.lora_a = nn.Linear(self.IN, self.RANK, bias=False)
+        self.lora_b = nn.Linear(self.RANK, self.OUT, bias=False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.base(x) + self.lora_b(self.lora_a(x)), y)
+
+
+LORA_STEPS, LORA_SAVE_AT = 4, 2
+
+
+def _lora(rank, world_size, stage, ckpt_dir, phase):
+    """phase 'full': LORA_STEPS steps; 'first': LORA_SAVE_AT steps, then save with and without
+    the flag; 'resume': a model with other adapters loads the flagged checkpoint and goes on."""
+    os.environ["LOCAL_RANK"] = str(rank)
+    deepspeed = _deepspeed()
+    model = LoraLike(adapter_seed=2 if phase == "resume" else 1)
+    engine, *_ = deepspeed.initialize(model=model, config=_config(stage, world_size))
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(GLOBAL_BATCH, LoraLike.IN, generator=g),
+                torch.randn(GLOBAL_BATCH, LoraLike.OUT, generator=g)) for _ in range(LORA_STEPS)]
+    if phase == "resume":
+        strict = None
+        try:  # as ZeRO-3, a strict load refuses a checkpoint without the frozen weights
+            engine.load_checkpoint(ckpt_dir, tag="frozen_out")
+        except (RuntimeError, ValueError) as e:
+            strict = f"{type(e).__name__}: {e}"
+        # what the Hugging Face Trainer passes for a PEFT model
+        engine.load_checkpoint(ckpt_dir, tag="frozen_out", load_module_strict=False)
+        assert engine.global_steps == LORA_SAVE_AT
+    batches = {"full": batches, "first": batches[:LORA_SAVE_AT], "resume": batches[LORA_SAVE_AT:]}[phase]
+    for batch in batches:
+        engine.backward(engine(*rank_slice(batch, rank, world_size)))
+        engine.step()
+    if phase == "first":
+        engine.save_checkpoint(ckpt_dir, tag="frozen_out", exclude_frozen_parameters=True)
+        engine.save_checkpoint(ckpt_dir, tag="frozen_in")
+    out = {"params": _gathered(deepspeed, engine)}
+    if phase == "resume":
+        out["strict"] = strict
+    return out
+
+
+def _size(path):
+    return sum(f.stat().st_size for f in pathlib.Path(path).rglob("*") if f.is_file())
+
+
+def test_exclude_frozen_parameters_leaves_the_base_out_and_resumes_like_stage3(runs):
+    """The flagged checkpoint holds no frozen weight: smaller than the unflagged one by at least the
+    base's fp32 bytes, on each stage (the base is 65792 of 67840 elements; the adapters' weights and
+    two AdamW moments remain). A strict load refuses it on both stages, naming the base. Resumed
+    from it non-strictly (the base from the model, the adapters from the checkpoint) each stage ends
+    on its uninterrupted run's weights, and ragged on ZeRO-3's, bit for bit (same operations on the
+    same floats)."""
+    ratios, frozen_bytes = {}, 4 * (LoraLike.IN + 1) * LoraLike.OUT  # the fp32 base weight and bias
+    for stage in STAGES:
+        path = runs.paths[f"lora {stage}"]
+        ratios[stage] = _size(path / "frozen_in") / _size(path / "frozen_out")
+        assert _size(path / "frozen_in") - _size(path / "frozen_out") >= frozen_bytes, stage
+        full, resumed = runs[f"lora {stage} full"][0]["params"], runs[f"lora {stage} resume"][0]["params"]
+        print(f"stage {stage}, strict load: {runs[f'lora {stage} resume'][0]['strict']}")
+        assert "base.weight" in (runs[f"lora {stage} resume"][0]["strict"] or ""), stage
+        assert full.keys() == resumed.keys() == {"base.weight", "base.bias", "lora_a.weight", "lora_b.weight"}
+        for name in full:
+            assert torch.equal(resumed[name], full[name]), (stage, name)
+    ours, ref = runs["lora ragged full"][0]["params"], runs["lora 3 full"][0]["params"]
+    for name in ref:
+        assert torch.equal(ours[name], ref[name]), name
+    print(f"checkpoint size without / with exclude_frozen_parameters: {ratios}")
+
+
+class _Spawned(dict):
+    """``{case: [per-rank results]}``, with ``paths[...]``: the checkpoint directories."""
+
+    paths: dict
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> _Spawned:
+    root = tmp_path_factory.mktemp("deepspeed_utils")
+    out = _Spawned()
+    out.paths = {f"lora {stage}": root / f"lora_{stage}" for stage in STAGES}
+    cases = {f"accessors {stage}": (_accessors, (stage,)) for stage in STAGES}
+    for stage in STAGES:
+        for phase in ("full", "first", "resume"):
+            cases[f"lora {stage} {phase}"] = (_lora, (stage, str(out.paths[f"lora {stage}"]), phase))
+    out.update(run_cases_on_ranks(cases, WORLD, timeout=500))
+    return out

@@ -52,7 +52,8 @@ def consolidate(path: str, with_optimizer: bool = False) -> Dict[str, Any]:
     common = read_common(path, meta)
     for saved, others in common.get("aliases", {}).items():  # tied parameters, under every name
         for name in others:
-            out[name] = out[saved]
+            if saved in out:  # not a frozen parameter left out of the checkpoint
+                out[name] = out[saved]
     out.update(common["buffers"])
     if with_optimizer:
         if common["optim_groups"] is None and not states and not blocks:

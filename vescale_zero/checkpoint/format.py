@@ -10,7 +10,8 @@ One directory per checkpoint::
                             "whole": true}   (only in checkpoints converted from elsewhere)
       common.pt            written once: {"aliases": {saved name: [tied names]},
                             "optim_groups": [hyper-parameters per param group] | None,
-                            "buffers": {name: tensor}, "extra": the caller's object}
+                            "buffers": {name: tensor}, "extra": the caller's object,
+                            "frozen_excluded": [names of parameters not written]}  (only if any)
       rank00000.pt         one per writing rank: {"params": {name: Piece},
       rank00001.pt           "optim_states": {"name::key": Piece},      per element
       ...                    "optim_blocks": {"name::key": Piece},      per block (by entry)
@@ -53,7 +54,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -132,10 +133,13 @@ def write_rank_file(ckpt: str, rank: int, params: Dict[str, Piece], states: Dict
 
 
 def write_common(ckpt: str, aliases: Dict[str, List[str]], optim_groups: Optional[List[Dict[str, Any]]],
-                 buffers: Dict[str, torch.Tensor], extra: Any) -> str:
+                 buffers: Dict[str, torch.Tensor], extra: Any, frozen_excluded: Sequence[str] = ()) -> str:
     """Write ``common.pt`` into ``ckpt``; returns its path."""
     path = os.path.join(ckpt, COMMON_FILE)
-    save_synced({"aliases": aliases, "optim_groups": optim_groups, "buffers": buffers, "extra": extra}, path)
+    common = {"aliases": aliases, "optim_groups": optim_groups, "buffers": buffers, "extra": extra}
+    if frozen_excluded:
+        common["frozen_excluded"] = list(frozen_excluded)
+    save_synced(common, path)
     return path
 
 
