@@ -9,6 +9,7 @@ norm, clamp a weight, reset a moment). At stage 3 they give::
     safe_set_full_*(p, value[, key])        write ``value`` (full shape); each rank keeps its range
     safe_get_local_*(p[, key])              this rank's partition, 1-D (writes land in it)
     safe_set_local_*(p, value[, key])       write this rank's partition (``value`` of its numel)
+    safe_update_full_grad_vectorized(ps, f) each gradient set to f(full gradient, p)
 
 Under "ragged" the same calls gather with ``RaggedDTensor.full_tensor()`` (collective: every
 rank of the parameter's shard group calls it, as at stage 3) and write this rank's flat range
@@ -32,7 +33,7 @@ import importlib
 import inspect
 import types
 import weakref
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -187,6 +188,13 @@ def set_local_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_st
         local.copy_(value.reshape(-1))
 
 
+def update_full_grad_vectorized(param_list: List[torch.Tensor], update_func: Callable[..., torch.Tensor]) -> None:
+    for param in param_list:
+        if param.requires_grad:
+            grad = _grad(param, "safe_update_full_grad_vectorized").full_tensor()
+            set_full_grad(param, update_func(grad, param))
+
+
 _OURS: Dict[str, Callable[..., Any]] = {
     "safe_get_full_grad": get_full_grad, "safe_set_full_grad": set_full_grad,
     "safe_get_full_fp32_param": get_full_fp32_param, "safe_set_full_fp32_param": set_full_fp32_param,
@@ -196,6 +204,7 @@ _OURS: Dict[str, Callable[..., Any]] = {
     "safe_get_local_fp32_param": get_local_fp32_param, "safe_set_local_fp32_param": set_local_fp32_param,
     "safe_get_local_optimizer_state": get_local_optimizer_state,
     "safe_set_local_optimizer_state": set_local_optimizer_state,
+    "safe_update_full_grad_vectorized": update_full_grad_vectorized,
 }
 
 
@@ -213,7 +222,9 @@ def _route(host: types.FunctionType, ours: Callable[..., Any]) -> None:
     signature = inspect.signature(original)
 
     def routed(*args: Any, **kwargs: Any) -> Any:
-        param = args[0] if args else kwargs.get("param")
+        param = args[0] if args else kwargs.get("param", kwargs.get("param_list"))
+        if isinstance(param, (list, tuple)):  # the vectorized accessor: a list of one model's parameters
+            param = param[0] if param else None
         return (ours if is_ragged(param) else original)(*args, **kwargs)
 
     target = f"_vescale_ragged_{host.__name__}"
