@@ -44,6 +44,7 @@ from vescale_zero.optim import AdamW8bit, Muon, Shampoo
 
 from .accelerate_stage import present_ragged_stage_to_accelerate
 from .config import RaggedOptions
+from .recovery_scripts import write_recovery_scripts
 from .safe_accessors import attach_optimizer
 from .saving import consolidated_state_dict, install_save_hooks
 from .zero_init import fill_from_zero3, zero3_to_meta
@@ -283,7 +284,8 @@ class RaggedEngineMixin:
     # ---- checkpoints -----------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
-        """Each rank writes its own shards under ``save_dir/tag``; ``latest`` moves last. With
+        """Each rank writes its own shards under ``save_dir/tag``; rank 0 writes ``zero_to_fp32.py``
+        (see :mod:`.recovery_scripts`); ``latest`` moves last. With
         ``exclude_frozen_parameters`` the parameters that do not require grad are not written, and
         loading keeps the model's own values of them, as ZeRO-3 does."""
         tag = str(tag if tag is not None else f"global_step{self.global_steps}")
@@ -297,6 +299,8 @@ class RaggedEngineMixin:
         os.makedirs(save_dir, exist_ok=True)
         checkpoint.save(os.path.join(save_dir, tag), self.module, self.optimizer, extra,
                         exclude_frozen=exclude_frozen_parameters)
+        if dist.get_rank() == 0:
+            write_recovery_scripts(save_dir)
         if save_latest and dist.get_rank() == 0:
             checkpoint.write_latest(save_dir, tag)
         dist.barrier()

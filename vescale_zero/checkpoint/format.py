@@ -11,7 +11,9 @@ One directory per checkpoint::
       common.pt            written once: {"aliases": {saved name: [tied names]},
                             "optim_groups": [hyper-parameters per param group] | None,
                             "buffers": {name: tensor}, "extra": the caller's object,
-                            "frozen_excluded": [names of parameters not written]}  (only if any)
+                            "frozen": [names of parameters that do not require grad],
+                            "frozen_excluded": whether their pieces were left out}
+                            (older checkpoints have neither key: nothing left out)
       rank00000.pt         one per writing rank: {"params": {name: Piece},
       rank00001.pt           "optim_states": {"name::key": Piece},      per element
       ...                    "optim_blocks": {"name::key": Piece},      per block (by entry)
@@ -133,12 +135,12 @@ def write_rank_file(ckpt: str, rank: int, params: Dict[str, Piece], states: Dict
 
 
 def write_common(ckpt: str, aliases: Dict[str, List[str]], optim_groups: Optional[List[Dict[str, Any]]],
-                 buffers: Dict[str, torch.Tensor], extra: Any, frozen_excluded: Sequence[str] = ()) -> str:
+                 buffers: Dict[str, torch.Tensor], extra: Any, frozen: Sequence[str] = (),
+                 frozen_excluded: bool = False) -> str:
     """Write ``common.pt`` into ``ckpt``; returns its path."""
     path = os.path.join(ckpt, COMMON_FILE)
-    common = {"aliases": aliases, "optim_groups": optim_groups, "buffers": buffers, "extra": extra}
-    if frozen_excluded:
-        common["frozen_excluded"] = list(frozen_excluded)
+    common = {"aliases": aliases, "optim_groups": optim_groups, "buffers": buffers, "extra": extra,
+              "frozen": list(frozen), "frozen_excluded": frozen_excluded}
     save_synced(common, path)
     return path
 

@@ -38,7 +38,8 @@ one, copies its own ranges out of the files that hold them::
 [Note: frozen parameters left out]
 ``save(..., exclude_frozen=True)`` (DeepSpeed's ``save_checkpoint(exclude_frozen_parameters=True)``,
 which the Hugging Face Trainer passes for PEFT models) writes no piece of a parameter that does
-not require grad, and lists its name in ``common.pt``; loading keeps the model's own values of
+not require grad (``common.pt`` lists the frozen names in every checkpoint, and says whether
+they were left out); loading keeps the model's own values of
 the listed parameters (the base weights a LoRA run builds from the pretrained model, as ZeRO-3
 does) and refuses any other missing one. A strict load (``keep_frozen_left_out=False``; DeepSpeed's
 ``load_module_strict=True``, with which ZeRO-3 also refuses such a checkpoint) refuses it, naming them.
@@ -177,9 +178,9 @@ def _save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer
     params, states, blocks, scalars = {}, {}, {}, {}
     written = _written_here(model)
     by_param = {id(p): (name, shape, s, e) for name, p, shape, s, e in managed_pieces(model)}
-    frozen = {name for name, p, *_ in managed_pieces(model) if exclude_frozen and not p.requires_grad}
+    frozen = {name for name, p, *_ in managed_pieces(model) if not p.requires_grad}
     for name, p, shape, s, e in managed_pieces(model):
-        if id(p) in written and name not in frozen:
+        if id(p) in written and not (exclude_frozen and name in frozen):
             params[name] = (shape, s, e, local_piece(p).detach().cpu().clone())
     if optimizer is not None:
         span_of = _state_span_fn(optimizer)
@@ -202,7 +203,7 @@ def _save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer
         write_common(
             tmp, _aliases(model),
             [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else None,
-            {n: b.detach().cpu().clone() for n, b in model.named_buffers()}, extra, sorted(frozen),
+            {n: b.detach().cpu().clone() for n, b in model.named_buffers()}, extra, sorted(frozen), exclude_frozen,
         )
     # The index (which ranges each file holds) lets a loading rank open only the files it needs.
     mine = (sha256_file(file) if file else None, {name: [s, e] for name, (_, s, e, _) in params.items()})
@@ -345,7 +346,7 @@ def _load_local(path: str, model: nn.Module, optimizer: Optional[torch.optim.Opt
         for key, piece in f.get("optim_blocks", {}).items():
             blocks.setdefault(key, []).append(piece)
     with torch.no_grad():
-        left_out = set(common.get("frozen_excluded", ()))
+        left_out = set(common.get("frozen", ())) if common.get("frozen_excluded") else set()
         if left_out and not keep_frozen_left_out:
             raise CheckpointError(
                 f"{path} was saved without its frozen parameters {sorted(left_out)} (exclude_frozen); a strict load "
