@@ -14,7 +14,10 @@ config (``deepspeed.checkpointing.configure``, ``DeepSpeedConfig``, ...), lets
 ``deepspeed.zero.Init`` build the model partitioned (converted to ragged shards by
 ``deepspeed.initialize``) and ``GatheredParameters`` gather ragged parameters: see
 :mod:`.parser` and :mod:`.zero_init`. Hugging Face's ``from_pretrained`` then builds a model
-partitioned under a ragged config as under ZeRO-3 (:mod:`.accelerate_stage`).
+partitioned under a ragged config as under ZeRO-3 (:mod:`.accelerate_stage`), and
+``deepspeed.utils.safe_get_full_grad`` and its family give and take what they do at ZeRO-3
+(:mod:`.safe_accessors`); ``get_fp32_state_dict_from_zero_checkpoint`` and the checkpoint's
+``zero_to_fp32.py`` read ragged checkpoints (:mod:`.recovery_scripts`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from .accelerate_stage import present_ragged_as_zero3_to_transformers
 from .config import RAGGED_STAGE, RaggedOptions, apply_top_level_keys, parse_precision, parse_ragged_section
 from .engine import RaggedDeepSpeedEngine, RaggedPipelineEngine, RaggedPrecision
 from .parser import RaggedZeroConfig, install, is_ragged_config
+from .recovery_scripts import install_zero_to_fp32
+from .safe_accessors import install_safe_accessors
 
 __all__ = ["RaggedDeepSpeedEngine", "RaggedPipelineEngine", "RaggedOptions", "RaggedZeroConfig", "is_ragged_config",
            "split_ragged_config", "initialize"]
@@ -100,4 +105,6 @@ def initialize(*args: Any, **kwargs: Any):
 
 deepspeed.initialize = initialize
 install()
+install_safe_accessors()  # deepspeed.utils.safe_get_* / safe_set_* on ragged parameters (see .safe_accessors)
+install_zero_to_fp32()  # get_fp32_state_dict_from_zero_checkpoint reads ragged checkpoints (see .recovery_scripts)
 present_ragged_as_zero3_to_transformers()  # from_pretrained builds under zero.Init (see .accelerate_stage)

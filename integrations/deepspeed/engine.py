@@ -50,6 +50,8 @@ from vescale_zero.optim import AdamW8bit, Muon, Shampoo
 from .accelerate_stage import present_ragged_stage_to_accelerate
 from .config import RaggedOptions
 from .module_hooks import RaggedModuleHooks
+from .recovery_scripts import write_recovery_scripts
+from .safe_accessors import attach_optimizer
 from .saving import consolidated_state_dict, install_save_hooks
 from .zero_init import fill_from_zero3, zero3_to_meta
 
@@ -241,6 +243,7 @@ class RaggedEngineMixin:
             for item in model_parameters
         ]
         super()._configure_optimizer(client_optimizer, params)
+        attach_optimizer(self.basic_optimizer)  # deepspeed.utils.safe_*_optimizer_state read its state
         if self.optimizer is not None and not hasattr(self.optimizer, "parameter_offload"):
             # ZeRO-3's handle on the module hooks: module_hooks [Note: pausing the hooks for generation]
             self.optimizer.parameter_offload = RaggedModuleHooks(self.module)
@@ -348,7 +351,10 @@ class RaggedEngineMixin:
     # ---- checkpoints -----------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
-        """Each rank writes its own shards under ``save_dir/tag``; ``latest`` moves last."""
+        """Each rank writes its own shards under ``save_dir/tag``; rank 0 writes ``zero_to_fp32.py``
+        (see :mod:`.recovery_scripts`); ``latest`` moves last. With
+        ``exclude_frozen_parameters`` the parameters that do not require grad are not written, and
+        loading keeps the model's own values of them, as ZeRO-3 does."""
         tag = str(tag if tag is not None else f"global_step{self.global_steps}")
         extra = {
             "client_state": client_state or {},
@@ -358,7 +364,10 @@ class RaggedEngineMixin:
                          for k in ("global_steps", "global_samples", "skipped_steps", "micro_steps")},
         }
         os.makedirs(save_dir, exist_ok=True)
-        checkpoint.save(os.path.join(save_dir, tag), self.module, self.optimizer, extra)
+        checkpoint.save(os.path.join(save_dir, tag), self.module, self.optimizer, extra,
+                        exclude_frozen=exclude_frozen_parameters)
+        if dist.get_rank() == 0:
+            write_recovery_scripts(save_dir)
         if save_latest and dist.get_rank() == 0:
             checkpoint.write_latest(save_dir, tag)
         dist.barrier()
@@ -375,7 +384,8 @@ class RaggedEngineMixin:
             return self._migrate_deepspeed_checkpoint(load_dir, tag, load_module_strict, load_optimizer_states,
                                                       load_lr_scheduler_states, load_module_only)
         with_optimizer = load_optimizer_states and not load_module_only
-        extra = checkpoint.load(path, self.module, self.optimizer if with_optimizer else None)
+        extra = checkpoint.load(path, self.module, self.optimizer if with_optimizer else None,
+                                keep_frozen_left_out=not load_module_strict)  # saved exclude_frozen_parameters
         if not load_module_only:
             if load_lr_scheduler_states and self.lr_scheduler is not None and extra["lr_scheduler"] is not None:
                 self.lr_scheduler.load_state_dict(extra["lr_scheduler"])

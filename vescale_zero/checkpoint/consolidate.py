@@ -32,10 +32,12 @@ def _join(pieces: Dict[str, List[Piece]]) -> Dict[str, torch.Tensor]:
     return out
 
 
-def consolidate(path: str, with_optimizer: bool = False) -> Dict[str, Any]:
+def consolidate(path: str, with_optimizer: bool = False, exclude_frozen: bool = False) -> Dict[str, Any]:
     """The full state dict of the model saved at ``path`` (parameters and buffers); with
     ``with_optimizer``, also every per-element optimizer state as ``"name::key"`` (full
-    shape) and every per-block one (8-bit scales, Shampoo blocks) with all its blocks."""
+    shape) and every per-block one (8-bit scales, Shampoo blocks) with all its blocks; with
+    ``exclude_frozen``, without the parameters that did not require grad (a checkpoint saved
+    with ``exclude_frozen`` holds none of them anyway)."""
     meta = read_metadata(path)
     files = [read_rank_file(path, r, meta["sha256"][r]) for r in written_ranks(meta)]
     params: Dict[str, List[Piece]] = {}
@@ -48,11 +50,13 @@ def consolidate(path: str, with_optimizer: bool = False) -> Dict[str, Any]:
             params.setdefault(key, []).append(piece)
         for key, piece in f["optim_states"].items():
             states.setdefault(key, []).append(piece)
-    out = _join(params)
     common = read_common(path, meta)
+    frozen = set(common.get("frozen", ())) if exclude_frozen else set()
+    out = _join({name: saved for name, saved in params.items() if name not in frozen})
     for saved, others in common.get("aliases", {}).items():  # tied parameters, under every name
         for name in others:
-            out[name] = out[saved]
+            if saved in out:  # not a frozen parameter left out
+                out[name] = out[saved]
     out.update(common["buffers"])
     if with_optimizer:
         if common["optim_groups"] is None and not states and not blocks:

@@ -10,7 +10,10 @@ One directory per checkpoint::
                             "whole": true}   (only in checkpoints converted from elsewhere)
       common.pt            written once: {"aliases": {saved name: [tied names]},
                             "optim_groups": [hyper-parameters per param group] | None,
-                            "buffers": {name: tensor}, "extra": the caller's object}
+                            "buffers": {name: tensor}, "extra": the caller's object,
+                            "frozen": [names of parameters that do not require grad],
+                            "frozen_excluded": whether their pieces were left out}
+                            (older checkpoints have neither key: nothing left out)
       rank00000.pt         one per writing rank: {"params": {name: Piece},
       rank00001.pt           "optim_states": {"name::key": Piece},      per element
       ...                    "optim_blocks": {"name::key": Piece},      per block (by entry)
@@ -53,7 +56,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -132,10 +135,13 @@ def write_rank_file(ckpt: str, rank: int, params: Dict[str, Piece], states: Dict
 
 
 def write_common(ckpt: str, aliases: Dict[str, List[str]], optim_groups: Optional[List[Dict[str, Any]]],
-                 buffers: Dict[str, torch.Tensor], extra: Any) -> str:
+                 buffers: Dict[str, torch.Tensor], extra: Any, frozen: Sequence[str] = (),
+                 frozen_excluded: bool = False) -> str:
     """Write ``common.pt`` into ``ckpt``; returns its path."""
     path = os.path.join(ckpt, COMMON_FILE)
-    save_synced({"aliases": aliases, "optim_groups": optim_groups, "buffers": buffers, "extra": extra}, path)
+    common = {"aliases": aliases, "optim_groups": optim_groups, "buffers": buffers, "extra": extra,
+              "frozen": list(frozen), "frozen_excluded": frozen_excluded}
+    save_synced(common, path)
     return path
 
 

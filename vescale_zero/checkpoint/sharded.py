@@ -35,6 +35,15 @@ one, copies its own ranges out of the files that hold them::
     load flat 3                          rank0: [0, 4) <- rank0's file   rank1: [4, 7) <- both ...
     load 2 x 2                           ranks 0 and 2: [0, 5)           ranks 1 and 3: [5, 10)
 
+[Note: frozen parameters left out]
+``save(..., exclude_frozen=True)`` (DeepSpeed's ``save_checkpoint(exclude_frozen_parameters=True)``,
+which the Hugging Face Trainer passes for PEFT models) writes no piece of a parameter that does
+not require grad (``common.pt`` lists the frozen names in every checkpoint, and says whether
+they were left out); loading keeps the model's own values of
+the listed parameters (the base weights a LoRA run builds from the pretrained model, as ZeRO-3
+does) and refuses any other missing one. A strict load (``keep_frozen_left_out=False``; DeepSpeed's
+``load_module_strict=True``, with which ZeRO-3 also refuses such a checkpoint) refuses it, naming them.
+
 [Note: crash safety]
 Every rank writes (and fsyncs) its file in ``CKPT.tmp-<id>/``; once every rank's checksum
 has reached it (an all-gather: a dead rank makes it raise, so nothing is published) rank 0
@@ -149,14 +158,18 @@ def _written_here(model: nn.Module) -> Set[int]:
     return out
 
 
-def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, extra: Any = None) -> None:
+def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, extra: Any = None,
+         exclude_frozen: bool = False) -> None:
     """Write ``model``'s (and ``optimizer``'s) shards of this rank under ``path``; collective.
-    Under HSDP only the first replica's shard group writes (see [Note: HSDP checkpoints])."""
+    Under HSDP only the first replica's shard group writes (see [Note: HSDP checkpoints]).
+    With ``exclude_frozen`` the parameters that do not require grad are left out (see
+    [Note: frozen parameters left out])."""
     with current_device(model_device(model)):  # the object collectives' device on NCCL
-        _save(path, model, optimizer, extra)
+        _save(path, model, optimizer, extra, exclude_frozen)
 
 
-def _save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], extra: Any) -> None:
+def _save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], extra: Any,
+          exclude_frozen: bool) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     token = [uuid.uuid4().hex if rank == 0 else None]
     dist.broadcast_object_list(token, src=0)
@@ -165,8 +178,9 @@ def _save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer
     params, states, blocks, scalars = {}, {}, {}, {}
     written = _written_here(model)
     by_param = {id(p): (name, shape, s, e) for name, p, shape, s, e in managed_pieces(model)}
+    frozen = {name for name, p, *_ in managed_pieces(model) if not p.requires_grad}
     for name, p, shape, s, e in managed_pieces(model):
-        if id(p) in written:
+        if id(p) in written and not (exclude_frozen and name in frozen):
             params[name] = (shape, s, e, local_piece(p).detach().cpu().clone())
     if optimizer is not None:
         span_of = _state_span_fn(optimizer)
@@ -189,7 +203,7 @@ def _save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer
         write_common(
             tmp, _aliases(model),
             [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] if optimizer else None,
-            {n: b.detach().cpu().clone() for n, b in model.named_buffers()}, extra,
+            {n: b.detach().cpu().clone() for n, b in model.named_buffers()}, extra, sorted(frozen), exclude_frozen,
         )
     # The index (which ranges each file holds) lets a loading rank open only the files it needs.
     mine = (sha256_file(file) if file else None, {name: [s, e] for name, (_, s, e, _) in params.items()})
@@ -256,9 +270,12 @@ def _files_needed(meta: Dict[str, Any], managed: List[Tuple[str, nn.Parameter, T
     return sorted(needed)
 
 
-def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
+def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+         keep_frozen_left_out: bool = True) -> Any:
     """Load a checkpoint written by :func:`save` (or converted into our format) at any world
     size; returns its ``extra``. (:func:`vescale_zero.checkpoint.load` also takes DCP ones.)
+    ``keep_frozen_left_out``: keep the model's values of the frozen parameters the checkpoint
+    left out ([Note: frozen parameters left out]); False refuses such a checkpoint (a strict load).
 
     Collective: if any rank refuses the checkpoint, every rank raises (none goes on to
     train alone and hang in its next collective).
@@ -273,7 +290,7 @@ def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
         group.reshard()
     error: Optional[CheckpointError] = None
     try:
-        extra = _load_local(path, model, optimizer)
+        extra = _load_local(path, model, optimizer, keep_frozen_left_out)
     except CheckpointError as e:
         error = e
     if dist.is_initialized():
@@ -308,7 +325,8 @@ def _whole_name(name: str, saved: Dict[str, Any], path: str) -> str:
     return plain
 
 
-def _load_local(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Any:
+def _load_local(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                keep_frozen_left_out: bool = True) -> Any:
     meta = read_metadata(path)
     managed = managed_pieces(model)
     sliced = set()  # names of model-parallel slices looked up in a whole checkpoint
@@ -328,8 +346,16 @@ def _load_local(path: str, model: nn.Module, optimizer: Optional[torch.optim.Opt
         for key, piece in f.get("optim_blocks", {}).items():
             blocks.setdefault(key, []).append(piece)
     with torch.no_grad():
+        left_out = set(common.get("frozen", ())) if common.get("frozen_excluded") else set()
+        if left_out and not keep_frozen_left_out:
+            raise CheckpointError(
+                f"{path} was saved without its frozen parameters {sorted(left_out)} (exclude_frozen); a strict load "
+                "cannot restore them: load keeping the model's own values of them (DeepSpeed: load_checkpoint(..., "
+                "load_module_strict=False), what the Hugging Face Trainer passes for PEFT models)")
         for name, p, shape, s, e in managed:
             saved = pieces.get(name)
+            if saved is None and (name in left_out or s == e):  # [Note: frozen parameters left out]; a rank
+                continue  # whose pieces are all empty may read no file (the ranks holding them check the shape)
             if saved is None or tuple(saved[0][0]) != shape:
                 got = None if saved is None else tuple(saved[0][0])
                 hint = ("; it holds whole tensors of a model without model parallelism (it was converted): load it at "

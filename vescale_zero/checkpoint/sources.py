@@ -33,9 +33,10 @@ __all__ = ["load", "convert", "SOURCES"]
 SOURCES = ("fsdp2", "deepspeed", "megatron")
 
 
-def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
+def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+         keep_frozen_left_out: bool = True) -> Any:
     """Load a checkpoint written by :func:`vescale_zero.checkpoint.save` (or converted) at
-    any world size; returns its ``extra``.
+    any world size; returns its ``extra``. ``keep_frozen_left_out``: see :func:`.sharded.load`.
 
     A DCP checkpoint of PyTorch FSDP2 is converted first (once, by rank 0, next to it as
     ``path.vescale``; :func:`vescale_zero.checkpoint.from_fsdp2`).
@@ -46,7 +47,7 @@ def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     if is_dcp_checkpoint(path):
         with current_device(sharded.model_device(model)):  # the object collective's device on NCCL
             path = _converted_dcp(path)
-    return sharded.load(path, model, optimizer)
+    return sharded.load(path, model, optimizer, keep_frozen_left_out)
 
 
 def _converted_dcp(path: str) -> str:

@@ -1,0 +1,47 @@
+"""The scripts a DeepSpeed checkpoint directory carries, for a ragged engine's checkpoints.
+
+DeepSpeed's engine copies its ``zero_to_fp32.py`` and ``zero_to_torch.py`` into every checkpoint
+directory it saves; users run them to get the model's fp32 weights without DeepSpeed's engine,
+and call ``deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(dir)`` in
+Python. For a ragged checkpoint:
+
+* ``zero_to_fp32.py`` is :mod:`.zero_to_fp32` (DeepSpeed's converter reading the ragged shards,
+  the same command line and output files); ``zero_to_torch.py`` is DeepSpeed's own, which
+  imports the ``zero_to_fp32.py`` beside it;
+* :func:`install_zero_to_fp32` routes the reading step of the imported
+  ``deepspeed.utils.zero_to_fp32``, so its functions read ragged checkpoints in this process.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import stat
+
+from . import zero_to_fp32
+
+__all__ = ["write_recovery_scripts", "install_zero_to_fp32"]
+
+
+def _executable(path: str) -> None:
+    try:
+        os.chmod(path, os.stat(path).st_mode | stat.S_IEXEC)
+    except OSError:  # a file share that refuses the mode: the script still runs with ``python``
+        pass
+
+
+def write_recovery_scripts(save_dir: str) -> None:
+    """Write ``zero_to_fp32.py`` (ours) and DeepSpeed's ``zero_to_torch.py`` into ``save_dir`` (rank 0)."""
+    host = os.path.join(os.path.dirname(importlib.import_module("deepspeed").__file__), "utils", "zero_to_torch.py")
+    copies = [(zero_to_fp32.__file__, "zero_to_fp32.py")] + ([(host, "zero_to_torch.py")] if os.path.isfile(host)
+                                                              else [])
+    for src, name in copies:
+        dst = os.path.join(save_dir, name)
+        shutil.copyfile(src, dst)
+        _executable(dst)
+
+
+def install_zero_to_fp32() -> None:
+    """Route ``deepspeed.utils.zero_to_fp32``'s reading step to ragged checkpoints (idempotent)."""
+    zero_to_fp32.host_converter()
