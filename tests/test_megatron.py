@@ -984,8 +984,11 @@ def _megatron_writes_dist_checkpoint(rank: int, world_size: int, argv: List[str]
         _as_megatron_scheduler_sets(optimizer, pg.optimizer_config(args))
         losses = pg.train_loop(args, model, optimizer, config)["losses"]
         model_sd = model.module.sharded_state_dict()  # Megatron-LM: unwrap_model(model)[0]
+        # Megatron-LM also stores the metadata it built the state dict with (the distributed
+        # optimizer's format) and, on load, passes the checkpoint's own back to sharded_state_dict
         dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(
-            model_sd, metadata=FULLY_RESHARDABLE)}, ckpt)
+            model_sd, metadata=FULLY_RESHARDABLE)}, ckpt,
+            content_metadata=FULLY_RESHARDABLE if args.use_distributed_optimizer else None)
         if args.use_distributed_optimizer:  # also in Megatron-LM's default layout (by buckets)
             model_sd = model.module.sharded_state_dict()
             dist_checkpointing.save({"model": model_sd, "optimizer": optimizer.sharded_state_dict(
@@ -1108,7 +1111,7 @@ def _resume_from_megatron(rank: int, world_size: int, argv: List[str], ckpt: str
         model, optimizer, config = pg.build(args)
         model_sd = model.sharded_state_dict(is_loading=True)
         loaded = dist_checkpointing.load({"model": model_sd, "optimizer": optimizer.sharded_state_dict(
-            model_sd, is_loading=True)}, ckpt)
+            model_sd, is_loading=True, metadata=dist_checkpointing.load_content_metadata(ckpt))}, ckpt)
         model.load_state_dict(loaded["model"])
         optimizer.load_state_dict(loaded["optimizer"])
         ours_loaded = model.state_dict()
@@ -1189,6 +1192,8 @@ DIST_CKPT_CASES = {"tp2-adam": (["--tensor-model-parallel-size", "2"], []),
                    "pp2-adam": (["--pipeline-model-parallel-size", "2"], []),
                    "dp2-distributed-optimizer": ([], ["--use-distributed-optimizer"]),
                    "bf16-adam": ([], ["--bf16"]),
+                   # its fp32 masters are optimizer.state.param.* in this format (fp32_param elsewhere)
+                   "bf16-distributed-optimizer": ([], ["--bf16", "--use-distributed-optimizer"]),
                    "moe-ep2-adam": ([], MOE_EP2)}
 
 
@@ -1258,8 +1263,8 @@ def megatron_dist_checkpoints(tmp_path_factory) -> Dict[str, Dict]:
 @pytest.mark.slow
 def test_megatron_dist_checkpoint_resumes_in_vescale_fsdp_and_back(tmp_path, megatron_dist_checkpoints, case):
     """Megatron writes a torch_dist checkpoint (tp2 x dp1 or pp2 x dp1 with its Adam, dp2
-    with its distributed optimizer, ``fully_reshardable``, dp2 bf16 with its mixed-precision
-    Adam, or MoE at ep2 with its chained dense and expert Adams); VeScaleFSDP loads it at
+    with its distributed optimizer, ``fully_reshardable`` (fp32, and bf16: its masters named
+    ``optimizer.state.param.*``), dp2 bf16 with its mixed-precision Adam, or MoE at ep2 with its chained dense and expert Adams); VeScaleFSDP loads it at
     tp1 x dp3 (ep1: experts over 3 ranks) (the Adam cases: weights -- the
     fp32 masters in bf16 -- and moments exactly as Megatron loads them), and the next step
     follows Megatron's own continuation: the same loss, in fp32 against Megatron's DDP at this
@@ -1306,6 +1311,8 @@ def test_megatron_dist_checkpoint_resumes_in_vescale_fsdp_and_back(tmp_path, meg
         assert not os.path.exists(tmp_path / "refused")
         convert("megatron", ckpt + "-buckets", str(tmp_path / "weights"), weights_only=True)
         weights, full = consolidate(str(tmp_path / "weights")), consolidate(converted)
+        if "--bf16" in flags:  # the weights only: the bf16 model tensors, the fp32 masters rounded
+            full = {k: v.to(torch.bfloat16).to(weights[k].dtype) for k, v in full.items()}
         assert sorted(weights) == sorted(full) and all(torch.equal(v, full[k]) for k, v in weights.items())
     if moe:
         for res in runs["converted at ep1"]:

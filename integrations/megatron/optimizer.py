@@ -41,8 +41,13 @@ makes them; nothing else reads a device value: the gradients are unscaled by the
 ``inv_scale`` tensor and checked for inf/nan in one fused pass into one flag for all of them.
 
 [Note: fp32 masters] In a bf16/fp16 run Megatron's optimizer keeps fp32 master weights and
-writes them as ``optimizer.state.fp32_param.<model key>`` beside the bf16 model tensors;
-its loader asks for them. Ours are the sharded parameters themselves (fp32): the same boxes
+writes them beside the bf16 model tensors: as ``optimizer.state.fp32_param.<model key>``
+(its mixed-precision optimizer, and the distributed optimizer's ``fully_sharded_model_space``
+format), or as ``optimizer.state.param.<model key>`` (the distributed optimizer's
+``fully_reshardable`` format, the one Megatron-LM writes with
+``--dist-ckpt-optim-fully-reshardable``); the metadata Megatron passes to
+``sharded_state_dict`` (``distrib_optim_sharding_type``, on load the checkpoint's own) says
+which. Its loader asks for them. Ours are the sharded parameters themselves (fp32): the same boxes
 of them are written under both keys, and on load the masters
 are read from ``fp32_param`` (after the model's load put bf16-rounded weights there), so a
 bf16 job moves both ways without rounding its masters.
@@ -347,7 +352,7 @@ class VeScaleOptimizer(MegatronOptimizer):
                     "(or inside VeScaleFSDP.full_parameters()) in the same call as this one"
                 )
             if self._keeps_masters():  # see [Note: fp32 masters]: the full fp32 tensor itself
-                states = {**states, _MASTER: torch.empty_like(sh.data) if is_loading else sh.data}
+                states = {**states, _master_key(metadata): torch.empty_like(sh.data) if is_loading else sh.data}
             part = (id(keyed[key]) in expert) if expert else None
             chained = f"chained_{int(part)}." if prefix else ""
             for name, tensor in states.items():
@@ -402,7 +407,7 @@ class VeScaleOptimizer(MegatronOptimizer):
                 if not mine or not states:
                     continue
                 if self._keeps_masters():  # see [Note: fp32 masters]: the fp32 shard itself
-                    states[_MASTER] = param
+                    states[_master_key(metadata)] = param
                 part = (id(param) in expert) if expert else None
                 chained = f"chained_{int(part)}." if prefix else ""
                 key = mine[0].key  # stacked layers share a key: the entry is named by where it starts too
@@ -433,7 +438,7 @@ class VeScaleOptimizer(MegatronOptimizer):
             step = next((g["step"] for g in groups if "step" in g), None)
         chunk = self._chunk()
         states = {key: dict(st) for key, st in state_dict[_MODEL_SPACE].items()}
-        masters = {key: st.pop(_MASTER) for key, st in states.items() if _MASTER in st}
+        masters = {key: st.pop(name) for key, st in states.items() for name in _MASTERS if name in st}
         with chunk.shards_in_place():
             if masters:  # over the bf16-rounded weights the model's load put in the shards
                 load_full_state_dict(chunk.module, masters, strict=False)
@@ -443,7 +448,12 @@ class VeScaleOptimizer(MegatronOptimizer):
 
 
 _MODEL_SPACE = "vescale_zero_model_space"
-_MASTER = "fp32_param"
+_MASTERS = ("fp32_param", "param")  # [Note: fp32 masters]
+
+
+def _master_key(metadata: Optional[dict]) -> str:
+    """The name of the fp32 masters in a checkpoint of this ``metadata`` ([Note: fp32 masters])."""
+    return "param" if (metadata or {}).get("distrib_optim_sharding_type") == "fully_reshardable" else "fp32_param"
 _MODEL_SPACE_FORMATS = (None, "fully_reshardable", "fully_sharded_model_space")
 
 
