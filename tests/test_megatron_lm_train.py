@@ -60,10 +60,35 @@ def _stand_in(args) -> types.ModuleType:
     training.get_megatron_muon_optimizer = get_megatron_muon_optimizer
 
     def get_model(model_provider, config):
-        """core_v0.16.1 training.py get_model, lines 1276-1340: the wrapper class by flag
-        (torch_FSDP / megatron_FSDP / DDP), called with config, ddp_config, module, disable_bucketing."""
+        """core_v0.16.1 training.py get_model, lines 1161-1341: the model built under
+        torch.device('meta') with --init-model-with-meta-device (1218-1222), tensor-parallel
+        defaults (1230-1233), .cuda() unless meta (1253-1258), Float16Module under bf16/fp16
+        (1261-1263), to_empty_if_meta_device unless FSDP2 / Megatron-FSDP (1266-1267), then the
+        wrapper class by flag (1276-1284) called with config, ddp_config (1289-1322: the
+        DistributedDataParallelConfig fields read from args, then the flags renamed into it, the
+        bucket size) and module (1328-1337)."""
+        from megatron.core import tensor_parallel
         from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.transformer.module import Float16Module
 
+        if args.init_model_with_meta_device:
+            with torch.device("meta"):
+                model = [model_provider()]
+        else:
+            model = [model_provider()]
+        for chunk in model:
+            for param in chunk.parameters():
+                tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+        num_parameters = sum(p.nelement() for chunk in model for p in chunk.parameters())
+        if not (args.use_torch_fsdp2 and args.use_cpu_initialization) and not args.init_model_with_meta_device:
+            for chunk in model:
+                chunk.cuda(torch.cuda.current_device())
+        if args.fp16 or args.bf16:
+            model = [Float16Module(config, chunk) for chunk in model]
+        if args.init_model_with_meta_device and not args.use_torch_fsdp2 and not args.use_megatron_fsdp:
+            # device "cuda" there; the suite's CUDA shim names the CPU as the current device
+            model = [training.to_empty_if_meta_device(chunk, device=torch.device(torch.cuda.current_device()))
+                     for chunk in model]
         if args.use_torch_fsdp2:
             dp = training.torch_FSDP
         elif args.use_megatron_fsdp:
@@ -72,17 +97,41 @@ def _stand_in(args) -> types.ModuleType:
             dp = training.DDP
         fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(DistributedDataParallelConfig)
                   if hasattr(args, f.name)}
+        fields["grad_reduce_in_fp32"] = args.accumulate_allreduce_grads_in_fp32
         fields["check_for_nan_in_grad"] = args.check_for_nan_in_loss_and_grad
+        fields["check_for_large_grads"] = args.check_for_large_grads
+        if args.ddp_num_buckets is not None:
+            fields["bucket_size"] = num_parameters // args.ddp_num_buckets
+        else:
+            fields["bucket_size"] = args.ddp_bucket_size
+        fields["pad_buckets_for_high_nccl_busbw"] = args.ddp_pad_buckets_for_high_nccl_busbw
+        fields["reduce_scatter_with_fp32_accumulation"] = args.ddp_reduce_scatter_with_fp32_accumulation
+        fields["average_in_collective"] = args.ddp_average_in_collective
         ddp_config = DistributedDataParallelConfig(**fields)
-        return [dp(config=config, ddp_config=ddp_config, module=model_provider(), disable_bucketing=False)]
+        if ddp_config.bucket_size is None:
+            ddp_config.bucket_size = max(40000000, 1000000 * torch.distributed.get_world_size())
+        if not ddp_config.overlap_grad_reduce:
+            ddp_config.bucket_size = None
+        return [dp(config=config, ddp_config=ddp_config, module=chunk,
+                   disable_bucketing=(i > 0) or args.overlap_param_gather_with_optimizer_step)
+                for i, chunk in enumerate(model)]
 
     training.get_model = get_model
+    training.to_empty_if_meta_device = _to_empty_if_meta_device
     training.calc_params_l2_norm = lambda model, force_create_fp32_copy=False: _calc_params_l2_norm(
         args, model, force_create_fp32_copy)
     package = types.ModuleType("megatron.training")
     package.training = training
     sys.modules.update({"megatron.training": package, "megatron.training.training": training})
     return training
+
+
+def _to_empty_if_meta_device(module: torch.nn.Module, *, device: torch.device, recurse: bool = True):
+    """core_v0.16.1 megatron/training/utils.py to_empty_if_meta_device, lines 766-791 (imported
+    by name into training.py, line 178): meta tensors become uninitialised ones on ``device``
+    (``empty_like``), any other moves there."""
+    return module._apply(lambda t: torch.empty_like(t, device=device) if t.device.type == "meta" else t.to(device),
+                         recurse=recurse)
 
 
 def _lm_args(pg, argv: List[str]):
@@ -94,6 +143,13 @@ def _lm_args(pg, argv: List[str]):
     args.align_grad_reduce = True
     args.check_for_nan_in_loss_and_grad = True
     args.gradient_accumulation_fusion = False
+    args.use_cpu_initialization = True
+    args.check_for_large_grads = False
+    args.ddp_num_buckets = args.ddp_bucket_size = None
+    args.ddp_pad_buckets_for_high_nccl_busbw = False
+    args.ddp_reduce_scatter_with_fp32_accumulation = False
+    args.ddp_average_in_collective = False
+    args.overlap_param_gather_with_optimizer_step = False
     return args
 
 
@@ -105,9 +161,24 @@ def _switched(pg, args) -> types.ModuleType:
     return training
 
 
+def _model_provider(pg, args, config) -> torch.nn.Module:
+    """core_v0.16.1 gpt_builders.py gpt_builder (lines 28-114, the local-spec GPTModel at 95): the bare
+    GPTModel; get_model places, casts and wraps it."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return GPTModel(
+        config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=args.num_experts,
+                                                                      moe_grouped_gemm=False),
+        vocab_size=args.vocab_size, max_sequence_length=args.max_position_embeddings or args.seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
+
+
 def _get_model(training, pg, args, config) -> List[torch.nn.Module]:
     """core_v0.16.1 training.py setup_model_and_optimizer -> get_model(model_provider, ...)."""
-    return training.get_model(lambda: pg.build_model_unwrapped(args, config), config)
+    return training.get_model(lambda: _model_provider(pg, args, config), config)
 
 
 def _train_setup_calls(training, args, model, config) -> None:
@@ -165,6 +236,40 @@ def _isinstance_ddp(rank: int, world_size: int) -> Dict[str, Any]:
     out["grads equal"] = sorted(grads[True]) == sorted(grads[False]) and all(
         torch.equal(grads[True][k], grads[False][k]) for k in grads[False])
     return out
+
+
+# ---- 1: --init-model-with-meta-device ------------------------------------------------
+def _full_weights(chunk) -> Dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in chunk.state_dict().items() if torch.is_tensor(v)}
+
+
+def _meta_init(rank: int, world_size: int) -> Dict[str, Any]:
+    """Megatron-LM's get_model with --init-model-with-meta-device under the switch, beside
+    megatron-core DDP built eagerly (Megatron's DDP cannot take a meta model): the same
+    initial weights (Megatron's meta-init contract) and the same 2 AdamW steps."""
+    from tests.megatron_shim import MegatronFP32Step
+
+    argv = ARGV + ["--global-batch-size", "8", "--clip-grad", "0", "--train-iters", "2"]
+    out: Dict[str, Any] = {}
+    with _megatron_job(argv) as (pg, _):
+        for name, extra in (("ddp", []), ("vescale", ["--use-vescale-fsdp", "--init-model-with-meta-device"])):
+            args = _lm_args(pg, argv + extra)
+            training = _switched(pg, args)
+            pg.seed(args)
+            config = pg.transformer_config(args)
+            model = _get_model(training, pg, args, config)
+            init = _full_weights(model[0])
+            opt_config = pg.optimizer_config(args)
+            optimizer = (MegatronFP32Step(model[0], opt_config) if name == "ddp"
+                         else training.get_megatron_optimizer(opt_config, model))
+            losses = pg.train_loop(args, model[0], optimizer, config)["losses"]
+            out[name] = (init, losses, _full_weights(model[0]))
+    (ref_init, ref_losses, ref_end), (init, losses, end) = out["ddp"], out["vescale"]
+    return {"keys": sorted(ref_init) == sorted(init),
+            "init differ": sorted(k for k in ref_init if not torch.equal(ref_init[k], init[k])),
+            "init max": max(v.abs().max().item() for v in init.values()),
+            "losses": (ref_losses, losses),
+            "end differ": sorted(k for k in ref_end if not torch.equal(ref_end[k], end[k]))}
 
 
 # ---- D: clash with another FSDP ------------------------------------------------------
@@ -338,7 +443,7 @@ def _muon(rank: int, world_size: int) -> Dict[str, Any]:
 @pytest.fixture(scope="module")
 def results() -> Dict[str, List[Any]]:
     return run_cases_on_ranks({
-        "isinstance": (_isinstance_ddp, ()), "clash": (_clash, ()), "nan": (_nan, ()),
+        "isinstance": (_isinstance_ddp, ()), "meta": (_meta_init, ()), "clash": (_clash, ()), "nan": (_nan, ()),
         "params_norm": (_params_norm, ()), "muon": (_muon, ()),
     }, 2, timeout=400)
 
@@ -349,6 +454,18 @@ def test_megatron_lm_train_isinstance_ddp(results):
         assert res.pop("grads equal"), "VeScaleFSDP's reduced gradients differ from megatron-core DDP's"
         for flag, checks in res.items():
             assert all(checks.values()), (flag, checks)
+
+
+def test_megatron_lm_init_model_with_meta_device(results):
+    """1: Megatron-LM's get_model with --init-model-with-meta-device builds VeScaleFSDP's
+    weights equal to megatron-core DDP's eager build, bit for bit, and 2 AdamW steps (fp32, 2
+    micro-batches, dp 2: every reduction has two addends) stay bit-identical."""
+    for res in results["meta"]:
+        assert res["keys"], res
+        assert res["init differ"] == [], (res["init differ"], res["init max"])
+        ref_losses, losses = res["losses"]
+        assert losses == ref_losses and len(losses) == 2, res["losses"]
+        assert res["end differ"] == [], res["end differ"]
 
 
 def test_megatron_lm_clash_with_other_fsdp(results):

@@ -7,7 +7,8 @@ checks accept: :func:`data_parallel_class`) and the optimizer through
 ``get_megatron_optimizer`` (``get_megatron_muon_optimizer`` for ``--optimizer muon``: our
 Muon). ``get_model`` first checks our flags (``--use-megatron-fsdp`` / ``--use-torch-fsdp2``
 beside ``--use-vescale-fsdp`` would otherwise pick those wrappers silently);
-``calc_params_l2_norm`` (``--log-params-norm``) sums our shards over their own groups
+``to_empty_if_meta_device`` leaves a meta model (``--init-model-with-meta-device``) on meta for
+``VeScaleFSDP`` to initialise; ``calc_params_l2_norm`` (``--log-params-norm``) sums our shards over their own groups
 (:func:`params_l2_norm`); ``megatron.core.utils.unwrap_model`` peels known wrappers;
 ``save_checkpoint`` / ``load_checkpoint`` are wrapped so both checkpoint formats see what
 they expect (see :func:`_wrap_checkpointing`). In a
@@ -117,6 +118,7 @@ def use_vescale_fsdp_in_megatron_lm(get_args: Optional[Callable[[], Any]] = None
     megatron_muon = getattr(training, "get_megatron_muon_optimizer", None)
     megatron_get_model = getattr(training, "get_model", None)
     megatron_params_norm = getattr(training, "calc_params_l2_norm", None)
+    megatron_to_empty = getattr(training, "to_empty_if_meta_device", None)
 
     def optimizer(config: Any, model_chunks: Any, *rest: Any, **kwargs: Any):
         args = get_args()
@@ -139,6 +141,14 @@ def use_vescale_fsdp_in_megatron_lm(get_args: Optional[Callable[[], Any]] = None
             validate_vescale_args(parsed)  # before Megatron-LM picks Megatron-FSDP / FSDP2 by their flags
         return megatron_get_model(*args, **kwargs)
 
+    def to_empty_if_meta_device(module: Any, *rest: Any, **kwargs: Any) -> Any:
+        # [Note: meta models reach VeScaleFSDP] get_model empties a meta model before wrapping it
+        # unless FSDP2 / Megatron-FSDP is chosen: under --use-vescale-fsdp it stays on meta, so
+        # VeScaleFSDP shards it and initialises each module as its constructor would (meta_init.py).
+        if getattr(get_args(), "use_vescale_fsdp", False):
+            return module
+        return megatron_to_empty(module, *rest, **kwargs)
+
     def calc_params_l2_norm(model: Any, *rest: Any, **kwargs: Any) -> float:
         chunks = _chunks_of(model)
         return params_l2_norm(chunks) if chunks else megatron_params_norm(model, *rest, **kwargs)
@@ -149,6 +159,8 @@ def use_vescale_fsdp_in_megatron_lm(get_args: Optional[Callable[[], Any]] = None
         training.get_megatron_muon_optimizer = muon_optimizer
     if megatron_get_model is not None:
         training.get_model = get_model
+    if megatron_to_empty is not None:  # --init-model-with-meta-device (checked against core_v0.16.1)
+        training.to_empty_if_meta_device = to_empty_if_meta_device
     if megatron_params_norm is not None:  # --log-params-norm
         training.calc_params_l2_norm = calc_params_l2_norm
     _wrap_checkpointing(training, get_args)
