@@ -120,10 +120,66 @@ def _stand_in(args) -> types.ModuleType:
     training.to_empty_if_meta_device = _to_empty_if_meta_device
     training.calc_params_l2_norm = lambda model, force_create_fp32_copy=False: _calc_params_l2_norm(
         args, model, force_create_fp32_copy)
+    checkpointing = types.ModuleType("megatron.training.checkpointing")
+    checkpointing.save_checkpoint = lambda *a, **k: _save_checkpoint(args, *a, **k)
+    checkpointing.load_checkpoint = lambda *a, **k: _load_checkpoint(args, *a, **k)
+    # core_v0.16.1 training.py lines 104-105: imported by name from checkpointing
+    training.save_checkpoint, training.load_checkpoint = checkpointing.save_checkpoint, checkpointing.load_checkpoint
     package = types.ModuleType("megatron.training")
-    package.training = training
-    sys.modules.update({"megatron.training": package, "megatron.training.training": training})
+    package.training, package.checkpointing = training, checkpointing
+    sys.modules.update({"megatron.training": package, "megatron.training.training": training,
+                        "megatron.training.checkpointing": checkpointing})
     return training
+
+
+def _checkpoint_name(root: str, iteration: int) -> str:
+    """core_v0.16.1 checkpointing.py get_checkpoint_name, lines 162-201, at TP rank 0 without
+    pipeline or expert parallelism (the cases here)."""
+    return os.path.join(root, f"iter_{iteration:07d}", "mp_rank_00", "model_optim_rng.pt")
+
+
+def _save_checkpoint(args, iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+                     **unused):
+    """core_v0.16.1 checkpointing.py save_checkpoint with --ckpt-format torch (a LEGACY
+    checkpoint), lines 471-760: unwrap_model(model) (504); on expert-data-parallel rank 0 only
+    (581-583) generate_state_dict (877-952: args, version, iteration, each chunk's
+    ``state_dict_for_save_checkpoint()``, the optimizer's ``state_dict()``) and torch.save
+    (691-694); a barrier (701); rank 0 writes the tracker file (703-724). RNG, rerun state and
+    the scheduler are left out (none here)."""
+    from megatron.core import parallel_state as mpu
+    from megatron.training.training import unwrap_model
+
+    model = unwrap_model(model)
+    if mpu.get_expert_data_parallel_rank() == 0:
+        state_dict = {"args": None, "checkpoint_version": 3.0, "iteration": iteration}
+        for i, chunk in enumerate(model):
+            state_dict["model" if len(model) == 1 else f"model{i}"] = chunk.state_dict_for_save_checkpoint()
+        if not args.no_save_optim and optimizer is not None:
+            state_dict["optimizer"] = optimizer.state_dict()
+        state_dict["num_floating_point_operations_so_far"] = num_floating_point_operations_so_far
+        name = _checkpoint_name(args.save, iteration)
+        os.makedirs(os.path.dirname(name), exist_ok=True)
+        torch.save(state_dict, name)
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        with open(os.path.join(args.save, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(iteration))
+
+
+def _load_checkpoint(args, ddp_model, optimizer, opt_param_scheduler, load_arg="load", strict=True, **unused):
+    """core_v0.16.1 checkpointing.py load_checkpoint of a torch (LEGACY) checkpoint, lines
+    1479-1800: _load_base_checkpoint (1160-1270: the tracker file's iteration, this rank's
+    get_checkpoint_name, torch.load to the CPU), the iteration, then
+    ``ddp_model[0].load_state_dict(state_dict['model'], strict)`` on the *wrapped* chunk
+    (1757-1767) and ``optimizer.load_state_dict(state_dict['optimizer'])`` (1793-1794)."""
+    load_dir = getattr(args, load_arg)
+    with open(os.path.join(load_dir, "latest_checkpointed_iteration.txt")) as f:
+        iteration = int(f.read().strip())
+    state_dict = torch.load(_checkpoint_name(load_dir, iteration), map_location="cpu", weights_only=False)
+    ddp_model[0].load_state_dict(state_dict["model"], strict=strict)
+    if not args.no_load_optim and optimizer is not None:
+        optimizer.load_state_dict(state_dict["optimizer"])
+    return state_dict["iteration"], state_dict.get("num_floating_point_operations_so_far", 0)
 
 
 def _to_empty_if_meta_device(module: torch.nn.Module, *, device: torch.device, recurse: bool = True):
@@ -150,6 +206,8 @@ def _lm_args(pg, argv: List[str]):
     args.ddp_reduce_scatter_with_fp32_accumulation = False
     args.ddp_average_in_collective = False
     args.overlap_param_gather_with_optimizer_step = False
+    args.ckpt_format, args.no_save_optim, args.no_load_optim, args.finetune = "torch", False, False, False
+    args.save = args.load = None
     return args
 
 
@@ -270,6 +328,49 @@ def _meta_init(rank: int, world_size: int) -> Dict[str, Any]:
             "init max": max(v.abs().max().item() for v in init.values()),
             "losses": (ref_losses, losses),
             "end differ": sorted(k for k in ref_end if not torch.equal(ref_end[k], end[k]))}
+
+
+# ---- 2: --ckpt-format torch ---------------------------------------------------------
+def _torch_checkpoint(rank: int, world_size: int, root: str) -> Dict[str, Any]:
+    """Megatron-LM's save_checkpoint / load_checkpoint (--ckpt-format torch) under the switch:
+    2 steps, saved, loaded into a fresh job, a third step; beside megatron-core DDP's 3 steps
+    uninterrupted and its own file."""
+    from tests.megatron_shim import MegatronFP32Step
+
+    argv = ARGV + ["--global-batch-size", "8", "--clip-grad", "0", "--train-iters", "3"]
+    out: Dict[str, Any] = {}
+    with _megatron_job(argv) as (pg, _):
+        def job(flag: bool, save: str = None, load: str = None, first: int = 0, last: int = 3):
+            args = _lm_args(pg, argv + (["--use-vescale-fsdp"] if flag else []))
+            args.save, args.load, args.train_iters = save, load, last
+            training = _switched(pg, args)
+            pg.seed(args)
+            config = pg.transformer_config(args)
+            model = _get_model(training, pg, args, config)
+            opt_config = pg.optimizer_config(args)
+            optimizer = (training.get_megatron_optimizer(opt_config, model) if flag
+                         else MegatronFP32Step(model[0], opt_config))
+            if load is not None:
+                out["loaded iteration"] = training.load_checkpoint(model, optimizer, None)[0]
+            losses = pg.train_loop(args, model[0], optimizer, config, first_step=first)["losses"]
+            if save is not None:
+                training.save_checkpoint(last, model, optimizer if flag else None, None, 0)  # DDP's: its model
+            return losses, _full_weights(model[0])
+
+        ddp_losses, ddp_end = job(False)
+        job(False, save=os.path.join(root, "ddp"), last=2)
+        first_losses, at_save = job(True, save=os.path.join(root, "ours"), last=2)
+        resumed_losses, end = job(True, load=os.path.join(root, "ours"), first=2)
+    ours = torch.load(_checkpoint_name(os.path.join(root, "ours"), 2), weights_only=False)["model"]
+    ddps = torch.load(_checkpoint_name(os.path.join(root, "ddp"), 2), weights_only=False)["model"]
+    tensors = {k: v for k, v in ours.items() if torch.is_tensor(v)}
+    return {"keys": sorted(ours) == sorted(ddps),
+            "shapes": sorted(k for k, v in ddps.items() if torch.is_tensor(v)
+                             and (k not in tensors or tensors[k].shape != v.shape)),
+            "saved differ": sorted(k for k in at_save if not torch.equal(tensors.get(k, torch.empty(0)), at_save[k])),
+            "loaded iteration": out.get("loaded iteration"),
+            "losses": (ddp_losses, first_losses + resumed_losses),
+            "end differ": sorted(k for k in ddp_end if not torch.equal(ddp_end[k], end[k]))}
 
 
 # ---- D: clash with another FSDP ------------------------------------------------------
@@ -441,9 +542,11 @@ def _muon(rank: int, world_size: int) -> Dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def results() -> Dict[str, List[Any]]:
+def results(tmp_path_factory) -> Dict[str, List[Any]]:
+    root = str(tmp_path_factory.mktemp("megatron_lm_ckpt"))
     return run_cases_on_ranks({
-        "isinstance": (_isinstance_ddp, ()), "meta": (_meta_init, ()), "clash": (_clash, ()), "nan": (_nan, ()),
+        "isinstance": (_isinstance_ddp, ()), "meta": (_meta_init, ()),
+        "torch_ckpt": (_torch_checkpoint, (root,)), "clash": (_clash, ()), "nan": (_nan, ()),
         "params_norm": (_params_norm, ()), "muon": (_muon, ()),
     }, 2, timeout=400)
 
@@ -465,6 +568,20 @@ def test_megatron_lm_init_model_with_meta_device(results):
         assert res["init differ"] == [], (res["init differ"], res["init max"])
         ref_losses, losses = res["losses"]
         assert losses == ref_losses and len(losses) == 2, res["losses"]
+        assert res["end differ"] == [], res["end differ"]
+
+
+def test_megatron_lm_ckpt_format_torch(results):
+    """2: Megatron-LM's torch-format save_checkpoint under the switch writes the full model
+    (megatron-core DDP's keys and shapes, our gathered weights), and load_checkpoint in a fresh
+    job resumes it: the third step's loss and the weights after it equal DDP's 3 uninterrupted
+    steps bit for bit (fp32, dp 2: every reduction has two addends)."""
+    for res in results["torch_ckpt"]:
+        assert res["keys"] and res["shapes"] == [], res
+        assert res["saved differ"] == [], res["saved differ"]
+        assert res["loaded iteration"] == 2, res
+        ddp_losses, losses = res["losses"]
+        assert losses == ddp_losses and len(losses) == 3, res["losses"]
         assert res["end differ"] == [], res["end differ"]
 
 

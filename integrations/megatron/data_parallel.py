@@ -346,6 +346,30 @@ class VeScaleFSDP(_BaseDataParallel):
     def release_state_dict(self) -> None:
         self._prepared = None
 
+    @contextmanager
+    def torch_format_save(self) -> Iterator[None]:
+        """Collective. For Megatron-LM's ``--ckpt-format torch`` save: :meth:`prepare_state_dict`,
+        and for the duration the wrapped model (what Megatron's ``unwrap_model`` gives, whose
+        ``state_dict_for_save_checkpoint`` Megatron-LM's ``generate_state_dict`` calls on the saving
+        ranks) answers that call with the full state dict prepared here, not its shards.
+
+        [Note: torch-format saves see the inner model] Megatron-LM's ``save_checkpoint`` unwraps
+        every wrapper before asking for the model's state, so :meth:`state_dict_for_save_checkpoint`
+        of this wrapper is never reached there; an instance attribute on the inner model shadows
+        its class's method while the save runs, and goes when it ends."""
+        self.prepare_state_dict()
+        inner = _unwrap(self.module)
+
+        def full(prefix: str = "", keep_vars: bool = False) -> Dict[str, Any]:
+            return self.state_dict(prefix=prefix, keep_vars=keep_vars)
+
+        inner.state_dict_for_save_checkpoint = full
+        try:
+            yield
+        finally:
+            inner.__dict__.pop("state_dict_for_save_checkpoint", None)
+            self.release_state_dict()
+
     def state_dict(self, prefix: str = "", keep_vars: bool = False, destination: Any = None) -> Dict[str, Any]:
         """The *full* (unsharded) state dict, as Megatron's DDP would give; interchangeable
         with DDP checkpoints. Collective over the data-parallel groups unless

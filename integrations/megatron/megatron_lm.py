@@ -188,8 +188,9 @@ def _wrap_checkpointing(training: Any, get_args: Callable[[], Any]) -> None:
     state is written in model space on the same boxes by ``VeScaleOptimizer.sharded_state_dict``,
     per-block optimizer state beside it; the load runs with full parameters installed
     (``VeScaleFSDP.full_parameters``), into which Megatron's loader reshards across TP/PP/DP.
-    ``torch``: data-parallel rank 0 alone asks for the model's state dict, so it is gathered
-    on every rank beforehand (this format still holds the full model during the save); rank 0's
+    ``torch``: data-parallel rank 0 alone asks the *unwrapped* model for its state dict, so it is
+    gathered on every rank beforehand and the inner model answers with it
+    (``VeScaleFSDP.torch_format_save``; this format still holds the full model during the save); rank 0's
     file cannot hold every rank's optimizer shards, so they go beside it (see optimizer.py
     [Note: optimizer checkpoints]).
     """
@@ -217,9 +218,8 @@ def _wrap_checkpointing(training: Any, get_args: Callable[[], Any]) -> None:
             for chunk in chunks:
                 if fmt == "torch_dist":
                     stack.enter_context(checkpoint_parameters(chunk))
-                else:
-                    chunk.prepare_state_dict()
-                    stack.callback(chunk.release_state_dict)
+                else:  # data_parallel.py [Note: torch-format saves see the inner model]
+                    stack.enter_context(chunk.torch_format_save())
             return megatron_save(iteration, model, *rest, **kwargs)
 
     def load_checkpoint(model: Any, *rest: Any, **kwargs: Any):
