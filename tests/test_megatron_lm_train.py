@@ -206,6 +206,8 @@ def _lm_args(pg, argv: List[str]):
     args.ddp_reduce_scatter_with_fp32_accumulation = False
     args.ddp_average_in_collective = False
     args.overlap_param_gather_with_optimizer_step = False
+    if args.bf16:  # core_v0.16.1 arguments.py lines 714-723: bf16 reduces and accumulates in fp32 by default
+        args.accumulate_allreduce_grads_in_fp32 = True
     args.ckpt_format, args.no_save_optim, args.no_load_optim, args.finetune = "torch", False, False, False
     args.save = args.load = None
     return args
@@ -371,6 +373,38 @@ def _torch_checkpoint(rank: int, world_size: int, root: str) -> Dict[str, Any]:
             "loaded iteration": out.get("loaded iteration"),
             "losses": (ddp_losses, first_losses + resumed_losses),
             "end differ": sorted(k for k in ddp_end if not torch.equal(ddp_end[k], end[k]))}
+
+
+# ---- 5: gradient reduction with and without --overlap-grad-reduce ---------------------
+def _grad_reduce(rank: int, world_size: int) -> Dict[str, Any]:
+    """bf16, 4 micro-batches per rank: Megatron-LM's get_model and train() setup (no_sync_func
+    only under --overlap-grad-reduce), one step of Megatron's schedule and finalize_model_grads,
+    under the switch and under megatron-core DDP with the same flags."""
+    from tests.comm_spy import CommSpy
+    from tests.test_megatron import _ddp_grads, _our_grads
+
+    argv = ARGV + ["--global-batch-size", "16", "--bf16"]  # 4 micro-batches of 2 per rank at dp 2
+    out: Dict[str, Any] = {}
+    with _megatron_job(argv) as (pg, _):
+        for overlap in (False, True):
+            grads = {}
+            for flag in (False, True):
+                args = _lm_args(pg, argv + (["--use-vescale-fsdp"] if flag else []))
+                args.overlap_grad_reduce = overlap
+                training = _switched(pg, args)
+                pg.seed(args)
+                config = pg.transformer_config(args)
+                model = _get_model(training, pg, args, config)
+                _train_setup_calls(training, args, model, config)
+                with CommSpy().installed() as spy:
+                    _one_step(pg, args, model[0], config, num_microbatches=4)
+                grads[flag] = _our_grads(model[0]) if flag else _ddp_grads(model[0])
+                if flag:
+                    out[(overlap, "reduce-scatters")] = sum(c[0] == "reduce_scatter" for c in spy.calls)
+                    out[(overlap, "groups")] = len(model[0].vescale_groups)
+            out[(overlap, "grads differ")] = sorted(k for k in grads[False]
+                                                    if not torch.equal(grads[False][k], grads[True][k]))
+    return out
 
 
 # ---- D: clash with another FSDP ------------------------------------------------------
@@ -546,7 +580,8 @@ def results(tmp_path_factory) -> Dict[str, List[Any]]:
     root = str(tmp_path_factory.mktemp("megatron_lm_ckpt"))
     return run_cases_on_ranks({
         "isinstance": (_isinstance_ddp, ()), "meta": (_meta_init, ()),
-        "torch_ckpt": (_torch_checkpoint, (root,)), "clash": (_clash, ()), "nan": (_nan, ()),
+        "torch_ckpt": (_torch_checkpoint, (root,)), "grad_reduce": (_grad_reduce, ()),
+        "clash": (_clash, ()), "nan": (_nan, ()),
         "params_norm": (_params_norm, ()), "muon": (_muon, ()),
     }, 2, timeout=400)
 
@@ -583,6 +618,16 @@ def test_megatron_lm_ckpt_format_torch(results):
         ddp_losses, losses = res["losses"]
         assert losses == ddp_losses and len(losses) == 3, res["losses"]
         assert res["end differ"] == [], res["end differ"]
+
+
+def test_megatron_lm_grad_reduce_once_per_step(results):
+    """5: with or without --overlap-grad-reduce, one reduce-scatter per group per step (4
+    micro-batches), and bf16 gradients accumulated in fp32: the reduced gradients equal
+    megatron-core DDP's (fp32 main_grad accumulation, 1/dp scaling, two addends) bit for bit."""
+    for res in results["grad_reduce"]:
+        for overlap in (False, True):
+            assert res[(overlap, "reduce-scatters")] == res[(overlap, "groups")] == 3, (overlap, res)
+            assert res[(overlap, "grads differ")] == [], (overlap, res[(overlap, "grads differ")])
 
 
 def test_megatron_lm_clash_with_other_fsdp(results):

@@ -397,6 +397,19 @@ class ParamGroup:
         self.grads.issue(bool(had_grad), [(i, self.params[i].unsharded) for i in self._grad_indices])
         return True
 
+    def issue_accumulated_reduce_scatter(self) -> bool:
+        """Outside backward: start the reduce-scatter of what backwards without gradient sync
+        accumulated since the last reduction (zeros where nothing did), as the next synced
+        backward would have (runtime [Note: reducing after backward]); False for a group without
+        gradients. Gradient sync stays as it was."""
+        sync = self.requires_grad_sync
+        self.requires_grad_sync = True
+        try:
+            return self.issue_reduce_scatter()
+        finally:
+            self.requires_grad_sync = sync
+            self.progress = BackwardProgress()
+
     def local_usage(self) -> Optional[List[int]]:
         """1/0 per parameter with gradients: got one on this rank since the last synced
         backward; ``None`` unless this backward reduced and [Note: unused everywhere] applies."""
