@@ -407,6 +407,46 @@ def _grad_reduce(rank: int, world_size: int) -> Dict[str, Any]:
     return out
 
 
+# ---- 6: flags without effect ---------------------------------------------------------
+FLAGS_WITHOUT_EFFECT = {  # flag: (args field, a value that sets it, words of the reason)
+    "--data-parallel-sharding-strategy": ("data_parallel_sharding_strategy", "optim_grads", "Megatron-FSDP"),
+    "--ddp-reduce-scatter-with-fp32-accumulation": ("ddp_reduce_scatter_with_fp32_accumulation", True,
+                                                    "reduce dtype"),
+    "--check-for-large-grads": ("check_for_large_grads", True, "NaN / Inf only"),
+    "--ddp-bucket-size": ("ddp_bucket_size", 1000, "buckets are its groups"),
+    "--ddp-num-buckets": ("ddp_num_buckets", 2, "buckets are its groups"),
+    "--ddp-pad-buckets-for-high-nccl-busbw": ("ddp_pad_buckets_for_high_nccl_busbw", True, "16 bytes"),
+}
+
+
+def _flags(rank: int, world_size: int) -> Dict[str, Any]:
+    """Megatron-LM's get_model twice with every flag VeScaleFSDP does not use, then the
+    example's build twice with --min-lr: the warnings each time."""
+    import warnings
+
+    out: Dict[str, Any] = {"lm": [], "example": []}
+    with _megatron_job(ARGV) as (pg, _):
+        for flag in (False, True, True):  # DDP first: Megatron's own flags say nothing there
+            args = _lm_args(pg, ARGV + (["--use-vescale-fsdp"] if flag else []))
+            for field, value, _ in FLAGS_WITHOUT_EFFECT.values():
+                setattr(args, field, value)
+            if not flag:
+                args.ddp_num_buckets = None  # Megatron-LM asserts one of the two bucket flags at most
+            training = _switched(pg, args)
+            pg.seed(args)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                _get_model(training, pg, args, pg.transformer_config(args))
+            out["lm"] += [str(w.message) for w in caught if "has no effect" in str(w.message)]
+        for _ in range(2):
+            args = pg.build_parser().parse_args(ARGV + ["--use-vescale-fsdp", "--min-lr", "1e-4"])
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                pg.build(args)
+            out["example"] += [str(w.message) for w in caught if "has no effect" in str(w.message)]
+    return out
+
+
 # ---- D: clash with another FSDP ------------------------------------------------------
 def _clash(rank: int, world_size: int) -> Dict[str, str]:
     out = {}
@@ -580,7 +620,7 @@ def results(tmp_path_factory) -> Dict[str, List[Any]]:
     root = str(tmp_path_factory.mktemp("megatron_lm_ckpt"))
     return run_cases_on_ranks({
         "isinstance": (_isinstance_ddp, ()), "meta": (_meta_init, ()),
-        "torch_ckpt": (_torch_checkpoint, (root,)), "grad_reduce": (_grad_reduce, ()),
+        "torch_ckpt": (_torch_checkpoint, (root,)), "grad_reduce": (_grad_reduce, ()), "flags": (_flags, ()),
         "clash": (_clash, ()), "nan": (_nan, ()),
         "params_norm": (_params_norm, ()), "muon": (_muon, ()),
     }, 2, timeout=400)
@@ -628,6 +668,20 @@ def test_megatron_lm_grad_reduce_once_per_step(results):
         for overlap in (False, True):
             assert res[(overlap, "reduce-scatters")] == res[(overlap, "groups")] == 3, (overlap, res)
             assert res[(overlap, "grads differ")] == [], (overlap, res[(overlap, "grads differ")])
+
+
+def test_megatron_lm_flags_without_effect(results):
+    """6: each Megatron-LM flag VeScaleFSDP does not use is named once (rank 0, however many
+    models are built), with its reason; none under megatron-core DDP; the example's --min-lr (no
+    scheduler) likewise."""
+    rank0, rank1 = results["flags"]
+    assert rank1 == {"lm": [], "example": []}, rank1
+    for flag, (_, _, reason) in FLAGS_WITHOUT_EFFECT.items():
+        said = [m for m in rank0["lm"] if m.startswith(flag + " has no effect under --use-vescale-fsdp")]
+        assert len(said) == 1 and reason in said[0], (flag, rank0["lm"])
+    assert len(rank0["lm"]) == len(FLAGS_WITHOUT_EFFECT), rank0["lm"]
+    assert len(rank0["example"]) == 1 and "--min-lr 0.0001 has no effect in this example" in rank0["example"][0] \
+        and "no learning-rate scheduler" in rank0["example"][0], rank0["example"]
 
 
 def test_megatron_lm_clash_with_other_fsdp(results):

@@ -36,6 +36,7 @@ from .arguments import (
     vescale_optimizer_block,
     vescale_optimizer_name,
     vescale_options_from_args,
+    warn_flags_without_effect,
 )
 from .data_parallel import VeScaleFSDP, params_l2_norm
 from .dist_checkpoint import checkpoint_parameters
@@ -139,6 +140,7 @@ def use_vescale_fsdp_in_megatron_lm(get_args: Optional[Callable[[], Any]] = None
         parsed = get_args()
         if getattr(parsed, "use_vescale_fsdp", False):
             validate_vescale_args(parsed)  # before Megatron-LM picks Megatron-FSDP / FSDP2 by their flags
+            warn_flags_without_effect(parsed)
         return megatron_get_model(*args, **kwargs)
 
     def to_empty_if_meta_device(module: Any, *rest: Any, **kwargs: Any) -> Any:
