@@ -3,8 +3,8 @@
 Megatron-LM (``megatron.training``) is not on the package index, so a test-only stand-in
 module plays ``megatron.training.training`` in each rank: its module-level names and the
 calls that touch them, written here from Megatron-LM tag ``core_v0.16.1``
-(megatron/training/training.py, megatron/training/utils.py); each helper says which lines
-it mirrors. No Megatron code is copied; the stand-ins only make the same calls.
+(megatron/training/training.py, utils.py, checkpointing.py, arguments.py, gpt_builders.py); each
+helper says which lines it mirrors. No Megatron code is copied; the stand-ins only make the same calls.
 One spawn of 2 ranks runs every case (tests/distributed.py run_cases_on_ranks).
 """
 
