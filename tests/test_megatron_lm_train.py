@@ -3,8 +3,8 @@
 Megatron-LM (``megatron.training``) is not on the package index, so a test-only stand-in
 module plays ``megatron.training.training`` in each rank: its module-level names and the
 calls that touch them, written here from Megatron-LM tag ``core_v0.16.1``
-(megatron/training/training.py, megatron/training/utils.py); each helper says which lines
-it mirrors. No Megatron code is copied; the stand-ins only make the same calls.
+(megatron/training/training.py, utils.py, checkpointing.py, arguments.py, gpt_builders.py); each
+helper says which lines it mirrors. No Megatron code is copied; the stand-ins only make the same calls.
 One spawn of 2 ranks runs every case (tests/distributed.py run_cases_on_ranks).
 """
 
@@ -60,10 +60,35 @@ def _stand_in(args) -> types.ModuleType:
     training.get_megatron_muon_optimizer = get_megatron_muon_optimizer
 
     def get_model(model_provider, config):
-        """core_v0.16.1 training.py get_model, lines 1276-1340: the wrapper class by flag
-        (torch_FSDP / megatron_FSDP / DDP), called with config, ddp_config, module, disable_bucketing."""
+        """core_v0.16.1 training.py get_model, lines 1161-1341: the model built under
+        torch.device('meta') with --init-model-with-meta-device (1218-1222), tensor-parallel
+        defaults (1230-1233), .cuda() unless meta (1253-1258), Float16Module under bf16/fp16
+        (1261-1263), to_empty_if_meta_device unless FSDP2 / Megatron-FSDP (1266-1267), then the
+        wrapper class by flag (1276-1284) called with config, ddp_config (1289-1322: the
+        DistributedDataParallelConfig fields read from args, then the flags renamed into it, the
+        bucket size) and module (1328-1337)."""
+        from megatron.core import tensor_parallel
         from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.transformer.module import Float16Module
 
+        if args.init_model_with_meta_device:
+            with torch.device("meta"):
+                model = [model_provider()]
+        else:
+            model = [model_provider()]
+        for chunk in model:
+            for param in chunk.parameters():
+                tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+        num_parameters = sum(p.nelement() for chunk in model for p in chunk.parameters())
+        if not (args.use_torch_fsdp2 and args.use_cpu_initialization) and not args.init_model_with_meta_device:
+            for chunk in model:
+                chunk.cuda(torch.cuda.current_device())
+        if args.fp16 or args.bf16:
+            model = [Float16Module(config, chunk) for chunk in model]
+        if args.init_model_with_meta_device and not args.use_torch_fsdp2 and not args.use_megatron_fsdp:
+            # device "cuda" there; the suite's CUDA shim names the CPU as the current device
+            model = [training.to_empty_if_meta_device(chunk, device=torch.device(torch.cuda.current_device()))
+                     for chunk in model]
         if args.use_torch_fsdp2:
             dp = training.torch_FSDP
         elif args.use_megatron_fsdp:
@@ -72,17 +97,97 @@ def _stand_in(args) -> types.ModuleType:
             dp = training.DDP
         fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(DistributedDataParallelConfig)
                   if hasattr(args, f.name)}
+        fields["grad_reduce_in_fp32"] = args.accumulate_allreduce_grads_in_fp32
         fields["check_for_nan_in_grad"] = args.check_for_nan_in_loss_and_grad
+        fields["check_for_large_grads"] = args.check_for_large_grads
+        if args.ddp_num_buckets is not None:
+            fields["bucket_size"] = num_parameters // args.ddp_num_buckets
+        else:
+            fields["bucket_size"] = args.ddp_bucket_size
+        fields["pad_buckets_for_high_nccl_busbw"] = args.ddp_pad_buckets_for_high_nccl_busbw
+        fields["reduce_scatter_with_fp32_accumulation"] = args.ddp_reduce_scatter_with_fp32_accumulation
+        fields["average_in_collective"] = args.ddp_average_in_collective
         ddp_config = DistributedDataParallelConfig(**fields)
-        return [dp(config=config, ddp_config=ddp_config, module=model_provider(), disable_bucketing=False)]
+        if ddp_config.bucket_size is None:
+            ddp_config.bucket_size = max(40000000, 1000000 * torch.distributed.get_world_size())
+        if not ddp_config.overlap_grad_reduce:
+            ddp_config.bucket_size = None
+        return [dp(config=config, ddp_config=ddp_config, module=chunk,
+                   disable_bucketing=(i > 0) or args.overlap_param_gather_with_optimizer_step)
+                for i, chunk in enumerate(model)]
 
     training.get_model = get_model
+    training.to_empty_if_meta_device = _to_empty_if_meta_device
     training.calc_params_l2_norm = lambda model, force_create_fp32_copy=False: _calc_params_l2_norm(
         args, model, force_create_fp32_copy)
+    checkpointing = types.ModuleType("megatron.training.checkpointing")
+    checkpointing.save_checkpoint = lambda *a, **k: _save_checkpoint(args, *a, **k)
+    checkpointing.load_checkpoint = lambda *a, **k: _load_checkpoint(args, *a, **k)
+    # core_v0.16.1 training.py lines 104-105: imported by name from checkpointing
+    training.save_checkpoint, training.load_checkpoint = checkpointing.save_checkpoint, checkpointing.load_checkpoint
     package = types.ModuleType("megatron.training")
-    package.training = training
-    sys.modules.update({"megatron.training": package, "megatron.training.training": training})
+    package.training, package.checkpointing = training, checkpointing
+    sys.modules.update({"megatron.training": package, "megatron.training.training": training,
+                        "megatron.training.checkpointing": checkpointing})
     return training
+
+
+def _checkpoint_name(root: str, iteration: int) -> str:
+    """core_v0.16.1 checkpointing.py get_checkpoint_name, lines 162-201, at TP rank 0 without
+    pipeline or expert parallelism (the cases here)."""
+    return os.path.join(root, f"iter_{iteration:07d}", "mp_rank_00", "model_optim_rng.pt")
+
+
+def _save_checkpoint(args, iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+                     **unused):
+    """core_v0.16.1 checkpointing.py save_checkpoint with --ckpt-format torch (a LEGACY
+    checkpoint), lines 471-760: unwrap_model(model) (504); on expert-data-parallel rank 0 only
+    (581-583) generate_state_dict (877-952: args, version, iteration, each chunk's
+    ``state_dict_for_save_checkpoint()``, the optimizer's ``state_dict()``) and torch.save
+    (691-694); a barrier (701); rank 0 writes the tracker file (703-724). RNG, rerun state and
+    the scheduler are left out (none here)."""
+    from megatron.core import parallel_state as mpu
+    from megatron.training.training import unwrap_model
+
+    model = unwrap_model(model)
+    if mpu.get_expert_data_parallel_rank() == 0:
+        state_dict = {"args": None, "checkpoint_version": 3.0, "iteration": iteration}
+        for i, chunk in enumerate(model):
+            state_dict["model" if len(model) == 1 else f"model{i}"] = chunk.state_dict_for_save_checkpoint()
+        if not args.no_save_optim and optimizer is not None:
+            state_dict["optimizer"] = optimizer.state_dict()
+        state_dict["num_floating_point_operations_so_far"] = num_floating_point_operations_so_far
+        name = _checkpoint_name(args.save, iteration)
+        os.makedirs(os.path.dirname(name), exist_ok=True)
+        torch.save(state_dict, name)
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        with open(os.path.join(args.save, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(iteration))
+
+
+def _load_checkpoint(args, ddp_model, optimizer, opt_param_scheduler, load_arg="load", strict=True, **unused):
+    """core_v0.16.1 checkpointing.py load_checkpoint of a torch (LEGACY) checkpoint, lines
+    1479-1800: _load_base_checkpoint (1160-1270: the tracker file's iteration, this rank's
+    get_checkpoint_name, torch.load to the CPU), the iteration, then
+    ``ddp_model[0].load_state_dict(state_dict['model'], strict)`` on the *wrapped* chunk
+    (1757-1767) and ``optimizer.load_state_dict(state_dict['optimizer'])`` (1793-1794)."""
+    load_dir = getattr(args, load_arg)
+    with open(os.path.join(load_dir, "latest_checkpointed_iteration.txt")) as f:
+        iteration = int(f.read().strip())
+    state_dict = torch.load(_checkpoint_name(load_dir, iteration), map_location="cpu", weights_only=False)
+    ddp_model[0].load_state_dict(state_dict["model"], strict=strict)
+    if not args.no_load_optim and optimizer is not None:
+        optimizer.load_state_dict(state_dict["optimizer"])
+    return state_dict["iteration"], state_dict.get("num_floating_point_operations_so_far", 0)
+
+
+def _to_empty_if_meta_device(module: torch.nn.Module, *, device: torch.device, recurse: bool = True):
+    """core_v0.16.1 megatron/training/utils.py to_empty_if_meta_device, lines 766-791 (imported
+    by name into training.py, line 178): meta tensors become uninitialised ones on ``device``
+    (``empty_like``), any other moves there."""
+    return module._apply(lambda t: torch.empty_like(t, device=device) if t.device.type == "meta" else t.to(device),
+                         recurse=recurse)
 
 
 def _lm_args(pg, argv: List[str]):
@@ -94,6 +199,17 @@ def _lm_args(pg, argv: List[str]):
     args.align_grad_reduce = True
     args.check_for_nan_in_loss_and_grad = True
     args.gradient_accumulation_fusion = False
+    args.use_cpu_initialization = True
+    args.check_for_large_grads = False
+    args.ddp_num_buckets = args.ddp_bucket_size = None
+    args.ddp_pad_buckets_for_high_nccl_busbw = False
+    args.ddp_reduce_scatter_with_fp32_accumulation = False
+    args.ddp_average_in_collective = False
+    args.overlap_param_gather_with_optimizer_step = False
+    if args.bf16:  # core_v0.16.1 arguments.py lines 714-723: bf16 reduces and accumulates in fp32 by default
+        args.accumulate_allreduce_grads_in_fp32 = True
+    args.ckpt_format, args.no_save_optim, args.no_load_optim, args.finetune = "torch", False, False, False
+    args.save = args.load = None
     return args
 
 
@@ -105,9 +221,24 @@ def _switched(pg, args) -> types.ModuleType:
     return training
 
 
+def _model_provider(pg, args, config) -> torch.nn.Module:
+    """core_v0.16.1 gpt_builders.py gpt_builder (lines 28-114, the local-spec GPTModel at 95): the bare
+    GPTModel; get_model places, casts and wraps it."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return GPTModel(
+        config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=args.num_experts,
+                                                                      moe_grouped_gemm=False),
+        vocab_size=args.vocab_size, max_sequence_length=args.max_position_embeddings or args.seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
+
+
 def _get_model(training, pg, args, config) -> List[torch.nn.Module]:
     """core_v0.16.1 training.py setup_model_and_optimizer -> get_model(model_provider, ...)."""
-    return training.get_model(lambda: pg.build_model_unwrapped(args, config), config)
+    return training.get_model(lambda: _model_provider(pg, args, config), config)
 
 
 def _train_setup_calls(training, args, model, config) -> None:
@@ -164,6 +295,155 @@ def _isinstance_ddp(rank: int, world_size: int) -> Dict[str, Any]:
     # (a sum of two terms is the same in either order): equal bit for bit.
     out["grads equal"] = sorted(grads[True]) == sorted(grads[False]) and all(
         torch.equal(grads[True][k], grads[False][k]) for k in grads[False])
+    return out
+
+
+# ---- 1: --init-model-with-meta-device ------------------------------------------------
+def _full_weights(chunk) -> Dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in chunk.state_dict().items() if torch.is_tensor(v)}
+
+
+def _meta_init(rank: int, world_size: int) -> Dict[str, Any]:
+    """Megatron-LM's get_model with --init-model-with-meta-device under the switch, beside
+    megatron-core DDP built eagerly (Megatron's DDP cannot take a meta model): the same
+    initial weights (Megatron's meta-init contract) and the same 2 AdamW steps."""
+    from tests.megatron_shim import MegatronFP32Step
+
+    argv = ARGV + ["--global-batch-size", "8", "--clip-grad", "0", "--train-iters", "2"]
+    out: Dict[str, Any] = {}
+    with _megatron_job(argv) as (pg, _):
+        for name, extra in (("ddp", []), ("vescale", ["--use-vescale-fsdp", "--init-model-with-meta-device"])):
+            args = _lm_args(pg, argv + extra)
+            training = _switched(pg, args)
+            pg.seed(args)
+            config = pg.transformer_config(args)
+            model = _get_model(training, pg, args, config)
+            init = _full_weights(model[0])
+            opt_config = pg.optimizer_config(args)
+            optimizer = (MegatronFP32Step(model[0], opt_config) if name == "ddp"
+                         else training.get_megatron_optimizer(opt_config, model))
+            losses = pg.train_loop(args, model[0], optimizer, config)["losses"]
+            out[name] = (init, losses, _full_weights(model[0]))
+    (ref_init, ref_losses, ref_end), (init, losses, end) = out["ddp"], out["vescale"]
+    return {"keys": sorted(ref_init) == sorted(init),
+            "init differ": sorted(k for k in ref_init if not torch.equal(ref_init[k], init[k])),
+            "init max": max(v.abs().max().item() for v in init.values()),
+            "losses": (ref_losses, losses),
+            "end differ": sorted(k for k in ref_end if not torch.equal(ref_end[k], end[k]))}
+
+
+# ---- 2: --ckpt-format torch ---------------------------------------------------------
+def _torch_checkpoint(rank: int, world_size: int, root: str) -> Dict[str, Any]:
+    """Megatron-LM's save_checkpoint / load_checkpoint (--ckpt-format torch) under the switch:
+    2 steps, saved, loaded into a fresh job, a third step; beside megatron-core DDP's 3 steps
+    uninterrupted and its own file."""
+    from tests.megatron_shim import MegatronFP32Step
+
+    argv = ARGV + ["--global-batch-size", "8", "--clip-grad", "0", "--train-iters", "3"]
+    out: Dict[str, Any] = {}
+    with _megatron_job(argv) as (pg, _):
+        def job(flag: bool, save: str = None, load: str = None, first: int = 0, last: int = 3):
+            args = _lm_args(pg, argv + (["--use-vescale-fsdp"] if flag else []))
+            args.save, args.load, args.train_iters = save, load, last
+            training = _switched(pg, args)
+            pg.seed(args)
+            config = pg.transformer_config(args)
+            model = _get_model(training, pg, args, config)
+            opt_config = pg.optimizer_config(args)
+            optimizer = (training.get_megatron_optimizer(opt_config, model) if flag
+                         else MegatronFP32Step(model[0], opt_config))
+            if load is not None:
+                out["loaded iteration"] = training.load_checkpoint(model, optimizer, None)[0]
+            losses = pg.train_loop(args, model[0], optimizer, config, first_step=first)["losses"]
+            if save is not None:
+                training.save_checkpoint(last, model, optimizer if flag else None, None, 0)  # DDP's: its model
+            return losses, _full_weights(model[0])
+
+        ddp_losses, ddp_end = job(False)
+        job(False, save=os.path.join(root, "ddp"), last=2)
+        first_losses, at_save = job(True, save=os.path.join(root, "ours"), last=2)
+        resumed_losses, end = job(True, load=os.path.join(root, "ours"), first=2)
+    ours = torch.load(_checkpoint_name(os.path.join(root, "ours"), 2), weights_only=False)["model"]
+    ddps = torch.load(_checkpoint_name(os.path.join(root, "ddp"), 2), weights_only=False)["model"]
+    tensors = {k: v for k, v in ours.items() if torch.is_tensor(v)}
+    return {"keys": sorted(ours) == sorted(ddps),
+            "shapes": sorted(k for k, v in ddps.items() if torch.is_tensor(v)
+                             and (k not in tensors or tensors[k].shape != v.shape)),
+            "saved differ": sorted(k for k in at_save if not torch.equal(tensors.get(k, torch.empty(0)), at_save[k])),
+            "loaded iteration": out.get("loaded iteration"),
+            "losses": (ddp_losses, first_losses + resumed_losses),
+            "end differ": sorted(k for k in ddp_end if not torch.equal(ddp_end[k], end[k]))}
+
+
+# ---- 5: gradient reduction with and without --overlap-grad-reduce ---------------------
+def _grad_reduce(rank: int, world_size: int) -> Dict[str, Any]:
+    """bf16, 4 micro-batches per rank: Megatron-LM's get_model and train() setup (no_sync_func
+    only under --overlap-grad-reduce), one step of Megatron's schedule and finalize_model_grads,
+    under the switch and under megatron-core DDP with the same flags."""
+    from tests.comm_spy import CommSpy
+    from tests.test_megatron import _ddp_grads, _our_grads
+
+    argv = ARGV + ["--global-batch-size", "16", "--bf16"]  # 4 micro-batches of 2 per rank at dp 2
+    out: Dict[str, Any] = {}
+    with _megatron_job(argv) as (pg, _):
+        for overlap in (False, True):
+            grads = {}
+            for flag in (False, True):
+                args = _lm_args(pg, argv + (["--use-vescale-fsdp"] if flag else []))
+                args.overlap_grad_reduce = overlap
+                training = _switched(pg, args)
+                pg.seed(args)
+                config = pg.transformer_config(args)
+                model = _get_model(training, pg, args, config)
+                _train_setup_calls(training, args, model, config)
+                with CommSpy().installed() as spy:
+                    _one_step(pg, args, model[0], config, num_microbatches=4)
+                grads[flag] = _our_grads(model[0]) if flag else _ddp_grads(model[0])
+                if flag:
+                    out[(overlap, "reduce-scatters")] = sum(c[0] == "reduce_scatter" for c in spy.calls)
+                    out[(overlap, "groups")] = len(model[0].vescale_groups)
+            out[(overlap, "grads differ")] = sorted(k for k in grads[False]
+                                                    if not torch.equal(grads[False][k], grads[True][k]))
+    return out
+
+
+# ---- 6: flags without effect ---------------------------------------------------------
+FLAGS_WITHOUT_EFFECT = {  # flag: (args field, a value that sets it, words of the reason)
+    "--data-parallel-sharding-strategy": ("data_parallel_sharding_strategy", "optim_grads", "Megatron-FSDP"),
+    "--ddp-reduce-scatter-with-fp32-accumulation": ("ddp_reduce_scatter_with_fp32_accumulation", True,
+                                                    "reduce dtype"),
+    "--check-for-large-grads": ("check_for_large_grads", True, "NaN / Inf only"),
+    "--ddp-bucket-size": ("ddp_bucket_size", 1000, "buckets are its groups"),
+    "--ddp-num-buckets": ("ddp_num_buckets", 2, "buckets are its groups"),
+    "--ddp-pad-buckets-for-high-nccl-busbw": ("ddp_pad_buckets_for_high_nccl_busbw", True, "16 bytes"),
+}
+
+
+def _flags(rank: int, world_size: int) -> Dict[str, Any]:
+    """Megatron-LM's get_model twice with every flag VeScaleFSDP does not use, then the
+    example's build twice with --min-lr: the warnings each time."""
+    import warnings
+
+    out: Dict[str, Any] = {"lm": [], "example": []}
+    with _megatron_job(ARGV) as (pg, _):
+        for flag in (False, True, True):  # DDP first: Megatron's own flags say nothing there
+            args = _lm_args(pg, ARGV + (["--use-vescale-fsdp"] if flag else []))
+            for field, value, _ in FLAGS_WITHOUT_EFFECT.values():
+                setattr(args, field, value)
+            if not flag:
+                args.ddp_num_buckets = None  # Megatron-LM asserts one of the two bucket flags at most
+            training = _switched(pg, args)
+            pg.seed(args)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                _get_model(training, pg, args, pg.transformer_config(args))
+            out["lm"] += [str(w.message) for w in caught if "has no effect" in str(w.message)]
+        for _ in range(2):
+            args = pg.build_parser().parse_args(ARGV + ["--use-vescale-fsdp", "--min-lr", "1e-4"])
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                pg.build(args)
+            out["example"] += [str(w.message) for w in caught if "has no effect" in str(w.message)]
     return out
 
 
@@ -336,9 +616,12 @@ def _muon(rank: int, world_size: int) -> Dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def results() -> Dict[str, List[Any]]:
+def results(tmp_path_factory) -> Dict[str, List[Any]]:
+    root = str(tmp_path_factory.mktemp("megatron_lm_ckpt"))
     return run_cases_on_ranks({
-        "isinstance": (_isinstance_ddp, ()), "clash": (_clash, ()), "nan": (_nan, ()),
+        "isinstance": (_isinstance_ddp, ()), "meta": (_meta_init, ()),
+        "torch_ckpt": (_torch_checkpoint, (root,)), "grad_reduce": (_grad_reduce, ()), "flags": (_flags, ()),
+        "clash": (_clash, ()), "nan": (_nan, ()),
         "params_norm": (_params_norm, ()), "muon": (_muon, ()),
     }, 2, timeout=400)
 
@@ -349,6 +632,56 @@ def test_megatron_lm_train_isinstance_ddp(results):
         assert res.pop("grads equal"), "VeScaleFSDP's reduced gradients differ from megatron-core DDP's"
         for flag, checks in res.items():
             assert all(checks.values()), (flag, checks)
+
+
+def test_megatron_lm_init_model_with_meta_device(results):
+    """1: Megatron-LM's get_model with --init-model-with-meta-device builds VeScaleFSDP's
+    weights equal to megatron-core DDP's eager build, bit for bit, and 2 AdamW steps (fp32, 2
+    micro-batches, dp 2: every reduction has two addends) stay bit-identical."""
+    for res in results["meta"]:
+        assert res["keys"], res
+        assert res["init differ"] == [], (res["init differ"], res["init max"])
+        ref_losses, losses = res["losses"]
+        assert losses == ref_losses and len(losses) == 2, res["losses"]
+        assert res["end differ"] == [], res["end differ"]
+
+
+def test_megatron_lm_ckpt_format_torch(results):
+    """2: Megatron-LM's torch-format save_checkpoint under the switch writes the full model
+    (megatron-core DDP's keys and shapes, our gathered weights), and load_checkpoint in a fresh
+    job resumes it: the third step's loss and the weights after it equal DDP's 3 uninterrupted
+    steps bit for bit (fp32, dp 2: every reduction has two addends)."""
+    for res in results["torch_ckpt"]:
+        assert res["keys"] and res["shapes"] == [], res
+        assert res["saved differ"] == [], res["saved differ"]
+        assert res["loaded iteration"] == 2, res
+        ddp_losses, losses = res["losses"]
+        assert losses == ddp_losses and len(losses) == 3, res["losses"]
+        assert res["end differ"] == [], res["end differ"]
+
+
+def test_megatron_lm_grad_reduce_once_per_step(results):
+    """5: with or without --overlap-grad-reduce, one reduce-scatter per group per step (4
+    micro-batches), and bf16 gradients accumulated in fp32: the reduced gradients equal
+    megatron-core DDP's (fp32 main_grad accumulation, 1/dp scaling, two addends) bit for bit."""
+    for res in results["grad_reduce"]:
+        for overlap in (False, True):
+            assert res[(overlap, "reduce-scatters")] == res[(overlap, "groups")] == 3, (overlap, res)
+            assert res[(overlap, "grads differ")] == [], (overlap, res[(overlap, "grads differ")])
+
+
+def test_megatron_lm_flags_without_effect(results):
+    """6: each Megatron-LM flag VeScaleFSDP does not use is named once (rank 0, however many
+    models are built), with its reason; none under megatron-core DDP; the example's --min-lr (no
+    scheduler) likewise."""
+    rank0, rank1 = results["flags"]
+    assert rank1 == {"lm": [], "example": []}, rank1
+    for flag, (_, _, reason) in FLAGS_WITHOUT_EFFECT.items():
+        said = [m for m in rank0["lm"] if m.startswith(flag + " has no effect under --use-vescale-fsdp")]
+        assert len(said) == 1 and reason in said[0], (flag, rank0["lm"])
+    assert len(rank0["lm"]) == len(FLAGS_WITHOUT_EFFECT), rank0["lm"]
+    assert len(rank0["example"]) == 1 and "--min-lr 0.0001 has no effect in this example" in rank0["example"][0] \
+        and "no learning-rate scheduler" in rank0["example"][0], rank0["example"]
 
 
 def test_megatron_lm_clash_with_other_fsdp(results):

@@ -91,6 +91,14 @@ class RaggedFSDPModule:
             if st is not None and st.group is not None:
                 st.group.requires_grad_sync = requires_gradient_sync
 
+    def reduce_accumulated_grads(self) -> None:
+        """Collective; call on the root, after backward. Reduce-scatter, group by group, the
+        gradients that backwards without gradient sync accumulated since the last reduction, and
+        wait: the sharded ``.grad`` are set when it returns, as after a synced backward
+        (runtime [Note: reducing after backward])."""
+        state = getattr(self, _STATE)
+        (state.context or state.lazy_init()).reduce_accumulated()
+
     def set_prefetch(self, enabled: bool, *, recurse: bool = True) -> None:
         """Gather the next group (forward) / previous group (backward) asynchronously."""
         for m in self.modules() if recurse else [self]:

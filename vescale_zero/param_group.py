@@ -387,6 +387,19 @@ class ParamGroup:
         self.grads.issue(bool(had_grad), [(i, self.params[i].unsharded) for i in self._grad_indices])
         return True
 
+    def issue_accumulated_reduce_scatter(self) -> bool:
+        """Outside backward: start the reduce-scatter of what backwards without gradient sync
+        accumulated since the last reduction (zeros where nothing did), as the next synced
+        backward would have (runtime [Note: reducing after backward]); False for a group without
+        gradients. Gradient sync stays as it was."""
+        sync = self.requires_grad_sync
+        self.requires_grad_sync = True
+        try:
+            return self.issue_reduce_scatter()
+        finally:
+            self.requires_grad_sync = sync
+            self.progress = BackwardProgress()
+
     def finish_grad_sync(self) -> None:
         """Wait for the reduce-scatter and give the sharded parameters their ``.grad``."""
         self.grads.finish([(i, self.params[i].sharded) for i in self._grad_indices])

@@ -418,6 +418,25 @@ class RootContext:
         self.in_backward = False
         self.backward_of = None
 
+    def reduce_accumulated(self) -> None:
+        """[Note: reducing after backward] Backwards without gradient sync only accumulate; a
+        host that reduces once per step *after* its backwards (Megatron's DDP without
+        ``overlap_grad_reduce`` reduces in ``finish_grad_sync``) asks for the reduction here:
+        every group with gradients reduce-scatters what was accumulated since the last reduction,
+        in [Note: one order of reduce-scatters] (zeros for a group that got none: every rank
+        issues the same collectives), one in flight at a time ([Note: bounded gradient memory]),
+        then the usage flags (unused_grads [Note: usage flags without a host read]), as at the end
+        of a synced backward."""
+        if self.in_backward:
+            raise RuntimeError("reduce_accumulated_grads() inside backward: call it after backward has ended")
+        for group in self.reduce_order():
+            self._finish_in_flight()
+            if group.issue_accumulated_reduce_scatter():
+                self.reducing.append(group)
+        usage = usage_anywhere(self.reduce_order())
+        self._finish_in_flight()
+        drop_unused(usage)
+
 
 class FSDPState:
     """The hooks of one ``fully_shard`` module (see [Note: the iteration])."""

@@ -50,6 +50,7 @@ from vescale_zero.integrations.megatron import (
     vescale_optimizer_name,
     vescale_options_from_args,
 )
+from vescale_zero.integrations.megatron.arguments import warn_once
 from vescale_zero.testing import SyntheticCorpus
 
 
@@ -241,6 +242,10 @@ def build(args: argparse.Namespace) -> Tuple[torch.nn.Module, Any, TransformerCo
     config = transformer_config(args)
     model = build_model(args, config)
     opt_config = optimizer_config(args)
+    if args.min_lr:
+        warn_once("--min-lr", f"--min-lr {args.min_lr} has no effect in this example: it runs no learning-rate "
+                  f"scheduler, so the learning rate stays --lr {args.lr} (Megatron-LM's OptimizerParamScheduler "
+                  "decays towards --min-lr)")
     if args.use_vescale_fsdp:
         name = vescale_optimizer_name(args)
         optimizer = get_vescale_optimizer(opt_config, [model], optimizer=name,

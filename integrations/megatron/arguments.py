@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import argparse
 import inspect
-from typing import Any, Optional, Union
+import warnings
+from typing import Any, Callable, List, Optional, Set, Tuple, Union
+
+import torch.distributed as dist
 
 from vescale_zero.optim import AdamW8bit, Muon, Shampoo
 
@@ -24,7 +27,8 @@ from .data_parallel import VeScaleFSDPOptions, clash_message
 
 __all__ = [
     "add_vescale_fsdp_args", "validate_vescale_args", "vescale_options_from_args", "vescale_optimizer_name",
-    "vescale_optimizer_block", "check_megatron_optimizer", "STRUCTURED_OPTIMIZERS",
+    "vescale_optimizer_block", "check_megatron_optimizer", "STRUCTURED_OPTIMIZERS", "flags_without_effect",
+    "warn_flags_without_effect", "warn_once",
 ]
 
 STRUCTURED_OPTIMIZERS = {"adamw8bit": AdamW8bit, "shampoo": Shampoo, "muon": Muon}
@@ -118,3 +122,51 @@ def vescale_options_from_args(args: argparse.Namespace) -> VeScaleFSDPOptions:
         prefetch=getattr(args, "vescale_prefetch", True),
         fp8_all_gather_tile=getattr(args, "vescale_fp8_all_gather_tile", None),
     )
+
+
+_WARNED: Set[str] = set()
+
+
+def warn_once(flag: str, message: str) -> None:
+    """A ``UserWarning`` saying ``message``, once per process for ``flag``, on global rank 0
+    (every rank when torch.distributed is not initialised)."""
+    if flag in _WARNED:
+        return
+    _WARNED.add(flag)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+_GROUPS = ("VeScaleFSDP's buckets are its groups (one flat buffer per transformer layer, one for the rest of the "
+           "model), each reduce-scattered once per step")
+_NO_EFFECT: List[Tuple[str, str, Callable[[Any], bool], str]] = [
+    ("--data-parallel-sharding-strategy", "data_parallel_sharding_strategy", lambda v: v not in (None, "no_shard"),
+     "it picks what Megatron-FSDP shards; VeScaleFSDP always shards parameters, gradients and optimizer state over "
+     "data parallelism (what 'optim_grads_params' asks for)"),
+    ("--ddp-reduce-scatter-with-fp32-accumulation", "ddp_reduce_scatter_with_fp32_accumulation", bool,
+     "VeScaleFSDP reduce-scatters in the reduce dtype, which --accumulate-allreduce-grads-in-fp32 (Megatron-LM's "
+     "default under --bf16) makes fp32, so the sum is accumulated in fp32 there; without it, in bf16/fp16"),
+    ("--check-for-large-grads", "check_for_large_grads", bool,
+     "VeScaleFSDP checks the reduced gradients for NaN / Inf only (--check-for-nan-in-loss-and-grad), not for "
+     "unexpectedly large ones"),
+    ("--ddp-bucket-size", "ddp_bucket_size", lambda v: v is not None, _GROUPS),
+    ("--ddp-num-buckets", "ddp_num_buckets", lambda v: v is not None, _GROUPS),
+    ("--ddp-pad-buckets-for-high-nccl-busbw", "ddp_pad_buckets_for_high_nccl_busbw", bool,
+     "every rank's piece of a VeScaleFSDP group starts on 16 bytes already (DEFAULT_ALIGN_BYTES); the groups are "
+     "not padded further"),
+]
+
+
+def flags_without_effect(args: argparse.Namespace) -> List[Tuple[str, str]]:
+    """``[(flag, why)]``: Megatron-LM flags that ``args`` sets and that change nothing under
+    ``--use-vescale-fsdp`` (nothing without it)."""
+    if not getattr(args, "use_vescale_fsdp", False):
+        return []
+    return [(flag, why) for flag, field, is_set, why in _NO_EFFECT if is_set(getattr(args, field, None))]
+
+
+def warn_flags_without_effect(args: argparse.Namespace) -> None:
+    """Say once per flag (:func:`warn_once`) which of Megatron-LM's flags have no effect under
+    ``--use-vescale-fsdp``, and why."""
+    for flag, why in flags_without_effect(args):
+        warn_once(flag, f"{flag} has no effect under --use-vescale-fsdp: {why}")

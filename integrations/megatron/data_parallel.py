@@ -188,6 +188,16 @@ class VeScaleFSDP(_BaseDataParallel):
         self.dense_mesh, self.expert_mesh = data_parallel_meshes(
             groups, ddp_config.num_distributed_optimizer_instances, _device_type(module, self.dp_cp_group))
         self._shard(module)
+        # [Note: when gradients are reduced] As Megatron's DDP: with overlap_grad_reduce the
+        # last micro-batch's backward reduce-scatters (earlier ones run under no_sync, which
+        # Megatron-LM then sets); without it (Megatron-LM's default, and no no_sync_func then)
+        # every backward only accumulates, in the reduce dtype, and finish_grad_sync
+        # (finalize_model_grads) reduce-scatters once per group per step. The price: the
+        # whole model's full gradients are held until then (as megatron-core DDP's main_grad
+        # buffer holds them), even with one micro-batch; --overlap-grad-reduce bounds that
+        # to one group's in the last backward.
+        self._sync_in_backward = bool(ddp_config.overlap_grad_reduce)
+        module.set_requires_gradient_sync(self._sync_in_backward)
         if has_meta_tensors(module):  # --init-model-with-meta-device: see meta_init.py
             materialize_megatron(module, config)
         self._groups: List[ParamGroup] = groups_of(module)
@@ -270,20 +280,25 @@ class VeScaleFSDP(_BaseDataParallel):
     # ---- the _BaseDataParallel contract ---------------------------------------------
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backwards inside accumulate full gradients locally; the next one outside reduces."""
+        """Backwards inside accumulate full gradients locally; the next one outside reduces
+        (with ``overlap_grad_reduce``; without it :meth:`finish_grad_sync` reduces)."""
         self.module.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            self.module.set_requires_gradient_sync(True)
+            self.module.set_requires_gradient_sync(self._sync_in_backward)
 
     def start_grad_sync(self, *unused: Any) -> None:
-        """Nothing to start: backward issues each group's reduce-scatter itself once the
-        group's gradients are complete, in one order on every rank (vescale_zero.runtime
-        [Note: one order of reduce-scatters])."""
+        """Nothing to start: with ``overlap_grad_reduce`` backward issues each group's
+        reduce-scatter itself once the group's gradients are complete, in one order on every rank
+        (vescale_zero.runtime [Note: one order of reduce-scatters]); without it
+        :meth:`finish_grad_sync` does."""
 
     def finish_grad_sync(self, force_all_reduce: Optional[bool] = False) -> None:
-        """Wait for every outstanding reduce-scatter; sharded ``.grad``/``.main_grad`` are set."""
+        """Wait for every outstanding reduce-scatter (without ``overlap_grad_reduce``: issue them,
+        see [Note: when gradients are reduced]); sharded ``.grad``/``.main_grad`` are set."""
+        if not self._sync_in_backward:
+            self.module.reduce_accumulated_grads()
         for group in self._groups:
             group.finish_grad_sync()
         if getattr(self.ddp_config, "check_for_nan_in_grad", False):
@@ -345,6 +360,30 @@ class VeScaleFSDP(_BaseDataParallel):
 
     def release_state_dict(self) -> None:
         self._prepared = None
+
+    @contextmanager
+    def torch_format_save(self) -> Iterator[None]:
+        """Collective. For Megatron-LM's ``--ckpt-format torch`` save: :meth:`prepare_state_dict`,
+        and for the duration the wrapped model (what Megatron's ``unwrap_model`` gives, whose
+        ``state_dict_for_save_checkpoint`` Megatron-LM's ``generate_state_dict`` calls on the saving
+        ranks) answers that call with the full state dict prepared here, not its shards.
+
+        [Note: torch-format saves see the inner model] Megatron-LM's ``save_checkpoint`` unwraps
+        every wrapper before asking for the model's state, so :meth:`state_dict_for_save_checkpoint`
+        of this wrapper is never reached there; an instance attribute on the inner model shadows
+        its class's method while the save runs, and goes when it ends."""
+        self.prepare_state_dict()
+        inner = _unwrap(self.module)
+
+        def full(prefix: str = "", keep_vars: bool = False) -> Dict[str, Any]:
+            return self.state_dict(prefix=prefix, keep_vars=keep_vars)
+
+        inner.state_dict_for_save_checkpoint = full
+        try:
+            yield
+        finally:
+            inner.__dict__.pop("state_dict_for_save_checkpoint", None)
+            self.release_state_dict()
 
     def state_dict(self, prefix: str = "", keep_vars: bool = False, destination: Any = None) -> Dict[str, Any]:
         """The *full* (unsharded) state dict, as Megatron's DDP would give; interchangeable

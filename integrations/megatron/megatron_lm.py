@@ -7,7 +7,8 @@ checks accept: :func:`data_parallel_class`) and the optimizer through
 ``get_megatron_optimizer`` (``get_megatron_muon_optimizer`` for ``--optimizer muon``: our
 Muon). ``get_model`` first checks our flags (``--use-megatron-fsdp`` / ``--use-torch-fsdp2``
 beside ``--use-vescale-fsdp`` would otherwise pick those wrappers silently);
-``calc_params_l2_norm`` (``--log-params-norm``) sums our shards over their own groups
+``to_empty_if_meta_device`` leaves a meta model (``--init-model-with-meta-device``) on meta for
+``VeScaleFSDP`` to initialise; ``calc_params_l2_norm`` (``--log-params-norm``) sums our shards over their own groups
 (:func:`params_l2_norm`); ``megatron.core.utils.unwrap_model`` peels known wrappers;
 ``save_checkpoint`` / ``load_checkpoint`` are wrapped so both checkpoint formats see what
 they expect (see :func:`_wrap_checkpointing`). In a
@@ -35,6 +36,7 @@ from .arguments import (
     vescale_optimizer_block,
     vescale_optimizer_name,
     vescale_options_from_args,
+    warn_flags_without_effect,
 )
 from .data_parallel import VeScaleFSDP, params_l2_norm
 from .dist_checkpoint import checkpoint_parameters
@@ -117,6 +119,7 @@ def use_vescale_fsdp_in_megatron_lm(get_args: Optional[Callable[[], Any]] = None
     megatron_muon = getattr(training, "get_megatron_muon_optimizer", None)
     megatron_get_model = getattr(training, "get_model", None)
     megatron_params_norm = getattr(training, "calc_params_l2_norm", None)
+    megatron_to_empty = getattr(training, "to_empty_if_meta_device", None)
 
     def optimizer(config: Any, model_chunks: Any, *rest: Any, **kwargs: Any):
         args = get_args()
@@ -137,7 +140,16 @@ def use_vescale_fsdp_in_megatron_lm(get_args: Optional[Callable[[], Any]] = None
         parsed = get_args()
         if getattr(parsed, "use_vescale_fsdp", False):
             validate_vescale_args(parsed)  # before Megatron-LM picks Megatron-FSDP / FSDP2 by their flags
+            warn_flags_without_effect(parsed)
         return megatron_get_model(*args, **kwargs)
+
+    def to_empty_if_meta_device(module: Any, *rest: Any, **kwargs: Any) -> Any:
+        # [Note: meta models reach VeScaleFSDP] get_model empties a meta model before wrapping it
+        # unless FSDP2 / Megatron-FSDP is chosen: under --use-vescale-fsdp it stays on meta, so
+        # VeScaleFSDP shards it and initialises each module as its constructor would (meta_init.py).
+        if getattr(get_args(), "use_vescale_fsdp", False):
+            return module
+        return megatron_to_empty(module, *rest, **kwargs)
 
     def calc_params_l2_norm(model: Any, *rest: Any, **kwargs: Any) -> float:
         chunks = _chunks_of(model)
@@ -149,6 +161,8 @@ def use_vescale_fsdp_in_megatron_lm(get_args: Optional[Callable[[], Any]] = None
         training.get_megatron_muon_optimizer = muon_optimizer
     if megatron_get_model is not None:
         training.get_model = get_model
+    if megatron_to_empty is not None:  # --init-model-with-meta-device (checked against core_v0.16.1)
+        training.to_empty_if_meta_device = to_empty_if_meta_device
     if megatron_params_norm is not None:  # --log-params-norm
         training.calc_params_l2_norm = calc_params_l2_norm
     _wrap_checkpointing(training, get_args)
@@ -176,8 +190,9 @@ def _wrap_checkpointing(training: Any, get_args: Callable[[], Any]) -> None:
     state is written in model space on the same boxes by ``VeScaleOptimizer.sharded_state_dict``,
     per-block optimizer state beside it; the load runs with full parameters installed
     (``VeScaleFSDP.full_parameters``), into which Megatron's loader reshards across TP/PP/DP.
-    ``torch``: data-parallel rank 0 alone asks for the model's state dict, so it is gathered
-    on every rank beforehand (this format still holds the full model during the save); rank 0's
+    ``torch``: data-parallel rank 0 alone asks the *unwrapped* model for its state dict, so it is
+    gathered on every rank beforehand and the inner model answers with it
+    (``VeScaleFSDP.torch_format_save``; this format still holds the full model during the save); rank 0's
     file cannot hold every rank's optimizer shards, so they go beside it (see optimizer.py
     [Note: optimizer checkpoints]).
     """
@@ -205,9 +220,8 @@ def _wrap_checkpointing(training: Any, get_args: Callable[[], Any]) -> None:
             for chunk in chunks:
                 if fmt == "torch_dist":
                     stack.enter_context(checkpoint_parameters(chunk))
-                else:
-                    chunk.prepare_state_dict()
-                    stack.callback(chunk.release_state_dict)
+                else:  # data_parallel.py [Note: torch-format saves see the inner model]
+                    stack.enter_context(chunk.torch_format_save())
             return megatron_save(iteration, model, *rest, **kwargs)
 
     def load_checkpoint(model: Any, *rest: Any, **kwargs: Any):
