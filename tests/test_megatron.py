@@ -1268,10 +1268,10 @@ def test_megatron_dist_checkpoint_resumes_in_vescale_fsdp_and_back(tmp_path, meg
     chained dense and expert Adams); VeScaleFSDP loads it at tp1 x dp3 (ep1: experts over 3
     ranks) (the Adam cases: weights -- the fp32 masters in bf16 -- and moments exactly as
     Megatron loads them), and the next step follows Megatron's own continuation: the same loss,
-    in fp32 against Megatron's DDP at this layout the reduced gradients within the summation-
-    order bound, the weights within one AdamW step. ``vescale-zero convert --from megatron``
-    gives a checkpoint that loads to the same state. Ours then saves torch_dist and megatron-
-    core DDP + its Adam loads it exactly (weights or masters, moments, step)."""
+    in fp32 against Megatron's DDP at this layout the reduced gradients within the summation-order
+    bound, the weights within one AdamW step. ``vescale-zero convert --from megatron``
+    gives a checkpoint that loads to the same state. Ours then saves torch_dist and megatron-core
+    DDP + its Adam loads it exactly (weights or masters, moments, step)."""
     from vescale_zero.checkpoint.sources import convert
 
     source, flags = DIST_CKPT_CASES[case]
