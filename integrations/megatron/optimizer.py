@@ -66,6 +66,7 @@ from torch import nn
 
 from vescale_zero import checkpoint
 from vescale_zero.comm_device import collective_device
+from vescale_zero.loss_scaling import unscale_and_find_inf
 from vescale_zero.optim import AdamW8bit, Muon, Shampoo
 from vescale_zero.ragged_tensor import local_piece
 from vescale_zero.state_dict import (
@@ -172,10 +173,7 @@ class VeScaleOptimizer(MegatronOptimizer):
         if self.grad_scaler is None:
             return False
         grads = [local_piece(p.grad) for p in self.get_parameters() if p.grad is not None]
-        found = torch.zeros(1, dtype=torch.float32, device=self._device)
-        if grads:  # one flag for every gradient; the scale stays on the device
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, self.grad_scaler.inv_scale)
-        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.grad_stats_parallel_group)
+        found = unscale_and_find_inf(grads, self.grad_scaler.inv_scale, self._device, self.grad_stats_parallel_group)
         found_inf = bool(found.item() > 0)
         self.grad_scaler.update(found_inf)
         return found_inf
