@@ -36,7 +36,7 @@ def adamw_step(params: Sequence[torch.Tensor], state: Dict[torch.Tensor, dict], 
     for p in params:
         s = state[p]
         if "exp_avg" not in s:
-            s["step"] = torch.tensor(0.0)
+            s["step"] = torch.tensor(0.0, device="cpu")  # on the host by design, whatever the default device
             s["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
             s["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
         pieces.append(local_piece(p))
@@ -44,7 +44,7 @@ def adamw_step(params: Sequence[torch.Tensor], state: Dict[torch.Tensor, dict], 
         exp_avgs.append(local_piece(s["exp_avg"]))
         exp_avg_sqs.append(local_piece(s["exp_avg_sq"]))
         if not torch.is_tensor(s["step"]):
-            s["step"] = torch.tensor(float(s["step"]))
+            s["step"] = torch.tensor(float(s["step"]), device="cpu")
         steps.append(s["step"])
     foreach = None if all(t.dtype == torch.float32 for t in pieces) else False
     adamw(pieces, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=foreach, amsgrad=False, beta1=betas[0],
