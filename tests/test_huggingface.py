@@ -554,3 +554,37 @@ def test_recompute_matches_no_recompute_and_unsharded(family, reentrant, world_s
     steps = reassembled(results, family, reentrant)
     assert_bit_exact(steps, reassembled(results, family, None), what)
     assert_matches_unsharded(steps, family, RC_WORLDS[world_size], what)
+
+
+# ---- 1b. evaluate before any training ---------------------------------------------------------
+
+
+def _evaluate_untrained(rank, world_size, stage, out):
+    """``trainer.evaluate()`` on a Trainer that never trained (transformers' inference branch of
+    ``deepspeed_init``: the config's optimizer and scheduler dropped): (engine class, eval loss)."""
+    from transformers import Trainer, TrainingArguments
+
+    _hf_rank_env(rank, world_size)
+    ds_config = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+                 "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+                 "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}},
+                 "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+    args = TrainingArguments(output_dir=out, deepspeed=ds_config, use_cpu=True, per_device_eval_batch_size=2,
+                             report_to=[], disable_tqdm=True)
+    trainer = Trainer(model=llama(seed=0), args=args)
+    evaluation = [{"input_ids": x, "labels": x} for x in token_batches(1, 8, seed=4)[0]]
+    loss = trainer.evaluate(evaluation)["eval_loss"]
+    return type(trainer.model_wrapped).__name__, loss
+
+
+@pytest.mark.slow
+def test_evaluate_before_training_like_zero3(tmp_path):
+    """``trainer.evaluate()`` before any ``train()`` runs with "ragged" (transformers takes its
+    ZeRO-3 inference path, as ``is_zero3()`` reads True) and gives ZeRO-3's evaluation loss bit
+    for bit: the same untrained weights, the same batches, each rank's forward on full weights.
+    (Without ragged reading as ZeRO-3 there, transformers refuses: "ZeRO inference only makes
+    sense with ZeRO Stage 3".) About 50 s on 2 cores: two Trainer jobs."""
+    ragged = run_on_ranks(_evaluate_untrained, 2, "ragged", str(tmp_path / "ragged"), timeout=300)
+    zero3 = run_on_ranks(_evaluate_untrained, 2, 3, str(tmp_path / "zero3"), timeout=300)
+    assert [r[0] for r in ragged] == ["RaggedDeepSpeedEngine"] * 2 and [r[0] for r in zero3] == ["DeepSpeedEngine"] * 2
+    assert [r[1] for r in ragged] == [r[1] for r in zero3], (ragged, zero3)

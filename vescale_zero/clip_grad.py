@@ -6,11 +6,20 @@ sums of ``|g|^p`` (``max`` for the inf-norm). Parameters outside any group are r
 each rank adds them once after the reduction. The local sum lives on the groups' device
 (a rank holding no gradient, an expert without tokens, still joins the all-reduce, with
 a zero on that device: never on the CPU, which NCCL refuses).
+
+[Note: several process groups]
+Groups may be sharded over different process groups (MoE: experts over the expert-data-
+parallel group, the rest over the data-parallel group). Each element still lives on one rank
+of its own group, so the norm is one reduction per process group of that group's local terms,
+and the totals add up (max for the inf-norm). The reductions run in the order the groups are
+listed, which is the module's order on every rank, so no rank waits on another's collective.
+Adapters whose pieces are already unique across a larger group (the Megatron optimizer:
+across the whole world) pass that one group to :func:`grad_norm_over_groups`.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -20,21 +29,22 @@ from .comm_device import collective_device
 from .fully_shard import groups_of
 from .ragged_tensor import local_piece
 
-__all__ = ["clip_grad_norm_", "sharded_grad_norm"]
+__all__ = ["clip_grad_norm_", "grad_norm_over_groups", "sharded_grad_norm"]
 
 
-def _split(module: nn.Module) -> Tuple[List[torch.Tensor], List[torch.Tensor], Optional[dist.ProcessGroup],
+def _split(module: nn.Module) -> Tuple[Dict[int, Tuple[dist.ProcessGroup, List[torch.Tensor]]], List[torch.Tensor],
                                       Optional[torch.device]]:
-    """``(sharded grads, replicated grads, the groups' process group, their device)``."""
+    """``({id: (process group, its groups' sharded grads)}, replicated grads, the groups'
+    device)``; the process groups in the order the module's groups first name them (the same
+    order on every rank: see [Note: several process groups])."""
     groups = groups_of(module)
     sharded_ids = {id(p) for g in groups for p in g.sharded_params + g.unsharded_params}
-    sharded = [local_piece(g.sharded_params[i].grad) for g in groups for i in g.grad_indices]
+    by_pg: Dict[int, Tuple[dist.ProcessGroup, List[torch.Tensor]]] = {}
+    for g in groups:
+        pieces = by_pg.setdefault(id(g.process_group), (g.process_group, []))[1]
+        pieces += [t for t in (local_piece(g.sharded_params[i].grad) for i in g.grad_indices) if t is not None]
     replicated = [p.grad for p in module.parameters() if id(p) not in sharded_ids and p.grad is not None]
-    pgs = {id(g.process_group): g.process_group for g in groups}
-    if len(pgs) > 1:
-        raise ValueError("clip_grad_norm_ over groups sharded on different process groups is not supported")
-    device = groups[0].device if groups else None
-    return [g for g in sharded if g is not None], replicated, next(iter(pgs.values()), None), device
+    return by_pg, replicated, groups[0].device if groups else None
 
 
 def _local_norm_term(grads: List[torch.Tensor], norm_type: float, device) -> torch.Tensor:
@@ -45,21 +55,36 @@ def _local_norm_term(grads: List[torch.Tensor], norm_type: float, device) -> tor
     return sum(torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) ** norm_type for g in grads)
 
 
-def sharded_grad_norm(module: nn.Module, norm_type: Union[float, int] = 2.0) -> torch.Tensor:
-    """The norm of all of ``module``'s gradients, as if they were unsharded."""
+@torch.no_grad()
+def grad_norm_over_groups(pieces: Sequence[Tuple[Optional[dist.ProcessGroup], List[torch.Tensor]]],
+                          norm_type: Union[float, int] = 2.0, device: Optional[torch.device] = None) -> torch.Tensor:
+    """The ``norm_type``-norm of gradients held as disjoint pieces: each entry is ``(process
+    group, this rank's pieces)``, whose local ``|g|^p`` sum (max for the inf-norm) is reduced
+    over that group; ``None`` as the group: pieces counted once, on this rank alone
+    (replicated gradients). Every rank passes its groups in the same order (see [Note:
+    several process groups]). A 0-dim fp32 tensor on ``device`` (default: the first
+    piece's, else the CPU); nothing is read on the host."""
     norm_type = float(norm_type)
-    sharded, replicated, pg, device = _split(module)
-    if pg is not None:
-        device = collective_device(pg, device)
-    elif device is None:
+    inf = norm_type == float("inf")
+    if device is None:
+        device = next((g.device for _, grads in pieces for g in grads), torch.device("cpu"))
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for pg, grads in pieces:
+        where = collective_device(pg, device) if pg is not None else device
+        term = _local_norm_term(grads, norm_type, where)
+        if pg is not None:
+            dist.all_reduce(term, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=pg)
+        total = torch.maximum(total, term.to(device)) if inf else total + term.to(device)
+    return total if inf else total ** (1.0 / norm_type)
+
+
+def sharded_grad_norm(module: nn.Module, norm_type: Union[float, int] = 2.0) -> torch.Tensor:
+    """The norm of all of ``module``'s gradients, as if they were unsharded (groups sharded
+    over several process groups included: see [Note: several process groups])."""
+    by_pg, replicated, device = _split(module)
+    if device is None:
         device = replicated[0].device if replicated else torch.device("cpu")
-    term = _local_norm_term(sharded, norm_type, device)
-    if pg is not None:
-        dist.all_reduce(term, op=dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM, group=pg)
-    rep = _local_norm_term(replicated, norm_type, device)
-    if norm_type == float("inf"):
-        return torch.maximum(term, rep)
-    return (term + rep) ** (1.0 / norm_type)
+    return grad_norm_over_groups(list(by_pg.values()) + [(None, replicated)], norm_type, device)
 
 
 def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: Union[float, int] = 2.0) -> torch.Tensor:
@@ -79,7 +104,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: Union[float, 
             g = local_piece(group.sharded_params[i].grad)
             if g is not None and g.numel() and not lo <= g.data_ptr() < hi:
                 g.detach().mul_(coef.to(g.dtype))
-    _, replicated, _, _ = _split(module)
+    _, replicated, _ = _split(module)
     for g in replicated:
         g.detach().mul_(coef.to(g.dtype))
     return total

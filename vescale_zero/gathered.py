@@ -29,7 +29,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from .collectives import all_gather
+from .full_views import gather_group_full
 from .param_group import GroupState, ParamGroup, slot_of
 from .runtime import in_backward_pass
 
@@ -77,13 +77,11 @@ def gathered_parameters(params: Union[torch.Tensor, Iterable[torch.Tensor]],
             for group, items in groups:
                 if group.state is not GroupState.SHARDED:
                     group.reshard()  # gathered for a backward to come: it gathers the written shards again
-                flat = torch.empty(group.plan.global_size, dtype=group.master.local.dtype, device=group.device)
-                all_gather(flat, group.master.local, group.process_group)
-                flats.append(flat)
+                full = gather_group_full(group, group.master.local)
+                flats.append(full.flat)
                 for index, param in items:
-                    spec, offset = group.plan.specs[index], group.plan.offsets[index]
                     saved.append(param)
-                    param.enter_gathered(flat.narrow(0, offset, spec.numel).view(group.managed[index].shape))
+                    param.enter_gathered(full.views[index])
         yield
         if modifier_rank is not None:
             with torch.no_grad():

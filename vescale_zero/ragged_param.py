@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
+from .param_attributes import copy_parameter_attributes
 from .placement import ShardedRange
 from .ragged_tensor import RaggedDTensor
 
@@ -44,10 +45,8 @@ class ManagedParam:
 
 
 def _new_param(data: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
-    param = nn.Parameter(data, requires_grad=like.requires_grad)
-    for key, value in vars(like).items():  # keep framework tags (e.g. tensor-parallel attrs)
-        setattr(param, key, value)
-    return param
+    # keep framework tags (e.g. tensor-parallel attrs)
+    return copy_parameter_attributes(like, nn.Parameter(data, requires_grad=like.requires_grad))
 
 
 class RaggedParam:

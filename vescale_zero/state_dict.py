@@ -41,8 +41,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import all_gather
 from .comm_device import current_device
+from .full_views import gather_group_full
 from .fully_shard import BUFFER_NEEDS_INIT, groups_of
 from .param_group import GroupState, ParamGroup
 from .placement import Box, flat_range_boxes
@@ -68,13 +68,7 @@ def _managed_index(module: nn.Module) -> Dict[int, Tuple[ParamGroup, int]]:
 def _full_views(group: ParamGroup, local: torch.Tensor, scratch: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
     """One all-gather of ``local`` (laid out as the group's shard) into a new flat buffer (or
     into the front of ``scratch``); each managed tensor whole, as a view into it. Collective."""
-    if scratch is not None:
-        flat = scratch.narrow(0, 0, group.plan.global_size)
-    else:
-        flat = torch.empty(group.plan.global_size, dtype=local.dtype, device=group.device)
-    all_gather(flat, local, group.process_group)
-    return [flat.narrow(0, off, spec.numel).view(group.managed[i].shape)
-            for i, (spec, off) in enumerate(zip(group.plan.specs, group.plan.offsets))]
+    return gather_group_full(group, local, scratch).views
 
 
 def _gather_pieces(group: ParamGroup, pieces: List[Optional[torch.Tensor]], dtype: torch.dtype) -> List[torch.Tensor]:

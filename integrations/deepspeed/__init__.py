@@ -71,6 +71,8 @@ def split_ragged_config(config: Dict[str, Any]) -> Tuple[Dict[str, Any], RaggedO
 @contextlib.contextmanager
 def _engine_class(name: str, cls: type) -> Iterator[None]:
     saved = getattr(deepspeed, name)
+    # host patch deepspeed.DeepSpeedEngine: checked against deepspeed 0.19.8
+    # host patch deepspeed.PipelineEngine: checked against deepspeed 0.19.8
     setattr(deepspeed, name, cls)  # deepspeed.initialize builds the engine through this name
     try:
         yield
@@ -103,6 +105,7 @@ def initialize(*args: Any, **kwargs: Any):
         return _original_initialize(**kwargs)
 
 
+# host patch deepspeed.initialize: checked against deepspeed 0.19.8
 deepspeed.initialize = initialize
 install()
 install_safe_accessors()  # deepspeed.utils.safe_get_* / safe_set_* on ragged parameters (see .safe_accessors)

@@ -65,6 +65,7 @@ def present_ragged_stage_to_accelerate() -> None:
         return
     for plugin in plugins.values() if isinstance(plugins, dict) else [plugins]:
         if plugin.hf_ds_config.get_value("zero_optimization.stage") == RAGGED_STAGE:
+            # host patch accelerate.utils.DeepSpeedPlugin.zero_stage: checked against accelerate 1.15.0
             plugin.zero_stage = ZERO_STAGE_SEEN_BY_ACCELERATE
 
 
@@ -85,4 +86,5 @@ def present_ragged_as_zero3_to_transformers() -> None:
     from accelerate.utils.deepspeed import HfDeepSpeedConfig
 
     if not getattr(HfDeepSpeedConfig.is_zero3, "__vescale_ragged__", False):
+        # host patch accelerate.utils.deepspeed.HfDeepSpeedConfig.is_zero3: checked against accelerate 1.15.0
         HfDeepSpeedConfig.is_zero3 = _ragged_is_zero3(HfDeepSpeedConfig.is_zero3)

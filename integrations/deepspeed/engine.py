@@ -45,6 +45,7 @@ from vescale_zero import checkpoint
 from vescale_zero.checkpoint.convert import is_deepspeed_checkpoint
 from vescale_zero.comm_device import collective_device
 from vescale_zero.fully_shard import HSDP_DIM_NAMES, groups_of
+from vescale_zero.loss_scaling import unscale_and_find_inf
 from vescale_zero.optim import AdamW8bit, Muon, Shampoo
 
 from .accelerate_stage import present_ragged_stage_to_accelerate
@@ -336,14 +337,8 @@ class RaggedEngineMixin:
     def _unscale_and_check_overflow(self, scale: float) -> bool:
         groups = groups_of(self.module)
         device = collective_device(None, groups[0].device if groups else None)  # the all-reduce's: the model's
-        flag = torch.zeros((), dtype=torch.float32, device=device)
-        for group in groups:
-            buf = group.sharded_grad.live  # None: no gradient of this group this step
-            if buf is None:
-                continue
-            buf.div_(scale)  # one op per group
-            flag = torch.maximum(flag, (~torch.isfinite(buf)).any().float())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # overflow on any shard of any rank
+        live = [g.sharded_grad.live for g in groups if g.sharded_grad.live is not None]  # None: no gradient yet
+        flag = unscale_and_find_inf(live, 1.0 / scale, device)  # overflow on any shard of any rank
         # The step's one host read: skipping is a host decision, as in DeepSpeed's own fp16
         # optimizers (one overflow flag per step); the scale is a Python float, no read.
         return bool(flag.item())

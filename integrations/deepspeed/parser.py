@@ -127,9 +127,15 @@ def _engine_sanity_check(self: DeepSpeedEngine) -> None:
 def install() -> None:
     """Route DeepSpeed's config parsing, ``zero.Init`` and engine check through this module
     (idempotent: a second call changes nothing)."""
+    # host patch deepspeed.runtime.zero.config.get_zero_config: checked against deepspeed 0.19.8
     ds_zero_config.get_zero_config = get_zero_config
+    # host patch deepspeed.runtime.config.get_zero_config: checked against deepspeed 0.19.8
     ds_config.get_zero_config = get_zero_config  # DeepSpeedConfig calls it by this imported name
+    # host patch deepspeed.runtime.zero.partition_parameters.Init.__init__: checked against deepspeed 0.19.8
     partition_parameters.Init.__init__ = _zero_init
+    # host patch deepspeed.runtime.zero.partition_parameters.GatheredParameters: checked against deepspeed 0.19.8
     partition_parameters.GatheredParameters = GatheredParameters  # zero.Init's own references included
+    # host patch deepspeed.zero.GatheredParameters: checked against deepspeed 0.19.8
     deepspeed.zero.GatheredParameters = GatheredParameters
+    # host patch deepspeed.runtime.engine.DeepSpeedEngine._do_sanity_check: checked against deepspeed 0.19.8
     DeepSpeedEngine._do_sanity_check = _engine_sanity_check

@@ -99,7 +99,9 @@ def install_save_hooks() -> None:
     accelerate has built it by then if it is in use."""
     accelerator = sys.modules.get("accelerate.accelerator")
     if accelerator is not None and not getattr(accelerator.Accelerator.get_state_dict, _MARK, False):
+        # host patch accelerate.Accelerator.get_state_dict: checked against accelerate 1.15.0
         accelerator.Accelerator.get_state_dict = _wrap_get_state_dict(accelerator.Accelerator.get_state_dict)
     modeling = sys.modules.get("transformers.modeling_utils")
     if modeling is not None and not getattr(modeling.PreTrainedModel.save_pretrained, _MARK, False):
+        # host patch transformers.modeling_utils.PreTrainedModel.save_pretrained: checked against transformers 5.24.0
         modeling.PreTrainedModel.save_pretrained = _wrap_save_pretrained(modeling.PreTrainedModel.save_pretrained)

@@ -37,6 +37,7 @@ from torch import nn
 from vescale_zero.fill import Owner, fill_group_by_group
 from vescale_zero.fully_shard import sharded_counterpart
 from vescale_zero.gathered import gathered_parameters
+from vescale_zero.param_attributes import copy_parameter_attributes
 
 __all__ = ["check_zero_init_options", "zero3_to_meta", "fill_from_zero3", "GatheredParameters", "Zero3Sources"]
 
@@ -97,11 +98,7 @@ def _meta_like(param: nn.Parameter) -> nn.Parameter:
     """A meta parameter of ``param``'s full shape, with its attributes except ZeRO-3's."""
     meta = nn.Parameter(torch.empty(param.ds_shape, dtype=param.dtype, device="meta"),
                         requires_grad=param.requires_grad)
-    zero = set(_zero3_attributes(param))
-    for key, value in vars(param).items():
-        if key not in zero:
-            setattr(meta, key, value)
-    return meta
+    return copy_parameter_attributes(param, meta, skip=set(_zero3_attributes(param)))
 
 
 def _zero3_attributes(param: nn.Parameter) -> List[str]:

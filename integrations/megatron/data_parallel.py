@@ -71,10 +71,12 @@ from vescale_zero.comm_device import collective_device
 from vescale_zero.eager_hooks import outside_compile
 from vescale_zero.fully_shard import groups_of
 from vescale_zero.granularity import GranularityPolicy
+from vescale_zero.param_attributes import copy_parameter_attributes
 from vescale_zero.param_group import ParamGroup
+from vescale_zero.param_swap import put_parameters, replace_parameters
 from vescale_zero.state_dict import full_state_dict, load_full_state_dict
 
-from .dist_checkpoint import STREAMING, checkpoint_parameters
+from .dist_checkpoint import SHARD_ONLY_ATTRIBUTES, STREAMING, checkpoint_parameters
 from .hsdp import check_outer_dp_sharding, data_parallel_meshes, ddp_process_groups, shard_group
 from .meta_init import check_all_or_nothing_on_meta, has_meta_tensors, materialize_megatron
 
@@ -430,38 +432,28 @@ class VeScaleFSDP(_BaseDataParallel):
             raise RuntimeError("VeScaleFSDP.full_parameters() inside checkpoint_parameters() (a streamed save): the "
                                "module holds meta stand-ins there; use one or the other")
         full = full_state_dict(self.module)
-        swapped: List[tuple] = []
-        made: Dict[int, nn.Parameter] = {}
         self._sharded_of = {}
         sharded_keys = {id(sp) for g in self._groups for sp in g.sharded_params}
-        # By identity, not by name: wrappers such as Float16Module drop their own prefix
-        # from state-dict keys.
+        # By identity, not by name (param_swap [Note: replaced by identity])
         full_of = {id(v): full[k] for k, v in self.module.state_dict(keep_vars=True).items()
                    if id(v) in sharded_keys and k in full}
-        for sub in self.module.modules():
-            for name, param in list(sub._parameters.items()):
-                if param is None or id(param) not in sharded_keys:
-                    continue
-                tensor = full_of[id(param)]
-                plain = made.get(id(tensor))
-                if plain is None:  # a tied parameter gets one full tensor under both names
-                    plain = nn.Parameter(tensor, requires_grad=param.requires_grad)
-                    for attr, value in vars(param).items():
-                        if attr not in ("sharded_range", "main_grad", "grad_added_to_main_grad"):
-                            setattr(plain, attr, value)
-                    made[id(tensor)] = plain
-                    self._sharded_of[id(plain)] = (weakref.ref(plain), param)
-                swapped.append((sub, name, param))
-                sub._parameters[name] = plain
-        self._installed = swapped
+
+        def plain_full(param: nn.Parameter) -> Optional[nn.Parameter]:  # once per object: tied, one tensor
+            if id(param) not in sharded_keys:
+                return None
+            plain = nn.Parameter(full_of[id(param)], requires_grad=param.requires_grad)
+            copy_parameter_attributes(param, plain, skip=SHARD_ONLY_ATTRIBUTES)
+            self._sharded_of[id(plain)] = (weakref.ref(plain), param)
+            return plain
+
+        self._installed = replace_parameters(self.module, plain_full)
         try:
             yield
         finally:
             self._restore_shards()
 
     def _restore_shards(self) -> None:
-        for sub, name, param in self._installed or ():
-            sub._parameters[name] = param
+        put_parameters(self._installed or ())
         self._installed = None
 
     @contextmanager
@@ -477,8 +469,7 @@ class VeScaleFSDP(_BaseDataParallel):
         try:
             yield
         finally:
-            for sub, name, plain in fulls:
-                sub._parameters[name] = plain
+            put_parameters(fulls)
             self._installed = swapped
 
     def sharded_param_of(self, tensor: torch.Tensor) -> Optional[nn.Parameter]:

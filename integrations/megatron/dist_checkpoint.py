@@ -44,10 +44,13 @@ import torch.distributed as dist
 from torch import nn
 
 from vescale_zero.fully_shard import groups_of
+from vescale_zero.param_attributes import copy_parameter_attributes
+from vescale_zero.param_swap import put_parameters, replace_parameters
 from vescale_zero.ragged_tensor import local_piece
 from vescale_zero.state_dict import LocalPieces
 
-__all__ = ["checkpoint_parameters", "LOCAL_PIECE", "STREAMING", "boxes_by_parameter", "state_boxes"]
+__all__ = ["checkpoint_parameters", "LOCAL_PIECE", "SHARD_ONLY_ATTRIBUTES", "STREAMING", "boxes_by_parameter",
+           "state_boxes"]
 
 LOCAL_PIECE = "vescale_local_piece"
 """Attribute of a box ``ShardedTensor`` made here: ``(sharded parameter, LocalPieces, box)``."""
@@ -56,14 +59,14 @@ LOCAL_PIECE = "vescale_local_piece"
 STREAMING = "_vescale_streaming_save"
 """Set on a ``VeScaleFSDP`` chunk while :func:`checkpoint_parameters` is on."""
 
+SHARD_ONLY_ATTRIBUTES = ("sharded_range", "main_grad", "grad_added_to_main_grad")
+"""A sharded parameter's attributes that a full (or stand-in) tensor in its place does not take."""
+
 
 def _standin(param: nn.Parameter, pieces: LocalPieces, dtype: torch.dtype) -> nn.Parameter:
     """A meta parameter of the full (TP-local) shape with ``param``'s attributes."""
     plain = nn.Parameter(torch.empty(pieces.shape, dtype=dtype, device="meta"), requires_grad=param.requires_grad)
-    for attr, value in vars(param).items():
-        if attr not in ("sharded_range", "main_grad", "grad_added_to_main_grad"):
-            setattr(plain, attr, value)
-    return plain
+    return copy_parameter_attributes(param, plain, skip=SHARD_ONLY_ATTRIBUTES)
 
 
 def _instance(group: Any) -> int:
@@ -100,12 +103,7 @@ def checkpoint_parameters(chunk: Any) -> Iterator[None]:
             plain = _standin(sp, pieces, group.master.local.dtype)
             made[id(sp)] = plain
             standins[id(plain)] = (plain, sp, pieces, _instance(group))
-    swapped: List[tuple] = []
-    for sub in chunk.module.modules():
-        for name, param in list(sub._parameters.items()):
-            if param is not None and id(param) in made:
-                swapped.append((sub, name, param))
-                sub._parameters[name] = made[id(param)]
+    swapped = replace_parameters(chunk.module, lambda param: made.get(id(param)))
 
     def owner(data: Any):
         """``(standin entry, flat offset)`` if ``data`` is a stand-in or a contiguous view of one."""
@@ -189,6 +187,7 @@ def checkpoint_parameters(chunk: Any) -> Iterator[None]:
                 dict_list_map_inplace(_refuse_meta, out)
                 return out
 
+            # host patch megatron.core.transformer.module.MegatronModule.sharded_state_dict: checked against megatron-core 0.16.1  # noqa: E501
             target.sharded_state_dict = streamed  # an instance attribute: Megatron-LM calls the unwrapped model's
             overridden.append(target)
     setattr(chunk, STREAMING, True)
@@ -198,8 +197,7 @@ def checkpoint_parameters(chunk: Any) -> Iterator[None]:
         setattr(chunk, STREAMING, False)
         for target in overridden:
             del target.sharded_state_dict
-        for sub, name, param in swapped:
-            sub._parameters[name] = param
+        put_parameters(swapped)
 
 
 def _refuse_meta(value: Any) -> Any:

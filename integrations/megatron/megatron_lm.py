@@ -155,15 +155,20 @@ def use_vescale_fsdp_in_megatron_lm(get_args: Optional[Callable[[], Any]] = None
         chunks = _chunks_of(model)
         return params_l2_norm(chunks) if chunks else megatron_params_norm(model, *rest, **kwargs)
 
+    # host patch megatron.training.training.DDP: checked against megatron-core 0.16.1
     training.DDP = data_parallel_class(training.DDP, get_args)
+    # host patch megatron.training.training.get_megatron_optimizer: checked against megatron-core 0.16.1
     training.get_megatron_optimizer = optimizer
     if megatron_muon is not None:
+        # host patch megatron.training.training.get_megatron_muon_optimizer: checked against Megatron-LM core_v0.16.1
         training.get_megatron_muon_optimizer = muon_optimizer
     if megatron_get_model is not None:
+        # host patch megatron.training.training.get_model: checked against Megatron-LM core_v0.16.1
         training.get_model = get_model
     if megatron_to_empty is not None:  # --init-model-with-meta-device (checked against core_v0.16.1)
         training.to_empty_if_meta_device = to_empty_if_meta_device
     if megatron_params_norm is not None:  # --log-params-norm
+        # host patch megatron.training.training.calc_params_l2_norm: checked against Megatron-LM core_v0.16.1
         training.calc_params_l2_norm = calc_params_l2_norm
     _wrap_checkpointing(training, get_args)
     # ``unwrap_model`` is imported by name into many modules: replace it everywhere.
@@ -173,6 +178,7 @@ def use_vescale_fsdp_in_megatron_lm(get_args: Optional[Callable[[], Any]] = None
     patched = unwrap_vescale(original)
     for module in list(sys.modules.values()):
         if module is not None and getattr(module, "unwrap_model", None) is original:
+            # host patch megatron.core.utils.unwrap_model: checked against megatron-core 0.16.1
             module.unwrap_model = patched
     setattr(training, _PATCHED, True)
 
@@ -241,8 +247,10 @@ def _wrap_checkpointing(training: Any, get_args: Callable[[], Any]) -> None:
         if module is None:
             continue
         if megatron_save is not None and hasattr(module, "save_checkpoint"):
+            # host patch megatron.training.checkpointing.save_checkpoint: checked against Megatron-LM core_v0.16.1
             module.save_checkpoint = save_checkpoint
         if megatron_load is not None and hasattr(module, "load_checkpoint"):
+            # host patch megatron.training.checkpointing.load_checkpoint: checked against Megatron-LM core_v0.16.1
             module.load_checkpoint = load_checkpoint
 
 

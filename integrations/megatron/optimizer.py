@@ -55,7 +55,6 @@ bf16 job moves both ways without rounding its masters.
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -70,7 +69,9 @@ from megatron.core.transformer.module import param_is_not_shared
 from torch import nn
 
 from vescale_zero import checkpoint
+from vescale_zero.clip_grad import grad_norm_over_groups
 from vescale_zero.comm_device import collective_device
+from vescale_zero.loss_scaling import unscale_and_find_inf
 from vescale_zero.optim import AdamW8bit, Muon, Shampoo
 from vescale_zero.ragged_tensor import local_piece
 from vescale_zero.state_dict import (
@@ -145,11 +146,8 @@ class VeScaleOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def get_grad_norm(self) -> float:
-        local = torch.zeros(1, dtype=torch.float32, device=self._device)
-        for g in self.get_main_grads_for_grad_norm():
-            local += g.detach().float().pow(2).sum()
-        dist.all_reduce(local, group=self.grad_stats_parallel_group)
-        return math.sqrt(local.item())
+        pieces = [(self.grad_stats_parallel_group, self.get_main_grads_for_grad_norm())]  # unique across it
+        return grad_norm_over_groups(pieces, 2.0, self._device).item()
 
     @torch.no_grad()
     def clip_grad_norm(self, clip_grad: float) -> float:
@@ -177,10 +175,7 @@ class VeScaleOptimizer(MegatronOptimizer):
         if self.grad_scaler is None:
             return False
         grads = [local_piece(p.grad) for p in self.get_parameters() if p.grad is not None]
-        found = torch.zeros(1, dtype=torch.float32, device=self._device)
-        if grads:  # one flag for every gradient; the scale stays on the device
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, self.grad_scaler.inv_scale)
-        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.grad_stats_parallel_group)
+        found = unscale_and_find_inf(grads, self.grad_scaler.inv_scale, self._device, self.grad_stats_parallel_group)
         found_inf = bool(found.item() > 0)
         self.grad_scaler.update(found_inf)
         return found_inf

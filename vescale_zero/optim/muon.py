@@ -19,7 +19,7 @@ run sees, so given the same gradients the sharded update equals the unsharded on
 Newton-Schulz: the quintic iteration with coefficients (3.4445, -4.7750, 2.0315) on the
 Frobenius-normalised matrix (transposed when it has more rows than columns), in fp32; the
 update is scaled by ``max(1, rows / cols) ** 0.5``. Non-matrix parameters (and groups with
-``use_muon=False``) take AdamW with the ``adamw_*`` hyper-parameters.
+``use_muon=False``) take torch's AdamW with the ``adamw_*`` hyper-parameters (:mod:`.adamw_part`).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import torch.distributed as dist
 from ..comm_device import current_device
 from ..param_group import slot_of
 from ..ragged_tensor import is_ragged, local_piece
+from .adamw_part import adamw_step
 
 __all__ = ["Muon", "newton_schulz", "assign_roots"]
 
@@ -183,9 +184,9 @@ class Muon(torch.optim.Optimizer):
 
         def adamw_rest() -> None:
             for group in self.param_groups:
-                for p in group["params"]:
-                    if id(p) not in muon_ids and p.grad is not None:
-                        self._adamw(p, group)
+                adamw_step([p for p in group["params"] if id(p) not in muon_ids and p.grad is not None], self.state,
+                           lr=group["adamw_lr"], betas=group["adamw_betas"], eps=group["adamw_eps"],
+                           weight_decay=group["weight_decay"])
 
         if muon:
             self._muon_step(muon, while_moving=adamw_rest)  # AdamW runs while the pieces travel
@@ -268,19 +269,3 @@ class Muon(torch.optim.Optimizer):
                                       input_split_sizes=[t.numel() for t in send], group=self._layout["group"],
                                       async_op=async_op)
         return out, work
-
-    def _adamw(self, p: torch.Tensor, group: dict) -> None:
-        state = self.state[p]
-        if "exp_avg" not in state:
-            state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-        state["step"] += 1
-        b1, b2 = group["adamw_betas"]
-        g = p.grad.float()
-        state["exp_avg"].mul_(b1).add_(g, alpha=1 - b1)
-        state["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
-        denom = (state["exp_avg_sq"] / (1 - b2 ** state["step"])).sqrt().add_(group["adamw_eps"])
-        if group["weight_decay"]:
-            p.mul_(1 - group["adamw_lr"] * group["weight_decay"])
-        p.add_((state["exp_avg"] / (1 - b1 ** state["step"]) / denom).to(p.dtype), alpha=-group["adamw_lr"])

@@ -14,8 +14,9 @@ needs no communication::
     +------+------+---+            m = momentum * m + P;  p -= lr * (m + wd * p)
 
 1-D parameters (norms, biases) and parameters in a group with ``use_shampoo=False`` take
-AdamW (``adamw_*`` hyper-parameters). Given the same gradients the sharded run performs
-the same per-block arithmetic as the unsharded one, so the two agree bit for bit.
+torch's AdamW (``adamw_*`` hyper-parameters, :mod:`.adamw_part`). Given the same gradients
+the sharded run performs the same per-block arithmetic as the unsharded one, so the two agree
+bit for bit.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Callable, Iterable, List, Optional, Set, Tuple
 import torch
 
 from ..ragged_tensor import is_ragged, local_piece
+from .adamw_part import adamw_step
 from .layout import check_every_rank_piece, keep_saved_dtypes, per_block_state
 
 __all__ = ["Shampoo"]
@@ -185,6 +187,7 @@ class Shampoo(torch.optim.Optimizer):
                 loss = closure()
         self._check_every_rank()
         for group in self.param_groups:
+            rest = []  # AdamW's, one call per group
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -198,7 +201,9 @@ class Shampoo(torch.optim.Optimizer):
                 if use:
                     self._shampoo(p, group)
                 else:
-                    self._adamw(p, group)
+                    rest.append(p)
+            adamw_step(rest, self.state, lr=group["adamw_lr"], betas=group["adamw_betas"], eps=group["adamw_eps"],
+                       weight_decay=group["weight_decay"])
         return loss
 
     def _shampoo(self, p: torch.Tensor, group: dict) -> None:
@@ -278,20 +283,3 @@ class Shampoo(torch.optim.Optimizer):
         first_band = first_row // block
         last_band = -(-(first_row + n_rows) // block) if n_rows else first_band
         return first_band * per_band, last_band * per_band, -(-rows // block) * per_band
-
-    def _adamw(self, p: torch.Tensor, group: dict) -> None:
-        state = self.state[p]
-        if not state:
-            state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-        state["step"] += 1
-        b1, b2 = group["adamw_betas"]
-        g = p.grad.float()
-        state["exp_avg"].mul_(b1).add_(g, alpha=1 - b1)
-        state["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
-        bc1, bc2 = 1 - b1 ** state["step"], 1 - b2 ** state["step"]
-        denom = (state["exp_avg_sq"] / bc2).sqrt().add_(group["adamw_eps"])
-        if group["weight_decay"]:
-            p.mul_(1 - group["adamw_lr"] * group["weight_decay"])
-        p.add_((state["exp_avg"] / bc1 / denom).to(p.dtype), alpha=-group["adamw_lr"])
