@@ -446,8 +446,8 @@ def _distributed_optimizer(rank: int, world_size: int, root: str) -> Dict[str, A
     said: List[str] = []
     with _megatron_job(DIST_OPT_ARGV) as (pg, _):
         def job(flag: bool, save: str = None, load: str = None, first: int = 0, last: int = 3,
-                distributed: bool = True, bucket_size: int = None):
-            args = _lm_args(pg, DIST_OPT_ARGV + (["--use-vescale-fsdp"] if flag else []))
+                distributed: bool = True, bucket_size: int = None, extra: List[str] = ()):
+            args = _lm_args(pg, DIST_OPT_ARGV + list(extra) + (["--use-vescale-fsdp"] if flag else []))
             args.use_distributed_optimizer, args.ddp_bucket_size = distributed, bucket_size
             args.overlap_grad_reduce = True
             args.overlap_param_gather = distributed  # Megatron-LM asserts it needs the distributed optimizer
@@ -485,23 +485,29 @@ def _distributed_optimizer(rank: int, world_size: int, root: str) -> Dict[str, A
         # DDP's buffer cut into buckets: the file drops the padding at each cut. Of >= 2000 elements,
         # each cut follows a matrix (a multiple of 64 elements: no padding there), so the layouts
         # coincide; of 1 element, cuts follow 32-element LayerNorm vectors too (padding dropped)
+        # bf16: the fp32 masters come from distrib_optim.pt ("param"), the model file holds bf16 weights
+        run("bf16 ddp", False, extra=["--bf16"])
+        run("bf16 ddp saved", False, save=os.path.join(root, "bf16"), last=2, extra=["--bf16"])
+        run("bf16 ours from ddp", True, load=os.path.join(root, "bf16"), first=2, extra=["--bf16"])
         for size in (2000, 1):
             run(f"ddp buckets {size} saved", False, save=os.path.join(root, f"b{size}"), last=2, bucket_size=size)
             run(f"ours from ddp buckets {size}", True, load=os.path.join(root, f"b{size}"), first=2)
-    ddp_losses, ddp_end, _ = out["ddp"]
     res: Dict[str, Any] = {"warnings": said,
                            "ddp saved file": os.path.isfile(_distrib_optim_name(_checkpoint_name(ddp_dir, 2)))}
     for name, value in out.items():
-        if name == "ddp":
+        if name in ("ddp", "bf16 ddp"):
             continue
         if isinstance(value, str):
             res[name] = value
             continue
         losses, end, loaded = value
+        bf16 = name.startswith("bf16")
+        ddp_losses, ddp_end, _ = out["bf16 ddp" if bf16 else "ddp"]
         first = ddp_losses[2:] if loaded is not None else ddp_losses[:len(losses)]
-        ref = ddp_end if len(losses) + (loaded or 0) == 3 else out["ddp saved"][1]  # after 3 steps, or 2
+        ref = ddp_end if len(losses) + (loaded or 0) == 3 else out["bf16 ddp saved" if bf16 else "ddp saved"][1]
         res[name] = {"loaded": loaded, "losses equal": losses == first,
-                     "end differ": sorted(k for k in ref if not torch.equal(ref[k], end[k]))}
+                     # bf16: DDP's state dict holds the bf16 model weights, ours the fp32 masters: rounded alike
+                     "end differ": sorted(k for k in ref if not torch.equal(ref[k], end[k].to(ref[k].dtype)))}
     return res
 
 
@@ -853,7 +859,9 @@ def test_megatron_lm_resumes_ddp_distributed_optimizer_torch_checkpoint(results)
     state_dict in the model file, its parameter state in distrib_optim.pt) resumes under the
     switch, with --use-distributed-optimizer (Megatron-LM calls load_parameter_state) or without
     it (the switch loads the file): the third step's loss and the weights after it equal DDP's
-    3 uninterrupted steps bit for bit, so the fp32 masters, both moments and the step loaded exactly."""
+    3 uninterrupted steps bit for bit, so the fp32 masters, both moments and the step loaded
+    exactly; under --bf16 too (the masters from the file's "param": the weights after the step,
+    rounded to bf16, are DDP's bf16 weights; without the masters they are not)."""
     for res in results["dist_opt"]:
         assert res["ddp saved file"], res
         assert res["ours from ddp buckets 2000"] == {"loaded": 2, "losses equal": True, "end differ": []}, res
@@ -861,7 +869,7 @@ def test_megatron_lm_resumes_ddp_distributed_optimizer_torch_checkpoint(results)
         said = res["ours from ddp buckets 1"]
         assert isinstance(said, str) and "cannot be mapped to the parameters" in said and \
             "--dist-ckpt-optim-fully-reshardable" in said and "--no-load-optim" in said, said
-        for name in ("ours from ddp", "ours from ddp, no flag"):
+        for name in ("ours from ddp", "ours from ddp, no flag", "bf16 ours from ddp"):
             assert res[name] == {"loaded": 2, "losses equal": True, "end differ": []}, (name, res[name])
 
 
