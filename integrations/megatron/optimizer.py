@@ -306,6 +306,11 @@ class VeScaleOptimizer(MegatronOptimizer):
         pending, self._megatron_state = self._megatron_state, None
         if pending is None:
             return
+        if self.model_space_keys() != ("exp_avg", "exp_avg_sq"):
+            raise ValueError(
+                f"{filename} holds Adam's state (Megatron's distributed optimizer), which this "
+                f"{type(self.optimizer).__name__} cannot take: resume with Adam (--optimizer adam, no "
+                "--vescale-optimizer), or the weights only with --no-load-optim")
         # memory-mapped: each rank reads its own ranges of the full tensors only
         state = torch.load(filename, map_location="cpu", mmap=True, weights_only=True)
         chunk = self._chunk()
@@ -503,6 +508,8 @@ def _is_megatron_distributed_state(state_dict: Dict[str, Any]) -> bool:
     inner = state_dict.get("optimizer")
     return (isinstance(inner, dict) and "state" not in inner and bool(inner.get("param_groups"))
             and all("params" not in g for g in inner["param_groups"]))
+
+
 _MASTERS = ("fp32_param", "param")  # [Note: fp32 masters]
 
 
