@@ -71,6 +71,17 @@ _MCORE_DDP = "(config, ddp_config, module, disable_bucketing=False, pg_collectio
 _MCORE_OPTIMIZER = ("(config, model_chunks, config_overrides=None, use_gloo_process_groups=True, pg_collection=None, "
                     "dump_param_to_param_group_map=None)")
 _TRAINING = "megatron.training.training"
+_DS_ACCESSORS = {  # deepspeed.utils.tensor_fragment: the accessors routed for ragged parameters
+    "safe_get_full_grad": "(param)", "safe_set_full_grad": "(param, value)",
+    "safe_get_full_fp32_param": "(param)", "safe_set_full_fp32_param": "(param, value)",
+    "safe_get_full_optimizer_state": "(param, optim_state_key)",
+    "safe_set_full_optimizer_state": "(param, value, optim_state_key)",
+    "safe_get_local_grad": "(param)", "safe_set_local_grad": "(param, value)",
+    "safe_get_local_fp32_param": "(param)", "safe_set_local_fp32_param": "(param, value)",
+    "safe_get_local_optimizer_state": "(param, optim_state_key)",
+    "safe_set_local_optimizer_state": "(param, value, optim_state_key)",
+    "safe_update_full_grad_vectorized": "(param_list, update_func)",
+}
 
 HOST_PATCHES: Dict[str, HostPatch] = {p.patched: p for p in (
     # DeepSpeed: integrations/deepspeed/__init__.py, parser.py
@@ -89,6 +100,13 @@ HOST_PATCHES: Dict[str, HostPatch] = {p.patched: p for p in (
     HostPatch("deepspeed.zero.GatheredParameters", "deepspeed", "deepspeed.zero.GatheredParameters", _GATHERED),
     HostPatch("deepspeed.runtime.engine.DeepSpeedEngine._do_sanity_check", "deepspeed",
               "deepspeed.runtime.engine.DeepSpeedEngine._do_sanity_check", "(self)"),
+    # DeepSpeed's accessors (their code routed in place) and zero_to_fp32's reader:
+    # integrations/deepspeed/safe_accessors.py, zero_to_fp32.py
+    *(HostPatch(f"deepspeed.utils.tensor_fragment.{name}", "deepspeed", f"deepspeed.utils.tensor_fragment.{name}",
+                signature) for name, signature in _DS_ACCESSORS.items()),
+    HostPatch("deepspeed.utils.zero_to_fp32._get_fp32_state_dict_from_zero_checkpoint", "deepspeed",
+              "deepspeed.utils.zero_to_fp32._get_fp32_state_dict_from_zero_checkpoint",
+              "(ds_checkpoint_dir, exclude_frozen_parameters)"),
     # accelerate and transformers: integrations/deepspeed/accelerate_stage.py, saving.py
     HostPatch("accelerate.utils.DeepSpeedPlugin.zero_stage", "accelerate",
               "accelerate.utils.DeepSpeedPlugin.zero_stage", None),  # a field set on plugin instances: no signature
@@ -111,6 +129,9 @@ HOST_PATCHES: Dict[str, HostPatch] = {p.patched: p for p in (
     HostPatch(f"{_TRAINING}.get_megatron_muon_optimizer", "Megatron-LM", f"{_TRAINING}.get_megatron_muon_optimizer",
               None),
     HostPatch(f"{_TRAINING}.get_model", "Megatron-LM", f"{_TRAINING}.get_model", None),
+    HostPatch(f"{_TRAINING}.to_empty_if_meta_device", "Megatron-LM", f"{_TRAINING}.to_empty_if_meta_device", None),
+    HostPatch(f"{_TRAINING}.check_param_hashes_across_dp_replicas", "Megatron-LM",
+              "megatron.core.utils.check_param_hashes_across_dp_replicas", "(model, cross_check=False)"),
     HostPatch(f"{_TRAINING}.calc_params_l2_norm", "Megatron-LM", f"{_TRAINING}.calc_params_l2_norm", None),
     HostPatch("megatron.training.checkpointing.save_checkpoint", "Megatron-LM",
               "megatron.training.checkpointing.save_checkpoint", None),

@@ -238,5 +238,18 @@ def _route(host: types.FunctionType, ours: Callable[..., Any]) -> None:
 def install_safe_accessors() -> None:
     """Route DeepSpeed's accessors (idempotent); see [Note: routing the host's accessors]."""
     host = importlib.import_module("deepspeed.utils.tensor_fragment")  # deepspeed.utils.tensor_fragment is a class
+    # host patch deepspeed.utils.tensor_fragment.safe_get_full_grad: checked against deepspeed 0.19.8
+    # host patch deepspeed.utils.tensor_fragment.safe_set_full_grad: checked against deepspeed 0.19.8
+    # host patch deepspeed.utils.tensor_fragment.safe_get_full_fp32_param: checked against deepspeed 0.19.8
+    # host patch deepspeed.utils.tensor_fragment.safe_set_full_fp32_param: checked against deepspeed 0.19.8
+    # host patch deepspeed.utils.tensor_fragment.safe_get_full_optimizer_state: checked against deepspeed 0.19.8
+    # host patch deepspeed.utils.tensor_fragment.safe_set_full_optimizer_state: checked against deepspeed 0.19.8
+    # host patch deepspeed.utils.tensor_fragment.safe_get_local_grad: checked against deepspeed 0.19.8
+    # host patch deepspeed.utils.tensor_fragment.safe_set_local_grad: checked against deepspeed 0.19.8
+    # host patch deepspeed.utils.tensor_fragment.safe_get_local_fp32_param: checked against deepspeed 0.19.8
+    # host patch deepspeed.utils.tensor_fragment.safe_set_local_fp32_param: checked against deepspeed 0.19.8
+    # host patch deepspeed.utils.tensor_fragment.safe_get_local_optimizer_state: checked against deepspeed 0.19.8
+    # host patch deepspeed.utils.tensor_fragment.safe_set_local_optimizer_state: checked against deepspeed 0.19.8
+    # host patch deepspeed.utils.tensor_fragment.safe_update_full_grad_vectorized: checked against deepspeed 0.19.8
     for name, ours in _OURS.items():
         _route(getattr(host, name), ours)

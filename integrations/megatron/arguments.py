@@ -19,6 +19,7 @@ import inspect
 import warnings
 from typing import Any, Callable, List, Optional, Set, Tuple, Union
 
+import torch
 import torch.distributed as dist
 
 from vescale_zero.optim import AdamW8bit, Muon, Shampoo
@@ -65,7 +66,8 @@ def validate_vescale_args(args: argparse.Namespace) -> None:
         if getattr(args, "vescale_optimizer", None):
             raise ValueError("--vescale-optimizer needs --use-vescale-fsdp")
         return
-    for field in ("use_distributed_optimizer", "use_torch_fsdp2", "use_megatron_fsdp", "use_custom_fsdp"):
+    # --use-distributed-optimizer is accepted: VeScaleFSDP already shards the optimizer state (what it asks)
+    for field in ("use_torch_fsdp2", "use_megatron_fsdp", "use_custom_fsdp"):
         if getattr(args, field, False):
             raise ValueError(clash_message(field))
     check_megatron_optimizer(args)
@@ -154,7 +156,16 @@ _NO_EFFECT: List[Tuple[str, str, Callable[[Any], bool], str]] = [
     ("--ddp-pad-buckets-for-high-nccl-busbw", "ddp_pad_buckets_for_high_nccl_busbw", bool,
      "every rank's piece of a VeScaleFSDP group starts on 16 bytes already (DEFAULT_ALIGN_BYTES); the groups are "
      "not padded further"),
-]
+    ("--use-precision-aware-optimizer", "use_precision_aware_optimizer", bool,
+     "VeScaleFSDP's sharded parameters are the fp32 master weights, updated in place by a torch optimizer whose "
+     "states take their dtype (fp32); for lower-precision optimizer states use --vescale-optimizer adamw8bit"),
+] + [(flag, flag[2:].replace("-", "_"), lambda v: v not in (None, "fp32", torch.float32),
+      "VeScaleFSDP keeps fp32 master shards and fp32 optimizer states (for 8-bit states: --vescale-optimizer "
+      "adamw8bit); the gradients are reduced in fp32 under --accumulate-allreduce-grads-in-fp32, else in the "
+      "model's dtype")
+     for flag in ("--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype")]
+_NO_PREFETCH = ("VeScaleFSDP overlaps each group's parameter all-gather with the previous group's compute by "
+                "prefetching, which --vescale-no-prefetch turns off")
 
 
 def flags_without_effect(args: argparse.Namespace) -> List[Tuple[str, str]]:
@@ -162,7 +173,11 @@ def flags_without_effect(args: argparse.Namespace) -> List[Tuple[str, str]]:
     ``--use-vescale-fsdp`` (nothing without it)."""
     if not getattr(args, "use_vescale_fsdp", False):
         return []
-    return [(flag, why) for flag, field, is_set, why in _NO_EFFECT if is_set(getattr(args, field, None))]
+    out = [(flag, why) for flag, field, is_set, why in _NO_EFFECT if is_set(getattr(args, field, None))]
+    # --overlap-param-gather asks what VeScaleFSDP's prefetch does (its default): an effect unless that is off
+    if getattr(args, "overlap_param_gather", False) and not getattr(args, "vescale_prefetch", True):
+        out.append(("--overlap-param-gather", _NO_PREFETCH))
+    return out
 
 
 def warn_flags_without_effect(args: argparse.Namespace) -> None:

@@ -96,8 +96,6 @@ class VeScaleFSDPOptions:
 
 
 _OTHER_SHARDING = {
-    "use_distributed_optimizer": "Megatron's distributed optimizer shards the optimizer state itself, and "
-    "VeScaleFSDP already shards parameters, gradients and optimizer state",
     "use_megatron_fsdp": "Megatron-FSDP is another sharded data-parallel wrapper",
     "use_custom_fsdp": "Megatron-FSDP is another sharded data-parallel wrapper",
     "use_torch_fsdp2": "PyTorch FSDP2 is another sharded data-parallel wrapper",
@@ -114,7 +112,8 @@ def clash_message(field: str) -> str:
 
 def check_supported(config: TransformerConfig, ddp_config: DistributedDataParallelConfig) -> None:
     """Refuse Megatron settings that would fight ragged sharding, naming the fix."""
-    for field in ("use_distributed_optimizer", "use_megatron_fsdp", "use_custom_fsdp"):
+    # use_distributed_optimizer is accepted: VeScaleFSDP already shards the optimizer state (what it asks)
+    for field in ("use_megatron_fsdp", "use_custom_fsdp"):
         if getattr(ddp_config, field, False):
             raise ValueError(clash_message(field))
     instances = getattr(ddp_config, "num_distributed_optimizer_instances", 1)
@@ -345,6 +344,14 @@ class VeScaleFSDP(_BaseDataParallel):
 
     def start_param_sync(self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False) -> None:
         """Parameters are gathered by each group's forward hook; nothing to start here."""
+
+    def enable_forward_pre_hook(self) -> None:
+        """A no-op (Megatron-LM calls it under --use-distributed-optimizer --overlap-param-gather):
+        each group's forward hook gathers its parameters, prefetching the next, always."""
+
+    def disable_forward_pre_hook(self, param_sync: bool = True) -> None:
+        """A no-op: the hooks that gather the parameters stay (the forward needs them), and the
+        parameters a forward sees are always the shards' latest values (nothing to sync)."""
 
     def prepare_state_dict(self) -> None:
         """Gather the full state dict now, on every rank (collective), so that a later

@@ -9,7 +9,9 @@ Muon). ``get_model`` first checks our flags (``--use-megatron-fsdp`` / ``--use-t
 beside ``--use-vescale-fsdp`` would otherwise pick those wrappers silently);
 ``to_empty_if_meta_device`` leaves a meta model (``--init-model-with-meta-device``) on meta for
 ``VeScaleFSDP`` to initialise; ``calc_params_l2_norm`` (``--log-params-norm``) sums our shards over their own groups
-(:func:`params_l2_norm`); ``megatron.core.utils.unwrap_model`` peels known wrappers;
+(:func:`params_l2_norm`); ``check_param_hashes_across_dp_replicas``
+(``--check-weight-hash-across-dp-replicas-interval``) hashes the full parameters;
+``megatron.core.utils.unwrap_model`` peels known wrappers;
 ``save_checkpoint`` / ``load_checkpoint`` are wrapped so both checkpoint formats see what
 they expect (see :func:`_wrap_checkpointing`). In a
 Megatron-LM pretraining script::
@@ -28,7 +30,7 @@ from __future__ import annotations
 import os
 import sys
 from contextlib import ExitStack
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 from .arguments import (
     check_megatron_optimizer,
@@ -120,6 +122,7 @@ def use_vescale_fsdp_in_megatron_lm(get_args: Optional[Callable[[], Any]] = None
     megatron_get_model = getattr(training, "get_model", None)
     megatron_params_norm = getattr(training, "calc_params_l2_norm", None)
     megatron_to_empty = getattr(training, "to_empty_if_meta_device", None)
+    megatron_hashes = getattr(training, "check_param_hashes_across_dp_replicas", None)
 
     def optimizer(config: Any, model_chunks: Any, *rest: Any, **kwargs: Any):
         args = get_args()
@@ -155,8 +158,25 @@ def use_vescale_fsdp_in_megatron_lm(get_args: Optional[Callable[[], Any]] = None
         chunks = _chunks_of(model)
         return params_l2_norm(chunks) if chunks else megatron_params_norm(model, *rest, **kwargs)
 
+    def check_param_hashes_across_dp_replicas(model: Any, *rest: Any, **kwargs: Any) -> bool:
+        # [Note: hashes of what is replicated] Megatron-LM asserts that every data-parallel rank
+        # holds the same parameters (--check-weight-hash-across-dp-replicas-interval); the shards
+        # differ by design, the full parameters do not: hashed with each chunk's full parameters
+        # installed (VeScaleFSDP.full_parameters: the whole model for the call, as DDP holds it),
+        # so every rank's gathered copy is compared, and under HSDP a replica whose shard
+        # diverged differs from the others. Without HSDP no data-parallel rank holds a copy of
+        # another's shard: nothing more can be compared.
+        chunks = _chunks_of(model)
+        with ExitStack() as stack:
+            for chunk in chunks:
+                stack.enter_context(chunk.full_parameters())
+            return megatron_hashes(model, *rest, **kwargs)
+
     # host patch megatron.training.training.DDP: checked against megatron-core 0.16.1
     training.DDP = data_parallel_class(training.DDP, get_args)
+    if megatron_hashes is not None:  # imported by name from megatron.core.utils
+        # host patch megatron.training.training.check_param_hashes_across_dp_replicas: checked against Megatron-LM core_v0.16.1  # noqa: E501
+        training.check_param_hashes_across_dp_replicas = check_param_hashes_across_dp_replicas
     # host patch megatron.training.training.get_megatron_optimizer: checked against megatron-core 0.16.1
     training.get_megatron_optimizer = optimizer
     if megatron_muon is not None:
@@ -166,6 +186,7 @@ def use_vescale_fsdp_in_megatron_lm(get_args: Optional[Callable[[], Any]] = None
         # host patch megatron.training.training.get_model: checked against Megatron-LM core_v0.16.1
         training.get_model = get_model
     if megatron_to_empty is not None:  # --init-model-with-meta-device (checked against core_v0.16.1)
+        # host patch megatron.training.training.to_empty_if_meta_device: checked against Megatron-LM core_v0.16.1
         training.to_empty_if_meta_device = to_empty_if_meta_device
     if megatron_params_norm is not None:  # --log-params-norm
         # host patch megatron.training.training.calc_params_l2_norm: checked against Megatron-LM core_v0.16.1
@@ -241,7 +262,17 @@ def _wrap_checkpointing(training: Any, get_args: Callable[[], Any]) -> None:
         with ExitStack() as stack:
             for chunk in chunks:
                 stack.enter_context(chunk.full_parameters())
-            return megatron_load(model, *rest, **kwargs)
+            loaded = megatron_load(model, *rest, **kwargs)
+        optimizer = rest[0] if rest else kwargs.get("optimizer")
+        if isinstance(optimizer, VeScaleOptimizer) and optimizer.parameter_state_pending():
+            # optimizer.py [Note: distributed-optimizer torch checkpoints]: Megatron-LM loads
+            # distrib_optim.pt only under --use-distributed-optimizer; without it, load it here
+            name = _distrib_optim_file(checkpointing, getattr(args, kwargs.get("load_arg", "load"), None),
+                                       getattr(args, "ckpt_step", None))
+            if name is not None:
+                optimizer.load_parameter_state(name)
+            optimizer.check_parameter_state_loaded()
+        return loaded
 
     for module in (training, checkpointing):
         if module is None:
@@ -254,20 +285,39 @@ def _wrap_checkpointing(training: Any, get_args: Callable[[], Any]) -> None:
             module.load_checkpoint = load_checkpoint
 
 
-def _checkpoint_dir(load: Optional[str], step: Optional[int]) -> Optional[str]:
-    """The iteration directory Megatron-LM's ``load_checkpoint`` will read, if it can be told
-    from ``--load`` (its tracker file) or ``--ckpt-step``; else ``None``."""
+def _checkpoint_iteration(load: Optional[str], step: Optional[int]) -> Optional[Tuple[int, bool]]:
+    """``(iteration, release)`` that Megatron-LM's ``load_checkpoint`` will read, if it can be
+    told from ``--load`` (its tracker file) or ``--ckpt-step``; else ``None``."""
     if not load or not os.path.isdir(load):
         return None
-    if step is None:
-        tracker = os.path.join(load, "latest_checkpointed_iteration.txt")
-        if not os.path.isfile(tracker):
-            return None
-        with open(tracker) as f:
-            text = f.read().strip()
-        if text == "release":
-            return os.path.join(load, "release")
-        if not text.isdigit():
-            return None
-        step = int(text)
-    return os.path.join(load, f"iter_{int(step):07d}")
+    if step is not None:
+        return int(step), False
+    tracker = os.path.join(load, "latest_checkpointed_iteration.txt")
+    if not os.path.isfile(tracker):
+        return None
+    with open(tracker) as f:
+        text = f.read().strip()
+    if text == "release":
+        return 0, True
+    return (int(text), False) if text.isdigit() else None
+
+
+def _checkpoint_dir(load: Optional[str], step: Optional[int]) -> Optional[str]:
+    """The iteration directory Megatron-LM's ``load_checkpoint`` will read, or ``None``."""
+    found = _checkpoint_iteration(load, step)
+    if found is None:
+        return None
+    return os.path.join(load, "release" if found[1] else f"iter_{found[0]:07d}")
+
+
+def _distrib_optim_file(checkpointing: Any, load: Optional[str], step: Optional[int]) -> Optional[str]:
+    """This rank's ``distrib_optim.pt`` of that checkpoint, named by Megatron-LM's own
+    ``get_checkpoint_name`` / ``get_distributed_optimizer_checkpoint_name`` (as its loader
+    names it under --use-distributed-optimizer; checked against core_v0.16.1), or ``None``."""
+    found = _checkpoint_iteration(load, step)
+    model_name = getattr(checkpointing, "get_checkpoint_name", None)
+    optim_name = getattr(checkpointing, "get_distributed_optimizer_checkpoint_name", None)
+    if found is None or model_name is None or optim_name is None:
+        return None
+    name = optim_name(model_name(load, found[0], found[1]))
+    return name if os.path.isfile(name) else None

@@ -21,6 +21,14 @@ it from ``save_checkpoint``, into ``iter_N/vescale_zero_optim``); :meth:`state_d
 points there, and :meth:`load_state_dict` -- called by every rank on resume -- loads that
 checkpoint, at any data-parallel size.
 
+[Note: distributed-optimizer torch checkpoints] Megatron-LM under ``--use-distributed-optimizer``
+with ``--ckpt-format torch`` (which ``--use-vescale-fsdp`` accepts) calls ``load_state_dict`` with
+the distributed optimizer's ``state_dict()`` (hyperparameters, step, loss scale: no tensors)
+and then ``load_parameter_state(distrib_optim.pt)``: a checkpoint written by megatron-core's
+DDP + distributed optimizer is loaded from that file by parameter (distrib_optim_file.py
+[Note: distrib_optim.pt layout]) in model space, as the dist-checkpoint formats below; one of
+ours was loaded whole by ``load_state_dict`` and the second call does nothing.
+
 [Note: optimizer dist-checkpoints] In Megatron's ``torch_dist`` checkpoints the state of an
 element-wise optimizer is kept in "model space": ``optimizer.state.exp_avg.<model key>``
 shaped like the model's (TP-local, full) tensor, as Megatron's non-distributed optimizer
@@ -83,6 +91,7 @@ from vescale_zero.state_dict import (
 
 from .data_parallel import VeScaleFSDP
 from .dist_checkpoint import boxes_by_parameter, state_boxes
+from .distrib_optim_file import megatron_parameter_state
 from .hsdp import replica_rank, shard_group
 
 __all__ = ["VeScaleOptimizer", "get_vescale_optimizer", "SUPPORTED_OPTIMIZERS", "check_dist_checkpoint_optimizer"]
@@ -116,6 +125,7 @@ class VeScaleOptimizer(MegatronOptimizer):
         super().__init__(optimizer, config)
         self.model_chunks = list(model_chunks or [])
         self._sharded_checkpoint: Optional[str] = None
+        self._megatron_state: Optional[Dict[str, Any]] = None  # see [Note: distributed-optimizer torch checkpoints]
         self.is_stub_optimizer = False
         params = self.get_parameters()
         self.grad_stats_parallel_group = dist.group.WORLD
@@ -258,6 +268,9 @@ class VeScaleOptimizer(MegatronOptimizer):
         if _MODEL_SPACE in state_dict:
             self._load_model_space(state_dict)
             return
+        if _is_megatron_distributed_state(state_dict):  # its tensors come by load_parameter_state
+            self._megatron_state = state_dict
+            return
         if "optimizer" not in state_dict:
             raise KeyError(
                 "not a VeScaleOptimizer state dict (no 'optimizer' key); a Megatron optimizer checkpoint "
@@ -274,6 +287,45 @@ class VeScaleOptimizer(MegatronOptimizer):
         self.optimizer.load_state_dict(state_dict["optimizer"])
         if self.grad_scaler is not None and "grad_scaler" in state_dict:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+
+    # ---- Megatron-LM --use-distributed-optimizer, --ckpt-format torch ------------------
+    def save_parameter_state(self, filename: str) -> None:
+        """Nothing to write (Megatron-LM calls it under --use-distributed-optimizer): the
+        switch's ``save_checkpoint`` has written every rank's shards beside the checkpoint
+        (:meth:`save_sharded`), and :meth:`state_dict` points there."""
+
+    def load_parameter_state(self, filename: str, *, update_legacy_format: bool = False) -> None:
+        """After :meth:`load_state_dict` took a Megatron distributed optimizer's ``state_dict()``,
+        load its parameter state from ``filename`` (its ``distrib_optim.pt``; see
+        [Note: distributed-optimizer torch checkpoints]); after our own, nothing (loaded)."""
+        pending, self._megatron_state = self._megatron_state, None
+        if pending is None:
+            return
+        if self.model_space_keys() != ("exp_avg", "exp_avg_sq"):
+            raise ValueError(
+                f"{filename} holds Adam's state (Megatron's distributed optimizer), which this "
+                f"{type(self.optimizer).__name__} cannot take: resume with Adam (--optimizer adam, no "
+                "--vescale-optimizer), or the weights only with --no-load-optim")
+        # memory-mapped: each rank reads its own ranges of the full tensors only
+        state = torch.load(filename, map_location="cpu", mmap=True, weights_only=True)
+        chunk = self._chunk()
+        self._load_model_space({**pending, _MODEL_SPACE: megatron_parameter_state(
+            chunk.module, self.optimizer, filename, state)})
+
+    def parameter_state_pending(self) -> bool:
+        """Whether :meth:`load_state_dict` took a Megatron distributed optimizer's state and
+        :meth:`load_parameter_state` has not yet loaded its tensors."""
+        return self._megatron_state is not None
+
+    def check_parameter_state_loaded(self) -> None:
+        """Raise if :meth:`load_state_dict` took a Megatron distributed optimizer's state whose
+        parameter state (``distrib_optim.pt``) was never loaded."""
+        if self._megatron_state is not None:
+            self._megatron_state = None
+            raise ValueError(
+                "the checkpoint's optimizer state was written by Megatron's distributed optimizer, its tensors in "
+                "distrib_optim.pt beside the model file, which was not found: put it back, or resume the weights "
+                "only with --no-load-optim")
 
     # ---- Megatron dist-checkpoints (see [Note: optimizer dist-checkpoints]) ------------
     def model_space_keys(self) -> Optional[Tuple[str, ...]]:
@@ -443,6 +495,16 @@ class VeScaleOptimizer(MegatronOptimizer):
 
 
 _MODEL_SPACE = "vescale_zero_model_space"
+
+
+def _is_megatron_distributed_state(state_dict: Dict[str, Any]) -> bool:
+    """Whether ``state_dict`` is Megatron's ``DistributedOptimizer.state_dict()``: the inner
+    optimizer's hyperparameters without its state or its groups' parameters."""
+    inner = state_dict.get("optimizer")
+    return (isinstance(inner, dict) and "state" not in inner and bool(inner.get("param_groups"))
+            and all("params" not in g for g in inner["param_groups"]))
+
+
 _MASTERS = ("fp32_param", "param")  # [Note: fp32 masters]
 
 
@@ -520,8 +582,7 @@ def get_vescale_optimizer(
     if name not in SUPPORTED_OPTIMIZERS:
         raise ValueError(f"--use-vescale-fsdp: optimizer {name!r} is not supported; "
                          f"choose one of {SUPPORTED_OPTIMIZERS}")
-    if config.use_distributed_optimizer:
-        raise ValueError("--use-vescale-fsdp already shards the optimizer state; drop --use-distributed-optimizer")
+    # config.use_distributed_optimizer: accepted, VeScaleFSDP already shards the optimizer state
     if config.optimizer_cpu_offload:
         raise ValueError("--use-vescale-fsdp does not offload the optimizer to CPU; drop --optimizer-cpu-offload")
     twin_of: Dict[int, nn.Parameter] = {}
