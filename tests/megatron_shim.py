@@ -158,6 +158,11 @@ class MegatronFP32Step:
                                        eps=config.adam_eps)
         self.params = [p for g in groups for p in g["params"]]
 
+    @property
+    def param_groups(self) -> list:
+        """Megatron's param groups (``max_lr``, ``lr_mult``...), for its ``OptimizerParamScheduler``."""
+        return self.inner.param_groups
+
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
