@@ -183,11 +183,68 @@ def _resume(rank: int, world_size: int, root: str) -> Dict[str, Any]:
                 "log": log.getvalue(), "last": rank == parallel_state.get_data_parallel_world_size() - 1}
 
 
+FUSION = ["--gradient-accumulation-fusion", "--global-batch-size", "8", "--train-iters", "2"]  # 2 micro-batches
+
+
+def _fusion(rank: int, world_size: int, extra: List[str]) -> Dict[str, Any]:
+    """--gradient-accumulation-fusion: megatron-core DDP + Megatron's FP32 step and VeScaleFSDP,
+    both through megatron-core's fused wgrad path (the test-only CPU kernel, counted): the first
+    step's reduced gradients (main_grad) and the weights after 2 steps."""
+    from tests.megatron_shim import MegatronFP32Step, _FusedWeightGradientOnCPU, fused_wgrad_on_cpu
+    from tests.test_megatron import _ddp_grads, _FirstStepGrads, _our_grads
+
+    calls = {"n": 0}
+    kernel = _FusedWeightGradientOnCPU.wgrad_gemm_accum_fp32
+
+    def counted(*a):
+        calls["n"] += 1
+        return kernel(*a)
+
+    _FusedWeightGradientOnCPU.wgrad_gemm_accum_fp32 = staticmethod(counted)
+    try:
+        with fused_wgrad_on_cpu(), _megatron_job(ARGV + FUSION + extra) as (pg, args):
+            args.use_vescale_fsdp = False
+            pg.seed(args)
+            config = pg.transformer_config(args)
+            ddp = pg.build_model(args, config)
+            ref_opt = _FirstStepGrads(MegatronFP32Step(ddp, pg.optimizer_config(args)), lambda d=ddp: _ddp_grads(d))
+            ref = pg.train_loop(args, ddp, ref_opt, config)
+            ref_final, ref_calls = _state(ddp), calls["n"]
+            del ddp
+            args.use_vescale_fsdp = True
+            model, optimizer, config = pg.build(args)
+            opt = _FirstStepGrads(optimizer, lambda: _our_grads(model))
+            ours = pg.train_loop(args, model, opt, config)
+            final = _state(model)
+            return {"fusion": config.gradient_accumulation_fusion, "calls": (ref_calls, calls["n"] - ref_calls),
+                    "grads differ": sorted(k for k, g in ref_opt.grads.items() if not torch.equal(opt.grads[k], g)),
+                    "grad keys": sorted(ref_opt.grads) == sorted(opt.grads),
+                    "losses": (ref["losses"], ours["losses"]),
+                    "differ": sorted(k for k in ref_final if not torch.equal(final[k], ref_final[k]))}
+    finally:
+        _FusedWeightGradientOnCPU.wgrad_gemm_accum_fp32 = staticmethod(kernel)
+
+
+def _fusion_bf16(rank: int, world_size: int) -> Dict[str, Any]:
+    """The same with --bf16 --accumulate-allreduce-grads-in-fp32 (fp32 main_grad, bf16 inputs to the
+    kernel): tests/test_megatron.py's bf16 comparison against DDP + Megatron's own optimizer."""
+    from tests.megatron_shim import fused_wgrad_on_cpu
+    from tests.test_megatron import _bf16_accumulation
+
+    argv = ARGV + FUSION + ["--bf16", "--accumulate-allreduce-grads-in-fp32"]
+    with fused_wgrad_on_cpu():
+        res = _bf16_accumulation(rank, world_size, argv)
+    ref, ours = res["grads"]
+    return {"grad keys": sorted(ref) == sorted(ours), "grads differ": sorted(k for k in ref
+                                                                            if not torch.equal(ours[k], ref[k])),
+            "masters off": max(res["masters"].values())}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Dict[str, List[Any]]:
     root = str(tmp_path_factory.mktemp("example_ckpt"))
-    return run_cases_on_ranks({"schedule": (_schedule, ()), "aux": (_aux_loss, ()), "resume": (_resume, (root,))},
-                              2, timeout=300)
+    return run_cases_on_ranks({"schedule": (_schedule, ()), "aux": (_aux_loss, ()), "resume": (_resume, (root,)),
+                               "fusion": (_fusion, ([],)), "fusion bf16": (_fusion_bf16, ())}, 2, timeout=300)
 
 
 def _megatron_lm_learning_rates(iters: int, global_batch: int) -> List[float]:
@@ -259,3 +316,22 @@ def test_log_line_has_megatron_lms_fields(runs):
     resumed = [r["log"] for r in runs["resume"] if r["log"]]
     assert len(resumed) == 1 and re.search(r"iteration +3/ +3 \| consumed samples: +12 \|", resumed[0]), resumed
     assert re.search(r"\| loss scale: 1\.0 \| grad norm: \d+\.\d{3} \| number of skipped", resumed[0]), resumed
+
+
+def test_gradient_accumulation_fusion_equals_megatron_ddp(runs):
+    """--gradient-accumulation-fusion (Megatron-LM's default) under --use-vescale-fsdp: megatron-core's
+    linear layers add each weight gradient into main_grad -- here the full-size view of the group's
+    gradient buffer -- through the fused kernel (a CPU stand-in), over 2 micro-batches, the tied
+    embedding's zero_out_wgrad included; the reduced gradients and the trained weights equal
+    megatron-core DDP's with the same flag bit for bit (two data-parallel ranks: two addends),
+    in fp32 and in bf16 with fp32 main_grad (fp32 masters after Megatron's own optimizer)."""
+    for res in runs["fusion"]:
+        assert res["fusion"] is True
+        ref_calls, our_calls = res["calls"]
+        assert ref_calls > 0 and our_calls == ref_calls, res["calls"]
+        assert res["grad keys"] and res["grads differ"] == [], res["grads differ"]
+        assert res["losses"][0] == res["losses"][1], res["losses"]
+        assert res["differ"] == [], res["differ"]
+    for res in runs["fusion bf16"]:
+        assert res["grad keys"] and res["grads differ"] == [], res["grads differ"]
+        assert res["masters off"] == 0.0, res["masters off"]

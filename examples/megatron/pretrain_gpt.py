@@ -79,6 +79,12 @@ class _HalfPrecision(argparse.Action):
         namespace.fp16 = self.dest == "fp16"
 
 
+def _fused_wgrad_available() -> bool:
+    from megatron.core.tensor_parallel import layers
+
+    return bool(layers._grad_accum_fusion_available)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 fromfile_prefix_chars="@")
@@ -119,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --use-vescale-fsdp: HSDP, shard inside each of N instances, replicate across them")
     g.add_argument("--use-megatron-fsdp", action="store_true")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
+    # Megatron-LM's default is on; here on where megatron-core finds apex's fused kernel
+    g.add_argument("--gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_true",
+                   default=_fused_wgrad_available())
+    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false")
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=2)
     g.add_argument("--global-batch-size", type=int, default=8)
@@ -182,7 +192,8 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         sequence_parallel=args.sequence_parallel, params_dtype=dtype, bf16=args.bf16, fp16=args.fp16,
         pipeline_dtype=dtype, use_cpu_initialization=not torch.cuda.is_available(),
         init_model_with_meta_device=args.init_model_with_meta_device,
-        add_bias_linear=args.add_bias_linear, gradient_accumulation_fusion=False, hidden_dropout=0.0,
+        add_bias_linear=args.add_bias_linear, gradient_accumulation_fusion=args.gradient_accumulation_fusion,
+        hidden_dropout=0.0,
         attention_dropout=0.0,
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers, recompute_modules=args.recompute_modules, **moe,
