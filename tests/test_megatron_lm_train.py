@@ -379,31 +379,37 @@ def _torch_checkpoint(rank: int, world_size: int, root: str) -> Dict[str, Any]:
 def _grad_reduce(rank: int, world_size: int) -> Dict[str, Any]:
     """bf16, 4 micro-batches per rank: Megatron-LM's get_model and train() setup (no_sync_func
     only under --overlap-grad-reduce), one step of Megatron's schedule and finalize_model_grads,
-    under the switch and under megatron-core DDP with the same flags."""
+    under the switch and under megatron-core DDP with the same flags; then both again with
+    --gradient-accumulation-fusion (Megatron-LM's default; the test-only CPU kernel)."""
+    import contextlib
+
     from tests.comm_spy import CommSpy
+    from tests.megatron_shim import fused_wgrad_on_cpu
     from tests.test_megatron import _ddp_grads, _our_grads
 
     argv = ARGV + ["--global-batch-size", "16", "--bf16"]  # 4 micro-batches of 2 per rank at dp 2
     out: Dict[str, Any] = {}
     with _megatron_job(argv) as (pg, _):
-        for overlap in (False, True):
-            grads = {}
-            for flag in (False, True):
-                args = _lm_args(pg, argv + (["--use-vescale-fsdp"] if flag else []))
-                args.overlap_grad_reduce = overlap
-                training = _switched(pg, args)
-                pg.seed(args)
-                config = pg.transformer_config(args)
-                model = _get_model(training, pg, args, config)
-                _train_setup_calls(training, args, model, config)
-                with CommSpy().installed() as spy:
-                    _one_step(pg, args, model[0], config, num_microbatches=4)
-                grads[flag] = _our_grads(model[0]) if flag else _ddp_grads(model[0])
-                if flag:
-                    out[(overlap, "reduce-scatters")] = sum(c[0] == "reduce_scatter" for c in spy.calls)
-                    out[(overlap, "groups")] = len(model[0].vescale_groups)
-            out[(overlap, "grads differ")] = sorted(k for k in grads[False]
-                                                    if not torch.equal(grads[False][k], grads[True][k]))
+        for fusion in (False, True):
+            for overlap in (False, True):
+                grads = {}
+                for flag in (False, True):
+                    args = _lm_args(pg, argv + (["--use-vescale-fsdp"] if flag else []))
+                    args.overlap_grad_reduce, args.gradient_accumulation_fusion = overlap, fusion
+                    with fused_wgrad_on_cpu() if fusion else contextlib.nullcontext():
+                        training = _switched(pg, args)
+                        pg.seed(args)
+                        config = pg.transformer_config(args)
+                        model = _get_model(training, pg, args, config)
+                        _train_setup_calls(training, args, model, config)
+                        with CommSpy().installed() as spy:
+                            _one_step(pg, args, model[0], config, num_microbatches=4)
+                    grads[flag] = _our_grads(model[0]) if flag else _ddp_grads(model[0])
+                    if flag and not fusion:
+                        out[(overlap, "reduce-scatters")] = sum(c[0] == "reduce_scatter" for c in spy.calls)
+                        out[(overlap, "groups")] = len(model[0].vescale_groups)
+                out[(overlap, "fused grads differ" if fusion else "grads differ")] = sorted(
+                    k for k in grads[False] if not torch.equal(grads[False][k], grads[True][k]))
     return out
 
 
@@ -668,6 +674,16 @@ def test_megatron_lm_grad_reduce_once_per_step(results):
         for overlap in (False, True):
             assert res[(overlap, "reduce-scatters")] == res[(overlap, "groups")] == 3, (overlap, res)
             assert res[(overlap, "grads differ")] == [], (overlap, res[(overlap, "grads differ")])
+
+
+def test_megatron_lm_gradient_accumulation_fusion(results):
+    """Issue 27: --gradient-accumulation-fusion (Megatron-LM's default) under the switch, bf16 with
+    fp32 main_grad, 4 micro-batches, with and without --overlap-grad-reduce: megatron-core's fused
+    wgrad GEMM adds into the full-size main_grad views of VeScaleFSDP's gradient buffers, and the
+    reduced gradients equal megatron-core DDP's with the same flag bit for bit."""
+    for res in results["grad_reduce"]:
+        for overlap in (False, True):
+            assert res[(overlap, "fused grads differ")] == [], (overlap, res[(overlap, "fused grads differ")])
 
 
 def test_megatron_lm_flags_without_effect(results):
