@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["install_cuda_shim", "MegatronFP32Step", "megatron_optimizer_on_cpu"]
+__all__ = ["install_cuda_shim", "MegatronFP32Step", "megatron_optimizer_on_cpu", "fused_wgrad_on_cpu"]
 
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint",
               "zeros_like", "ones_like", "empty_like", "full_like")
@@ -158,6 +158,11 @@ class MegatronFP32Step:
                                        eps=config.adam_eps)
         self.params = [p for g in groups for p in g["params"]]
 
+    @property
+    def param_groups(self) -> list:
+        """Megatron's param groups (``max_lr``, ``lr_mult``...), for its ``OptimizerParamScheduler``."""
+        return self.inner.param_groups
+
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
@@ -179,3 +184,34 @@ class MegatronFP32Step:
                 p.grad.mul_(coeff)
         self.inner.step()
         return True, norm, None
+
+
+class _FusedWeightGradientOnCPU:
+    """Test-only stand-in for apex's ``fused_weight_gradient_mlp_cuda`` (CUDA only): the weight
+    gradient GEMM that accumulates into ``main_grad`` (``C = grad_output^T @ input + C``, cuBLAS
+    with beta 1, fp32 accumulation for the fp32 variant), as megatron-core's
+    ``LinearWithGradAccumulationAndAsyncCommunication.backward`` calls it with 2-D tensors."""
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+        assert main_grad.dtype == torch.float32, main_grad.dtype
+        main_grad.addmm_(grad_output.t().float(), total_input.float())
+
+    @staticmethod
+    def wgrad_gemm_accum_fp16(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+        main_grad.addmm_(grad_output.t().to(main_grad.dtype), total_input.to(main_grad.dtype))
+
+
+@contextlib.contextmanager
+def fused_wgrad_on_cpu():
+    """megatron-core's linear layers with ``gradient_accumulation_fusion`` on CPU: they find
+    the fused kernel (megatron/core/tensor_parallel/layers.py imports it once, at import)."""
+    from megatron.core.tensor_parallel import layers
+
+    saved = (getattr(layers, "fused_weight_gradient_mlp_cuda", None), layers._grad_accum_fusion_available)
+    layers.fused_weight_gradient_mlp_cuda = _FusedWeightGradientOnCPU
+    layers._grad_accum_fusion_available = True
+    try:
+        yield
+    finally:
+        layers.fused_weight_gradient_mlp_cuda, layers._grad_accum_fusion_available = saved

@@ -79,11 +79,23 @@ would cast the sum down to the reduce dtype; we never accumulate in less than au
 The synced path is unchanged when nothing was accumulated: ``full`` is allocated at ``issue``
 and freed at ``finish``, one group in flight ([Note: gradients are copied in at the
 reduce-scatter]).
+
+[Note: gradients written into full during backward]
+A framework whose kernels accumulate weight gradients straight into a full-size buffer during
+backward (Megatron's ``--gradient-accumulation-fusion``: the wgrad GEMM adds into
+``param.main_grad``, fp32, and autograd gets a dummy) sets :attr:`GradReducer.written_into_full`:
+from the group's first backward of a window, ``full`` is allocated and zeroed
+(:meth:`GradReducer.open_full`) and is the accumulator of every backward until the synced one
+reduce-scatters it, as Megatron's DDP gradient buffer (and Megatron-FSDP's main-grad buffer) is:
+the kernel adds into its views, the other gradients (and those the framework still hands to
+autograd) are added at the end of each backward, in backward order, and a ``.grad`` the
+predicate says is already in ``full`` (a dummy) is dropped. It costs ``full`` from the group's
+first backward to its reduce-scatter, what Megatron's own buffers hold.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -131,6 +143,19 @@ class GradReducer:
         self.divide_factor: Optional[float] = None  # None: AVG over the group
         self._pending: Optional[Tuple] = None
         self._holds_accumulated = False  # ``full`` holds gradients of backwards without sync
+        # [Note: gradients written into full during backward]: param -> its .grad is already in full
+        self.written_into_full: Optional[Callable[[nn.Parameter], bool]] = None
+
+    def open_full(self) -> None:
+        """``full`` as the accumulator of this backward ([Note: gradients written into full during
+        backward]): allocated and zeroed unless it already holds this window's gradients."""
+        if self._pending is not None:
+            raise RuntimeError(
+                "vescale_zero: a fully_shard group's backward started while its previous reduce-scatter was still "
+                "in flight; finish_grad_sync() must run at the end of every synced backward")
+        if not self._holds_accumulated:
+            self.full.allocate(zero=True)
+            self._holds_accumulated = True
 
     @property
     def accumulates_in_full(self) -> bool:
@@ -166,9 +191,13 @@ class GradReducer:
             self.full.allocate()
             self.full.zero_padding()
         written = set()
+        in_full = self.written_into_full
         with torch.no_grad():
             for i, up in params:
-                if up.grad is not None:
+                if up.grad is not None and in_full is not None and in_full(up):
+                    up.grad = None  # a dummy: the gradient is in ``full`` already
+                    written.add(i)
+                elif up.grad is not None:
                     view = self.full.full_view(i)
                     if add:
                         view.add_(up.grad)
@@ -186,7 +215,8 @@ class GradReducer:
         ``(index, unsharded param)`` into ``full`` in the reduce dtype, for the synced backward
         to reduce ([Note: accumulating in the reduce dtype]); a no-op unless
         :attr:`accumulates_in_full` (autograd's ``.grad`` accumulates then)."""
-        if not self.accumulates_in_full or all(up.grad is None for _, up in params):
+        if not (self.accumulates_in_full or self.written_into_full is not None) or all(
+                up.grad is None for _, up in params):
             return
         if self._pending is not None:
             raise RuntimeError(

@@ -139,6 +139,7 @@ class ParamGroup:
         self._fp8_tile = fp8_tile
         # which tensors an FP8 gather moves as FP8: fp8_gather [Note: which tensors are FP8]
         self._fp8 = None if fp8 is None else list(fp8)
+        self._expose_full_grad: Optional[Callable[[nn.Parameter, torch.Tensor], None]] = None
         self._build(self.device, originals)
         with torch.no_grad():
             for i, p in enumerate(originals):
@@ -315,6 +316,19 @@ class ParamGroup:
         return self.forwards.input_trigger(forward_id, lambda: InputGradTrigger(self.inputs_done))
 
     # ---- backward --------------------------------------------------------------------
+    def set_grads_written_into_full(self, expose: Callable[[nn.Parameter, torch.Tensor], None],
+                                    written: Callable[[nn.Parameter], bool]) -> None:
+        """Kernels add weight gradients into full-size views during backward (grad_reduce [Note:
+        gradients written into full during backward]): ``expose(unsharded param, its view of the
+        full gradient buffer)`` now, for every parameter with a gradient (the views stay valid
+        while the buffer is freed and allocated again); each backward's start zeroes the buffer
+        unless it holds the window's gradients; ``written(unsharded param)``: its ``.grad`` is a
+        dummy, the gradient is in the view."""
+        self._expose_full_grad = expose
+        self.grads.written_into_full = written
+        for i in self._grad_indices:
+            expose(self.params[i].unsharded, self.grads.full.full_view(i))
+
     def begin_backward(self) -> bool:
         """Pre-backward: the full parameters are installed (a recompute reads them). True the
         first time in this backward."""
@@ -326,6 +340,8 @@ class ParamGroup:
         if progress.started:
             return False
         progress.started = True
+        if self._expose_full_grad is not None and self._grad_indices:
+            self.grads.open_full()
         return True
 
     def _on_grad_accumulated(self, index: int, param: torch.Tensor) -> None:

@@ -71,8 +71,6 @@ def validate_vescale_args(args: argparse.Namespace) -> None:
         if getattr(args, field, False):
             raise ValueError(clash_message(field))
     check_megatron_optimizer(args)
-    if getattr(args, "gradient_accumulation_fusion", False):
-        raise ValueError("--use-vescale-fsdp needs --no-gradient-accumulation-fusion")
     block = getattr(args, "vescale_optimizer_block", None)
     if block is not None and block <= 0:
         raise ValueError(f"--vescale-optimizer-block must be a positive number, got {block}")

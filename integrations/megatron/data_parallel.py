@@ -120,15 +120,30 @@ def check_supported(config: TransformerConfig, ddp_config: DistributedDataParall
     if not isinstance(instances, int) or instances < 1:
         raise ValueError(f"num_distributed_optimizer_instances must be a positive integer, got {instances!r}")
     check_outer_dp_sharding(ddp_config)  # HSDP: hsdp.py
-    if getattr(config, "gradient_accumulation_fusion", False):
-        raise ValueError(
-            "--use-vescale-fsdp needs gradient_accumulation_fusion=False (pass --no-gradient-accumulation-fusion): "
-            "the fused weight-gradient kernel writes into Megatron's own main_grad buffers, bypassing the "
-            "gradient buffers VeScaleFSDP reduce-scatters"
-        )
     if getattr(config, "cuda_graph_impl", "none") not in ("none", None) or getattr(config, "enable_cuda_graph", False):
         raise ValueError("--use-vescale-fsdp does not support CUDA graphs yet; "
                          "drop --cuda-graph-impl / --enable-cuda-graph")
+
+
+def _expose_main_grad(param: nn.Parameter, view: torch.Tensor) -> None:
+    """[Note: gradient-accumulation fusion] With ``config.gradient_accumulation_fusion``
+    (Megatron-LM's default) megatron-core's linear layers add each weight gradient into
+    ``weight.main_grad`` in their backward (``fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32``
+    / ``_fp16`` by its dtype) and hand autograd a dummy, marking ``grad_added_to_main_grad``
+    (zeros instead, and still added, for a weight with ``zero_out_wgrad``: the tied embedding).
+    Megatron's DDP points ``main_grad`` into its gradient buffer; here the full (unsharded)
+    parameter gets the full-size view of its group's gradient buffer (reduce dtype: fp32 under
+    --accumulate-allreduce-grads-in-fp32 or fp32 training), which is zeroed at the group's first
+    backward of the step and reduce-scattered as usual (vescale_zero.grad_reduce [Note:
+    gradients written into full during backward]); dummies are dropped, as DDP's hook drops them."""
+    param.main_grad = view
+    if not hasattr(param, "grad_added_to_main_grad"):
+        param.grad_added_to_main_grad = False
+
+
+def _grad_in_main_grad(param: nn.Parameter) -> bool:
+    """The ``.grad`` is the fused kernel's dummy (megatron-core DDP's rule for adding it)."""
+    return bool(getattr(param, "grad_added_to_main_grad", False)) and not getattr(param, "zero_out_wgrad", False)
 
 
 def _is_expert(param: nn.Parameter) -> bool:
@@ -210,6 +225,8 @@ class VeScaleFSDP(_BaseDataParallel):
                 group.sharded_params[i].main_grad = group.sharded_grad.persistent_view(i)
             for sp in group.sharded_params:
                 setattr(sp, CHECKPOINT_DOMAIN, expert if _is_expert(sp) else dense)
+            if getattr(config, "gradient_accumulation_fusion", False):  # [Note: gradient-accumulation fusion]
+                group.set_grads_written_into_full(_expose_main_grad, _grad_in_main_grad)
 
     # ---- construction ----------------------------------------------------------------
     def _mixed_precision(self, module: nn.Module) -> Optional[vz.MixedPrecisionPolicy]:
@@ -337,6 +354,9 @@ class VeScaleFSDP(_BaseDataParallel):
     def zero_grad_buffer(self) -> None:
         for group in self._groups:
             group.zero_grad()
+            for p in group.unsharded_params:  # as megatron-core DDP's zero_grad_buffer
+                if hasattr(p, "grad_added_to_main_grad"):
+                    p.grad_added_to_main_grad = False
 
     def broadcast_params(self) -> None:
         """A no-op: each element of a sharded model lives on exactly one data-parallel rank,
