@@ -35,6 +35,7 @@ subclass answers the ops itself (``__torch_dispatch__``), in three kinds:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -291,18 +292,30 @@ class RaggedDTensor(DTensor):
             gathered = _run_gathered(func, args, kwargs)
             if gathered is not _NOT_GATHERED:
                 return gathered
-        handler = _HANDLERS.get(func.overloadpacket)
-        if handler is not None:
-            return handler(func, args, kwargs)
-        name = func.overloadpacket.__name__
-        if name.startswith("_foreach_") or func.overloadpacket in _FUSED_OPTIMIZERS:
-            return _foreach(func, args, kwargs)
-        if torch.Tag.pointwise in func.tags or func.overloadpacket in _ELEMENTWISE:
-            return _elementwise(func, args, kwargs)
-        raise NotImplementedError(_unsupported(func))
+        handler = _ROUTES.get(func)
+        if handler is None:
+            handler = _ROUTES[func] = _route(func)
+        return handler(func, args, kwargs)
 
 
 _NOT_GATHERED = object()
+
+
+def _route(func: Any) -> Callable:
+    """The handler of ``func`` ([Note: ops on ragged tensors]), found once per op overload
+    (``_ROUTES``): an optimizer step dispatches the same few ops for every parameter."""
+    handler = _HANDLERS.get(func.overloadpacket)
+    if handler is not None:
+        return handler
+    if func.overloadpacket.__name__.startswith("_foreach_") or func.overloadpacket in _FUSED_OPTIMIZERS:
+        return _foreach
+    if torch.Tag.pointwise in func.tags or func.overloadpacket in _ELEMENTWISE:
+        return functools.partial(_elementwise, func._schema.is_mutable)
+    return _refuse
+
+
+def _refuse(func: Any, args: tuple, kwargs: dict) -> Any:
+    raise NotImplementedError(_unsupported(func))
 
 
 def _run_gathered(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -354,23 +367,52 @@ def _check_plain(t: Any, func: Any) -> None:
         )
 
 
-def _elementwise(func: Any, args: tuple, kwargs: dict) -> Any:
+def _elementwise(mutable: bool, func: Any, args: tuple, kwargs: dict) -> Any:
+    """Runs ``func`` on the local pieces; its results get the layout back. ``mutable``: ``func``
+    writes its first argument (in place: that argument is the result)."""
+    if not all(type(a) is not list and type(a) is not tuple for a in (*args, *kwargs.values())):
+        return _elementwise_tree(mutable, func, args, kwargs)
+    layout: Optional[DTensorSpec] = None  # the usual call (tensors and numbers): no pytree walk
+
+    def local(t: Any) -> Any:
+        nonlocal layout
+        if type(t) is not RaggedDTensor:
+            return _unwrap_other(t, func)
+        if layout is None:
+            layout = t._spec
+        elif t._spec is not layout:
+            _check_same_layout(func, layout, t)
+        return t._local_tensor
+
+    local_args = [local(t) for t in args]
+    out = func(*local_args, **{k: local(v) for k, v in kwargs.items()}) if kwargs else func(*local_args)
+    if mutable and args and type(args[0]) is RaggedDTensor:
+        return args[0]  # in place: the first argument is the result
+    return _wrap(out, layout)
+
+
+def _check_same_layout(func: Any, layout: DTensorSpec, t: "RaggedDTensor") -> None:
+    if t._spec.placements != layout.placements or t.shape != layout.shape:
+        raise NotImplementedError(
+            f"{func}: ragged tensors of different layouts ({layout.placements[-1]} {tuple(layout.shape)} "
+            f"vs {t._spec.placements[-1]} {tuple(t.shape)}) cannot be combined element-wise"
+        )
+
+
+def _elementwise_tree(mutable: bool, func: Any, args: tuple, kwargs: dict) -> Any:
     leaves, spec = tree_flatten((args, kwargs))
     layout: Optional[DTensorSpec] = None
     for t in leaves:
         if isinstance(t, RaggedDTensor):
             if layout is None:
                 layout = t._spec
-            elif t._spec.placements != layout.placements or t.shape != layout.shape:
-                raise NotImplementedError(
-                    f"{func}: ragged tensors of different layouts ({layout.placements[-1]} {tuple(layout.shape)} "
-                    f"vs {t._spec.placements[-1]} {tuple(t.shape)}) cannot be combined element-wise"
-                )
+            else:
+                _check_same_layout(func, layout, t)
         else:
             _check_plain(t, func)
     local_args, local_kwargs = tree_unflatten([_unwrap(t) for t in leaves], spec)
     out = func(*local_args, **local_kwargs)
-    if func._schema.is_mutable and args and isinstance(args[0], RaggedDTensor):
+    if mutable and args and isinstance(args[0], RaggedDTensor):
         return args[0]  # in place: the first argument is the result
     return _wrap(out, layout)
 
@@ -531,3 +573,4 @@ for _types in (_optim_foreach_types, _util_foreach_types):
         _types.append(RaggedDTensor)
 
 _FUSED_OPTIMIZERS = {aten._fused_adam_, aten._fused_adamw_, aten._fused_sgd_, aten._fused_adagrad_}
+_ROUTES: Dict[Any, Callable] = {}  # op overload -> its handler (_route)
