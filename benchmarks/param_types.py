@@ -38,6 +38,8 @@ import vescale_zero as vz
 from vescale_zero.testing import GPT, GPTConfig, SyntheticCorpus
 
 KINDS = {
+    # torch's default on a CPU: the per-tensor path (about 8 ops per parameter, each dispatched)
+    "AdamW default": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
     "AdamW foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
     "AdamW fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
     "SGD momentum": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, foreach=True),
