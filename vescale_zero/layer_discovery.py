@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from typing import Dict, List, Set
+from typing import Dict, List
 
 from torch import nn
 
@@ -52,13 +52,13 @@ def _repeated_among_siblings(model: nn.Module) -> Dict[str, List[str]]:
 
 def _outermost(candidates: Dict[str, List[str]]) -> List[str]:
     """The candidate classes with at least one instance not inside another candidate's instance."""
-    others: Dict[str, Set[str]] = {c: {n for d, names in candidates.items() if d != c for n in names}
-                                   for c in candidates}
-    keep = []
-    for cls, names in candidates.items():
-        if any(not any(name.startswith(outer + ".") for outer in others[cls]) for name in names):
-            keep.append(cls)
-    return sorted(keep)
+    owner = {name: cls for cls, names in candidates.items() for name in names}
+
+    def inside_another(name: str, cls: str) -> bool:
+        parts = name.split(".")
+        return any(owner.get(".".join(parts[:i]), cls) != cls for i in range(1, len(parts)))
+
+    return sorted(cls for cls, names in candidates.items() if any(not inside_another(n, cls) for n in names))
 
 
 def find_layer_classes(model: nn.Module) -> List[str]:
