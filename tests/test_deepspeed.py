@@ -319,7 +319,7 @@ def test_config_keys_mapped_noted_and_rejected():
             assert f in str(e.value), (f, str(e.value))
 
     error({"stage4_magic": 1}, "unknown key 'stage4_magic'", "Our keys:", "granularity", "overlap_comm")
-    error({"offload_optimizer": {"device": "cpu"}}, "offload_optimizer", "not implemented", "stage 3")
+    error({"offload_param": {"device": "cpu"}}, "offload_param (device 'cpu') without offload_optimizer")
     error({"reduce_scatter": False}, "reduce_scatter=false contradicts")
     error({"zero_hpz_partition_size": 2}, "zero_hpz_partition_size 2 (ZeRO++ hpZ", "set shard_group_size: 2 instead")
     error({"shard_group_size": 2, "mics_shard_size": 4}, "shard_group_size 2 and mics_shard_size 4 disagree")

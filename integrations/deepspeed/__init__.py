@@ -34,6 +34,7 @@ import deepspeed
 from .accelerate_stage import present_ragged_as_zero3_to_transformers
 from .config import RAGGED_STAGE, RaggedOptions, apply_top_level_keys, parse_precision, parse_ragged_section
 from .engine import RaggedDeepSpeedEngine, RaggedPipelineEngine, RaggedPrecision
+from .offload import stage0_offload_keys
 from .parser import RaggedZeroConfig, install, is_ragged_config
 from .recovery_scripts import install_zero_to_fp32
 from .safe_accessors import install_safe_accessors
@@ -58,7 +59,7 @@ def split_ragged_config(config: Dict[str, Any]) -> Tuple[Dict[str, Any], RaggedO
     read as DeepSpeed reads it (:mod:`.config`, [Note: validated as DeepSpeed validates])."""
     ds = copy.deepcopy(config)
     options, _ = parse_ragged_section(ds.pop("zero_optimization"))
-    ds["zero_optimization"] = {"stage": 0}
+    ds["zero_optimization"] = {"stage": 0, **stage0_offload_keys(options.offload)}  # ZeRO-3's optimizer choice
     dtype, fp16 = parse_precision(ds)
     options = apply_top_level_keys(ds, options)
     for key in ("bf16", "bfloat16", "fp16"):

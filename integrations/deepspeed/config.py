@@ -12,7 +12,9 @@ Our options, and the ZeRO-3 keys a user's existing config already has::
                                         0.19.8 removed; see [Note: shard groups])
     reduce_bucket_size, ... (NOTED)     accepted with a one-line warning: we run one
                                         collective per group, there is nothing to tune
-    offload_*, zero_hpz_partition_size, rejected: contradicts ragged sharding or is not
+    offload_optimizer, offload_param    mapped: master shards, gradients and optimizer state in
+    (and the deprecated cpu_offload*)   host memory (see .offload [Note: offload under ragged])
+    zero_hpz_partition_size,            rejected: contradicts ragged sharding or is not
     zero_quantized_*, zenflow,          implemented; the error names the key and the fix
     reduce_scatter=false
     anything else                       an error naming it and listing the valid keys
@@ -58,6 +60,8 @@ from deepspeed.runtime.precision_config import DeepSpeedFP16Config, get_bfloat16
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .offload import OFFLOAD_KEYS, OffloadOptions, read_offload, warn_ignored
+
 __all__ = ["RaggedOptions", "parse_ragged_section", "parse_precision", "apply_top_level_keys", "RAGGED_STAGE"]
 
 RAGGED_STAGE = "ragged"
@@ -78,22 +82,13 @@ _NOTED = {  # meaningful for ZeRO-3's bucketed, per-parameter machinery; not for
 }
 
 
-_REJECTED = ("offload_param", "offload_optimizer", "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory",
-             "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+_REJECTED = ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
              "zero_quantized_gradients", "zenflow", "reduce_scatter")
 """ZeRO keys that are known here: refused with a reason when set (see :func:`_rejection`)."""
 
 
 def _rejection(key: str, value: Any) -> Optional[str]:
     """Why ``key: value`` cannot be used with ragged sharding (``None`` if it can)."""
-    if key in ("offload_param", "offload_optimizer", "cpu_offload", "cpu_offload_param"):
-        device = value.get("device", "none") if isinstance(value, dict) else ("cpu" if value else "none")
-        if device not in (None, "none"):
-            return (f"{key} (device {device!r}) is not implemented with stage 'ragged'; "
-                    "remove it, or use stage 3 for offload")
-        return None
-    if key == "cpu_offload_use_pin_memory":
-        return None
     if key == "zero_hpz_partition_size" and value not in (None, 0, 1):
         return (f"zero_hpz_partition_size {value} (ZeRO++ hpZ: a secondary copy of the weights partitioned within "
                 "groups of that size) is not implemented with stage 'ragged'; to shard within groups of "
@@ -133,6 +128,8 @@ class RaggedOptions(BaseModel):
     shard_group_size: Optional[int] = Field(default=None, gt=0)
     """Shard within groups of this many data-parallel ranks, replicate across them (HSDP;
     see [Note: shard groups]); default: shard over the whole data-parallel group."""
+    offload: Optional[OffloadOptions] = None
+    """Not a key of the section: read from offload_optimizer / offload_param (.offload)."""
 
     @property
     def reduce_torch_dtype(self) -> Optional[torch.dtype]:
@@ -142,7 +139,7 @@ class RaggedOptions(BaseModel):
 def _unknown_key(key: str, ours: set) -> str:
     """The error for an unknown key: the closest valid key first, then ours (the ZeRO-3 tuning
     keys, accepted and ignored, are too many to list)."""
-    known = ours | {"stage", "overlap_comm", "mics_shard_size"} | _NOTED | set(_REJECTED)
+    known = ours | {"stage", "overlap_comm", "mics_shard_size"} | _NOTED | set(_REJECTED) | set(OFFLOAD_KEYS)
     close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
     if not close:  # a prefix or a different separator ("granular", "sharded-modules")
         folded = str(key).lower().replace("-", "_")
@@ -194,7 +191,7 @@ def _as_deepspeed_reads_it(section: Dict[str, Any], ours: set) -> DeepSpeedZeroC
 
 def parse_ragged_section(section: Dict[str, Any]) -> Tuple[RaggedOptions, List[str]]:
     """Validate a ragged ``zero_optimization`` section: ``(options, warnings issued)``."""
-    ours = set(RaggedOptions.model_fields)
+    ours = set(RaggedOptions.model_fields) - {"offload"}
     options: Dict[str, Any] = {}
     noted: List[str] = []
     for key, value in section.items():
@@ -204,8 +201,8 @@ def parse_ragged_section(section: Dict[str, Any]) -> Tuple[RaggedOptions, List[s
             options[key] = value
         elif key == "mics_shard_size":
             pass  # after the loop: it may meet shard_group_size
-        elif key == "overlap_comm":
-            pass  # after the loop: as DeepSpeed reads it ("false" is False)
+        elif key == "overlap_comm" or key in OFFLOAD_KEYS:
+            pass  # after the loop: as DeepSpeed reads them ("false" is False; cpu_offload: true)
         elif key in _NOTED:
             noted.append(key)
         else:
@@ -218,11 +215,13 @@ def parse_ragged_section(section: Dict[str, Any]) -> Tuple[RaggedOptions, List[s
     zero3 = _as_deepspeed_reads_it(section, ours)
     if "overlap_comm" in section and "overlap_comm" in zero3.model_fields_set:  # not "auto"
         options.setdefault("prefetch", zero3.overlap_comm)
+    options["offload"], ignored = read_offload(zero3)
     for key in noted:
         msg = f"zero_optimization.{key} has no effect with stage 'ragged' (one collective per group); ignored"
         warnings.warn(msg, UserWarning, stacklevel=3)
+    warn_ignored(ignored)
     try:
-        return RaggedOptions(**options), [f"zero_optimization.{k}" for k in noted]
+        return RaggedOptions(**options), [f"zero_optimization.{k}" for k in noted + ignored]
     except ValidationError as e:
         raise ValueError(f"zero_optimization (stage 'ragged'): {e}") from None
 

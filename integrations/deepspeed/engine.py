@@ -13,6 +13,9 @@ subclass then
   DeepSpeed's all-reduce is a no-op, for ``engine.backward(loss)``, ``loss.backward()`` and
   ``engine.scale(loss).backward()`` alike; clips by the global norm over ragged shards and
   reports it as ZeRO-3 does;
+* with ``offload_optimizer`` to the CPU, keeps every group's master shard, gradient shard and
+  optimizer state in host memory, stepped there by the optimizer DeepSpeed picks at ZeRO-3 with
+  offload (:mod:`.offload` [Note: offload under ragged]);
 * keeps bf16 / fp16 itself: bf16 or fp16 compute and gathers, fp32 reduce and master
   shards (fp32 also for a model already cast to bf16 / fp16, as ZeRO-3); fp16 with
   DeepSpeed's loss scaler as ZeRO-3 configures it (dynamic or static), where an overflow
@@ -51,6 +54,8 @@ from vescale_zero.optim import AdamW8bit, Muon, Shampoo
 from .accelerate_stage import present_ragged_stage_to_accelerate
 from .config import RaggedOptions
 from .module_hooks import RaggedModuleHooks
+from .offload import offload_policy
+from .optimizer_state import as_the_optimizer_keeps_it
 from .recovery_scripts import write_recovery_scripts
 from .safe_accessors import attach_optimizer
 from .saving import consolidated_state_dict, install_save_hooks
@@ -105,10 +110,11 @@ class RaggedEngineMixin:
         else:
             if precision.dtype is not None:
                 self._fp32_masters()
+            policy = offload_policy(opts.offload)
             vz.fully_shard_layers(
                 self.module, opts.sharded_modules, mesh=self._ragged_mesh(),
                 reshard_after_forward=opts.reshard_after_forward, mp_policy=mp, granularity=granularity,
-                fp8_all_gather_tile=opts.fp8_all_gather_tile,
+                fp8_all_gather_tile=opts.fp8_all_gather_tile, **({"offload_policy": policy} if policy else {}),
             )
         if zero3:
             fill_from_zero3(self.module, zero3)
@@ -177,6 +183,14 @@ class RaggedEngineMixin:
                     f"{want}: shard with mesh=<the data-parallel group> (or its HSDP mesh), or "
                     "pass the unsharded model and let deepspeed.initialize shard it")
         opts, default = self.ragged_options, RaggedOptions()
+        offloaded = {getattr(group, "offload_device", None) is not None for group in groups_of(self.module)}
+        if offloaded and offloaded != {opts.offload is not None}:
+            sharded = "with offload_policy=CPUOffloadPolicy(...)" if True in offloaded else "without offload_policy"
+            config = "sets offload_optimizer" if opts.offload is not None else "has no offload_optimizer"
+            raise ValueError(
+                f"the model was sharded with vescale_zero.fully_shard {sharded} and the config {config}: make them "
+                "agree (\"offload_optimizer\": {\"device\": \"cpu\"} with CPUOffloadPolicy on every fully_shard "
+                "call, or neither), or pass the unsharded model to deepspeed.initialize")
         set_here = [k for k in ("granularity", "sharded_modules", "reshard_after_forward", "reduce_dtype",
                                 "fp8_all_gather_tile") if getattr(opts, k) != getattr(default, k)]
         if mp is not None:
@@ -381,6 +395,8 @@ class RaggedEngineMixin:
         with_optimizer = load_optimizer_states and not load_module_only
         extra = checkpoint.load(path, self.module, self.optimizer if with_optimizer else None,
                                 keep_frozen_left_out=not load_module_strict)  # saved exclude_frozen_parameters
+        if with_optimizer:
+            as_the_optimizer_keeps_it(self.optimizer)  # [Note: optimizer state after a load]
         if not load_module_only:
             if load_lr_scheduler_states and self.lr_scheduler is not None and extra["lr_scheduler"] is not None:
                 self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
@@ -411,6 +427,8 @@ class RaggedEngineMixin:
         if flag[0] is not None:
             raise ValueError(f"{os.path.join(load_dir, tag)}: {flag[0]}")
         extra = checkpoint.load(target, self.module, None if weights_only else self.optimizer)
+        if not weights_only:
+            as_the_optimizer_keeps_it(self.optimizer)  # [Note: optimizer state after a load]
         engine = extra["deepspeed"]
         if not load_module_only:
             if load_lr_scheduler_states and self.lr_scheduler is not None and engine.get("lr_scheduler") is not None:

@@ -47,6 +47,7 @@ from deepspeed.runtime.zero import partition_parameters
 from pydantic import Field, ValidationError
 
 from .config import RAGGED_STAGE, RaggedOptions, apply_top_level_keys, parse_precision, parse_ragged_section
+from .offload import stage0_offload_keys
 from .zero_init import GatheredParameters, check_zero_init_options
 
 __all__ = ["RaggedZeroConfig", "is_ragged_config", "install"]
@@ -73,7 +74,8 @@ def get_zero_config(param_dict: Dict[str, Any]) -> ds_zero_config.DeepSpeedZeroC
     if stage == RAGGED_STAGE:
         options, _ = parse_ragged_section(section)
         parse_precision(param_dict)  # refuses what split_ragged_config refuses: every parse agrees
-        return RaggedZeroConfig(ragged=apply_top_level_keys(param_dict, options))
+        return RaggedZeroConfig(ragged=apply_top_level_keys(param_dict, options),
+                                **stage0_offload_keys(options.offload))  # what DeepSpeed's optimizer choice reads
     try:
         return _original_get_zero_config(param_dict)
     except ValidationError as e:

@@ -1,0 +1,132 @@
+"""``offload_optimizer`` / ``offload_param`` under ``"stage": "ragged"``.
+
+[Note: offload under ragged]
+ZeRO-3 keeps several sharded copies of a parameter: a 16-bit partition (what ``offload_param``
+moves to the host), and the fp32 master partition, its gradient and the optimizer state (what
+``offload_optimizer`` moves, after which DeepSpeed steps with its CPU optimizer). Ragged
+sharding keeps one: each group's fp32 master shard, which the optimizer holds, with its
+gradient shard and the optimizer state beside it; the 16-bit compute copy only exists
+gathered, on the device, while its group computes. So under ragged:
+
+    offload_optimizer  device cpu        every group's master shard, gradient shard and optimizer
+                                         state in host memory (fully_shard's offload_policy=
+                                         torch's CPUOffloadPolicy(pin_memory)): gathers copy the
+                                         shard to the device, reduce-scatters' results come back
+                                         to the host, the optimizer steps there. The optimizer is
+                                         DeepSpeed's choice at ZeRO-3 with offload (a config Adam /
+                                         AdamW is DeepSpeedCPUAdam, Adagrad / Lion their CPU
+                                         kernels; a client optimizer other than those is refused
+                                         unless "zero_force_ds_cpu_optimizer": false)
+    offload_param      device cpu        the same shards (the parameters' shards are the masters):
+                                         accepted beside offload_optimizer cpu, meaning the same;
+                                         alone it is refused (it would move the optimizer's
+                                         masters, and the optimizer with them)
+    either             device nvme       :func:`nvme_offload` (the NVMe wiring's one entry)
+    legacy cpu_offload / cpu_offload_param: true     as DeepSpeed reads them (offload_* cpu)
+
+Sub-keys that only serve NVMe swapping or Superchips (``buffer_count``, ``fast_init``,
+``pipeline_read`` / ``pipeline_write``, ``nvme_path``, ``buffer_size``, ``max_in_cpu``,
+``super_offload``, ``cpuadam_cores_perc``) are warned once each and ignored with ``cpu``, as
+ZeRO-3 ignores them there; ``ratio`` below 1 (part of the optimizer on the device) and
+contradictions (``nvme`` without ``nvme_path``, the two keys on different devices or with
+different ``pin_memory``) are refused, naming the fix.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, List, Literal, Optional
+
+from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+from pydantic import BaseModel, ConfigDict
+from torch.distributed.fsdp import CPUOffloadPolicy
+
+__all__ = ["OFFLOAD_KEYS", "OffloadOptions", "read_offload", "nvme_offload", "offload_policy", "stage0_offload_keys"]
+
+OFFLOAD_KEYS = ("offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory")
+"""The ragged section's keys read here (the last three: DeepSpeed's deprecated spellings)."""
+
+_NOT_FOR_CPU = {  # sub-keys with no effect when the device is cpu (at stage 3 as well)
+    "offload_optimizer": ("buffer_count", "fast_init", "pipeline_read", "pipeline_write", "nvme_path",
+                          "super_offload", "cpuadam_cores_perc"),
+    "offload_param": ("buffer_count", "buffer_size", "max_in_cpu", "nvme_path"),
+}
+
+
+class OffloadOptions(BaseModel):
+    """Where the master shards, gradient shards and optimizer state live (see [Note: offload under ragged])."""
+
+    model_config = ConfigDict(frozen=True)
+
+    device: Literal["cpu", "nvme"]
+    pin_memory: bool = True
+    nvme_path: Optional[str] = None
+
+
+def _device(section: Any) -> str:
+    return "none" if section is None else OffloadDeviceEnum(section.device).value
+
+
+def read_offload(zero3: DeepSpeedZeroConfig) -> tuple[Optional[OffloadOptions], List[str]]:
+    """``(offload or None, sub-keys ignored)`` from the ragged section as DeepSpeed parsed it at stage 3
+    (deprecated spellings already turned into ``offload_*``); refuses what ragged cannot honour."""
+    opt, param = zero3.offload_optimizer, zero3.offload_param
+    opt_device, param_device = _device(opt), _device(param)
+    for key, section, device in (("offload_optimizer", opt, opt_device), ("offload_param", param, param_device)):
+        if device == "nvme" and section.nvme_path is None:
+            raise ValueError(f"zero_optimization.{key}: device 'nvme' needs nvme_path (a directory on the NVMe "
+                             "drive); add \"nvme_path\": \"/local_nvme\", or use device 'cpu'")
+    if "nvme" in (opt_device, param_device):
+        return nvme_offload(zero3), []
+    if param_device == "cpu" and opt_device == "none":
+        raise ValueError(
+            "zero_optimization.offload_param (device 'cpu') without offload_optimizer: under stage 'ragged' a "
+            "parameter's only persistent shard is the fp32 master the optimizer steps, so it moves to the host with "
+            "the optimizer; add \"offload_optimizer\": {\"device\": \"cpu\"} (master shards, gradients and optimizer "
+            "state in host memory, the optimizer steps there), or remove offload_param")
+    if opt_device == "none":
+        return None, []
+    if opt.ratio < 1.0:
+        raise ValueError(
+            f"zero_optimization.offload_optimizer.ratio {opt.ratio} (part of the optimizer kept on the device) is not "
+            "implemented with stage 'ragged', which offloads every group's optimizer state; remove ratio (or set 1.0), "
+            "or use stage 3 for partial offload")
+    if param_device == "cpu" and param.pin_memory != opt.pin_memory:
+        raise ValueError(
+            f"zero_optimization: offload_optimizer.pin_memory {opt.pin_memory} and offload_param.pin_memory "
+            f"{param.pin_memory} disagree; under stage 'ragged' both keys place the same shards (the fp32 masters): "
+            "give both the same pin_memory")
+    ignored = [f"{key}.{sub}" for key, section in (("offload_optimizer", opt), ("offload_param", param))
+               if section is not None for sub in _NOT_FOR_CPU[key] if sub in section.model_fields_set]
+    return OffloadOptions(device="cpu", pin_memory=opt.pin_memory), ignored
+
+
+def warn_ignored(ignored: List[str]) -> None:
+    for key in ignored:
+        warnings.warn(f"zero_optimization.{key} has no effect with device 'cpu' under stage 'ragged' (NVMe swapping "
+                      "or Superchip offload only); ignored", UserWarning, stacklevel=4)
+
+
+def nvme_offload(zero3: DeepSpeedZeroConfig) -> OffloadOptions:
+    """[Note: the NVMe hook] ``device: nvme`` in either offload key: the one place the NVMe
+    wiring (optimizer state in files under ``nvme_path``) plugs in. Not wired yet: refused."""
+    raise ValueError(
+        "zero_optimization: offload to 'nvme' is not implemented with stage 'ragged' yet; use \"device\": \"cpu\" "
+        "(master shards, gradients and optimizer state in host memory), or stage 3 for NVMe offload")
+
+
+def offload_policy(offload: Optional[OffloadOptions]) -> Optional[CPUOffloadPolicy]:
+    """What ``fully_shard(offload_policy=...)`` gets for the config's offload (``None``: none)."""
+    if offload is None:
+        return None
+    if offload.device != "cpu":
+        raise ValueError(f"offload device {offload.device!r} has no fully_shard policy (see [Note: the NVMe hook])")
+    return CPUOffloadPolicy(pin_memory=offload.pin_memory)
+
+
+def stage0_offload_keys(offload: Optional[OffloadOptions]) -> Dict[str, Any]:
+    """The keys DeepSpeed's stage-0 engine sees, so that it picks its optimizer as ZeRO-3 does with
+    offload (``zero_use_cpu_optimizer``: DeepSpeedCPUAdam for a config Adam / AdamW, the client
+    optimizer check of ``zero_force_ds_cpu_optimizer``); DeepSpeed does nothing else with them at stage 0."""
+    return {} if offload is None else {"offload_optimizer": {"device": offload.device}}
