@@ -22,7 +22,7 @@ section into ZeRO's pydantic model (``stage`` 0-3, unknown keys forbidden) in on
 * ``deepspeed.zero.Init`` with a ragged config partitions parameters ZeRO-3 style (it does
   not look at the stage, and reads only ZeRO's defaults from our stage-0 model), in fp32
   (it sees the config without its bf16 / fp16 sections: our shards are master weights);
-  options contradicting ragged sharding (offload, pinned memory, quantized weights, hpZ)
+  options contradicting ragged sharding (its own offload, pinned memory, quantized weights, hpZ)
   are refused by name. ``deepspeed.initialize`` converts the partitions group by group
   ([Note: zero.Init under ragged] in :mod:`.zero_init`). ``deepspeed.zero.GatheredParameters``
   is widened to our sharded parameters (``vescale_zero.gathered``);

@@ -52,12 +52,14 @@ def check_zero_init_options(given: Mapping[str, Any]) -> None:
     remote = given.get("remote_device")
     if remote not in (None, "none"):
         raise ValueError(
-            f"deepspeed.zero.Init(remote_device={remote!r}) with \"stage\": \"ragged\": ragged shards live on the "
-            "accelerator (no parameter offload); remove remote_device, or use stage 3 to offload parameters")
+            f"deepspeed.zero.Init(remote_device={remote!r}) with \"stage\": \"ragged\": zero.Init's partitions stay on "
+            "the accelerator until deepspeed.initialize shards them; remove remote_device (to keep the shards in host "
+            "memory, set zero_optimization.offload_optimizer {\"device\": \"cpu\"}), or use stage 3")
     if given.get("pin_memory"):
         raise ValueError(
-            "deepspeed.zero.Init(pin_memory=True) with \"stage\": \"ragged\": pinned memory only serves CPU offload, "
-            "which ragged sharding does not do; remove pin_memory")
+            "deepspeed.zero.Init(pin_memory=True) with \"stage\": \"ragged\": zero.Init's partitions are not offloaded "
+            "(the engine's offload is zero_optimization.offload_optimizer, pinned by its pin_memory); "
+            "remove pin_memory")
     for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights"):
         if given.get(key):
             raise ValueError(
