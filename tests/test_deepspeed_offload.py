@@ -92,10 +92,10 @@ def _offloaded(engine):
     return sorted({str(getattr(g, "offload_device", None)) for g in groups_of(engine.module)})
 
 
-def _train(rank, world_size, stage, which, steps=STEPS):
+def _train(rank, world_size, stage, which, steps=STEPS, extra=None):
     """``steps`` steps of CONFIGS[which] at ``stage``: the first step's reduced gradients, the mean
     loss of every step, the full weights, the optimizer class (and, for ragged, where the shards live)."""
-    engine = _engine(rank, world_size, offload_config(stage, world_size, which))
+    engine = _engine(rank, world_size, offload_config(stage, world_size, which, **(extra or {})))
     losses, grads = [], None
     for step, batch in enumerate(make_batches(steps, GLOBAL_BATCH)):
         x, y = rank_slice(batch, rank, world_size)
@@ -136,6 +136,24 @@ def _train_client_cpu_adam(rank, world_size):
     return {"losses": losses, "params": local_pieces(engine.module), "offloaded": _offloaded(engine)}
 
 
+def _presharded(rank, world_size, offload_in_config):
+    """A model the user sharded with fully_shard (with CPU offload when the config has none, and the
+    reverse): refused, naming both sides."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    import vescale_zero as vz
+
+    model = AwkwardLM(seed=0)
+    policy = {} if offload_in_config else {"offload_policy": CPUOffloadPolicy(pin_memory=False)}
+    vz.fully_shard_layers(model, ["AwkwardBlock"], **policy)
+    cfg = offload_config("ragged", world_size, "optimizer_only" if offload_in_config else "none")
+    try:
+        _engine(rank, world_size, cfg, model)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _client_optimizer(rank, world_size, force):
     """A client torch AdamW with offload_optimizer: refused as ZeRO-3 refuses it, unless
     ``zero_force_ds_cpu_optimizer`` is false; then it steps on the host."""
@@ -168,6 +186,31 @@ def test_offload_config_matches_stage3(runs, which):
     for name, value in params.items():
         torch.testing.assert_close(value, ref[0]["params"][name], rtol=0, atol=adam_divergence_bound(LR, STEPS),
                                    msg=lambda m, name=name: f"{which} {name}: {m}")
+
+
+@pytest.mark.slow
+def test_bf16_offload_tracks_stage3_bf16(runs):
+    """bf16 compute on both sides, fp32 masters on the host stepped by CPU Adam. Stated tolerance as
+    test_deepspeed's bf16 tests: losses within 1e-2 relative, parameters within 1e-3 on average (both
+    compute in bf16, unit roundoff 2^-8, rounding in different places: ZeRO-3 keeps bf16 parameters
+    and gradient buckets, ragged reduces in fp32)."""
+    ref, ours = runs["hf_zero3 bf16 3"], runs["hf_zero3 bf16 ragged"]
+    assert ours[0]["optimizer"] == ref[0]["optimizer"] == "DeepSpeedCPUAdam"
+    assert all(r["offloaded"] == ["cpu"] for r in ours), [r["offloaded"] for r in ours]
+    assert ours[0]["losses"] == pytest.approx(ref[0]["losses"], rel=1e-2)
+    params = assemble([r["params"] for r in ours])
+    diffs = torch.cat([(params[n].float() - ref[0]["params"][n].float()).abs().flatten() for n in params])
+    assert diffs.mean().item() <= 1e-3, diffs.mean().item()
+
+
+@pytest.mark.slow
+def test_model_sharded_before_initialize_agrees_with_the_config(runs):
+    for case, sharded, config in (("presharded offloaded", "with offload_policy=CPUOffloadPolicy(...)",
+                                   "has no offload_optimizer"),
+                                  ("presharded plain", "without offload_policy", "sets offload_optimizer")):
+        for message in runs[case]:
+            assert f"fully_shard {sharded} and the config {config}: make them agree" in (message or ""), (
+                case, message)
 
 
 @pytest.mark.slow
@@ -282,6 +325,9 @@ def runs(tmp_path_factory):
     off, plain = str(root / "offload"), str(root / "plain")
     at2 = {f"{which} {stage}": (_train, (stage, which)) for which in COMPARED for stage in (3, "ragged")}
     at2.update({
+        "hf_zero3 bf16 3": (_train, (3, "hf_zero3", STEPS, {"bf16": {"enabled": True}})),
+        "hf_zero3 bf16 ragged": (_train, ("ragged", "hf_zero3", STEPS, {"bf16": {"enabled": True}})),
+        "presharded offloaded": (_presharded, (False,)), "presharded plain": (_presharded, (True,)),
         "client cpu adam": (_train_client_cpu_adam, ()), "client adamw forced": (_client_optimizer, (True,)),
         "client adamw allowed": (_client_optimizer, (False,)),
         "full": (_with_checkpoint, (off, "full")), "first": (_with_checkpoint, (off, "first")),
