@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Optional
+from typing import Dict, List, Optional
 
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
@@ -79,6 +79,13 @@ def resolve_offload_policy(policy: Optional[OffloadPolicy]) -> Optional[HostOffl
 
 _LIVE: "weakref.WeakSet[HostCopies]" = weakref.WeakSet()
 _HOOK = None
+_COPY_STREAMS: Dict[torch.device, torch.Stream] = {}  # one per device, shared by its groups
+
+
+def _copy_stream(device: torch.device) -> torch.Stream:
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.Stream(device=device)
+    return _COPY_STREAMS[device]
 
 
 def settle_all_host_copies(*_args, **_kwargs) -> None:
@@ -103,10 +110,12 @@ class HostCopies:
     """
 
     def __init__(self, offload: HostOffload, device: torch.device) -> None:
-        self.offload, self.device = offload, torch.device(device)
-        self.asynchronous = self.device.type not in ("cpu", "meta")
-        self._copy_stream: Optional[torch.Stream] = None
-        self._events: list = []
+        device = torch.device(device)
+        self.asynchronous = device.type not in ("cpu", "meta")
+        if self.asynchronous and device.index is None:  # "cuda" -> "cuda:<current>": one copy stream per device
+            device = torch.device(device.type, torch.accelerator.current_device_index())
+        self.offload, self.device = offload, device
+        self._events: List[torch.Event] = []
         _LIVE.add(self)
         _register_step_hook()
 
@@ -116,16 +125,20 @@ class HostCopies:
         if not self.asynchronous:
             dst.copy_(src)
             return None
-        if self._copy_stream is None:
-            self._copy_stream = torch.Stream(device=self.device)
-        stream = self._copy_stream
+        stream = _copy_stream(self.device)
         stream.wait_stream(torch.accelerator.current_stream(self.device))
         with stream:
             if src.dtype != dst.dtype:  # cast on the device: a host-side cast would make an unpinned temporary
                 src = src.to(self.device, non_blocking=True)
             dst.copy_(src, non_blocking=True)
-            self._events.append(stream.record_event())
+            self._note(stream.record_event())
         return stream
+
+    def _note(self, event: torch.Event) -> None:
+        """Keep ``event`` for :meth:`settle`, dropping those already complete (a loop of forwards
+        without an optimizer step, generation, never settles)."""
+        self._events = [e for e in self._events if not e.query()]
+        self._events.append(event)
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, wait: bool = False) -> None:
         """Copy (and cast) device ``src`` into host ``dst`` on the compute stream; ``wait``: the
@@ -138,7 +151,7 @@ class HostCopies:
         if wait:
             event.synchronize()
         else:
-            self._events.append(event)
+            self._note(event)
 
     def settle(self) -> None:
         """Return when every copy issued so far is complete (the host may then read the
