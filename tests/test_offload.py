@@ -139,30 +139,35 @@ def _placement(rank, world):
 
 
 def _checkpoint_round_trip(rank, world, path):
-    """Train offloaded, save with torch DCP, load into a model without offload (and back): the
-    values, and one more step of each, equal those of the run that saved."""
+    """Train offloaded, save with torch DCP, load into a model without offload (and back; and
+    with vz.checkpoint): the values, and one more step of each, equal those of the run that saved."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     batches = [rank_slice(b, rank, world) for b in make_batches(STEPS + 1, GLOBAL_BATCH)]
     results = {}
-    for src, dst in ((OFFLOAD, None), (None, OFFLOAD)):
+    for src, dst, fmt in ((OFFLOAD, None, "dcp"), (None, OFFLOAD, "dcp"), (OFFLOAD, None, "vz")):
         model = _sharded(src)
         opt = _optimizer("foreach", model)
         for x, y in batches[:STEPS]:
             model(x, y).backward()
             opt.step()
             opt.zero_grad()
-        where = os.path.join(path, "from_offload" if src is not None else "to_offload")
-        msd, osd = get_state_dict(model, opt)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=where)
-        dist.barrier()
+        way = f"{fmt} {'from' if src is not None else 'to'} offload"
+        where = os.path.join(path, way.replace(" ", "_"))
         resumed = _sharded(dst, seed=1)
         ropt = _optimizer("foreach", resumed)
-        rmsd, rosd = get_state_dict(resumed, ropt)
-        state = {"model": rmsd, "optim": rosd}
-        dcp.load(state, checkpoint_id=where)
-        set_state_dict(resumed, ropt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if fmt == "vz":
+            vz.checkpoint.save(where, model, opt)
+            vz.checkpoint.load(where, resumed, ropt)
+        else:
+            msd, osd = get_state_dict(model, opt)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=where)
+            dist.barrier()
+            rmsd, rosd = get_state_dict(resumed, ropt)
+            state = {"model": rmsd, "optim": rosd}
+            dcp.load(state, checkpoint_id=where)
+            set_state_dict(resumed, ropt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         loaded_equal = all(torch.equal(a[3], b[3]) for a, b in zip(local_pieces(model).values(),
                                                                     local_pieces(resumed).values()))
         for m, o in ((model, opt), (resumed, ropt)):
@@ -171,7 +176,7 @@ def _checkpoint_round_trip(rank, world, path):
             o.zero_grad()
         stepped_equal = all(torch.equal(a[3], b[3]) for a, b in zip(local_pieces(model).values(),
                                                                     local_pieces(resumed).values()))
-        results["from offload" if src is not None else "to offload"] = (loaded_equal, stepped_equal)
+        results[way] = (loaded_equal, stepped_equal)
     return results
 
 
@@ -252,9 +257,11 @@ def test_offloaded_buffers_are_the_host_ones(runs):
 
 def test_offloaded_checkpoints_move_to_and_from_offload(runs):
     """torch DCP with get_state_dict / set_state_dict: an offloaded run resumes without offload
-    and the reverse; the loaded shards and one more step equal the run that saved, bit for bit."""
+    and the reverse (and through vz.checkpoint); the loaded shards and one more step equal the
+    run that saved, bit for bit."""
     world, results = runs
     for rank, r in enumerate(results["checkpoint"]):
+        assert len(r) == 3, r
         for way, (loaded, stepped) in r.items():
             assert loaded and stepped, (rank, way, loaded, stepped)
 
