@@ -4,7 +4,15 @@ from . import checkpoint  # the subpackage: vz.checkpoint.save(...)
 from .clip_grad import clip_grad_norm_, sharded_grad_norm
 from .dbuffer import DBuffer
 from .fill import fill_group_by_group
-from .fully_shard import MixedPrecisionPolicy, RaggedFSDPModule, fully_shard, fully_shard_layers, sharded_counterpart
+from .fully_shard import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    RaggedFSDPModule,
+    fully_shard,
+    fully_shard_layers,
+    sharded_counterpart,
+)
 from .gathered import gathered_parameters
 from .granularity import preset_granularity, resolve_granularities
 from .materialize import materialize
@@ -27,6 +35,8 @@ __all__ = [
     "gathered_parameters",
     "RaggedFSDPModule",
     "MixedPrecisionPolicy",
+    "CPUOffloadPolicy",
+    "OffloadPolicy",
     "RaggedShard",
     "RaggedDTensor",
     "local_piece",

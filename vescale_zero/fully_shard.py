@@ -21,17 +21,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
 from .eager_hooks import outside_compile
 from .fp8_gather import FP8Filter, default_fp8_filter, tile_band_granularity
 from .granularity import GranularityPolicy, resolve_granularities
 from .layer_discovery import find_layer_classes
+from .offload import resolve_offload_policy
 from .param_group import GroupState, ManagedParam, ParamGroup
 from .runtime import STATE_ATTR, FSDPState, RootContext, in_backward_pass
 from .unused_grads import UNUSED_GRAD_POLICIES
 
-__all__ = ["fully_shard", "fully_shard_layers", "RaggedFSDPModule", "MixedPrecisionPolicy", "DEFAULT_ALIGN_BYTES",
+__all__ = ["fully_shard", "fully_shard_layers", "RaggedFSDPModule", "MixedPrecisionPolicy", "CPUOffloadPolicy",
+           "OffloadPolicy", "DEFAULT_ALIGN_BYTES",
            "groups_of", "sharded_counterpart", "BUFFER_NEEDS_INIT", "HSDP_DIM_NAMES"]
 
 DEFAULT_ALIGN_BYTES = 16
@@ -291,6 +293,7 @@ def fully_shard(
     align_bytes: int = DEFAULT_ALIGN_BYTES,
     fp8_all_gather_tile: Optional[int] = None,
     fp8_all_gather_filter: Optional[FP8Filter] = None,
+    offload_policy: Optional[OffloadPolicy] = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters (those not in a sharded sub-module) as one group.
 
@@ -325,6 +328,11 @@ def fully_shard(
             :func:`vescale_zero.fp8_gather.default_fp8_filter`: tensors of 2+ dimensions (matrices),
             so norms and biases keep ``param_dtype`` as FP8 recipes keep them; pass e.g.
             ``lambda n, p: p.dim() >= 2 and "embed" not in n`` to keep embeddings out too.
+        offload_policy: ``torch.distributed.fsdp.CPUOffloadPolicy(pin_memory=True)``: the
+            sharded parameters (the master weights), their gradients and so the optimizer's
+            state live in host memory and the optimizer steps there; gathers copy the shard to
+            the device, reduced gradients are copied back (:mod:`vescale_zero.offload`).
+            ``None`` or ``OffloadPolicy()``: no offload.
 
     Returns:
         ``module``, its class now also a :class:`RaggedFSDPModule`.
@@ -338,6 +346,7 @@ def fully_shard(
         raise ValueError(
             "module is already sharded by torch.distributed.fsdp.fully_shard; shard each module with one FSDP only"
         )
+    offload = resolve_offload_policy(offload_policy)
     named = _collect_params(module)
     devices = {p.device for _, p, _ in named}
     # A meta module is sharded as planned; vescale_zero.materialize (or to_empty) gives it
@@ -382,6 +391,7 @@ def fully_shard(
             fp8_tile=fp8_all_gather_tile,
             replicate_group=replicate_pg,
             fp8=fp8,
+            offload=offload,
         )
         label = type(module).__name__
         for p in [p for _, p, _ in named] + group.sharded_params + group.unsharded_params:

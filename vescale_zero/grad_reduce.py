@@ -104,6 +104,7 @@ from torch import nn
 from .collectives import CommStats, all_reduce
 from .dbuffer import DBuffer
 from .grad_shard import GradShard
+from .offload import HostCopies
 from .planner import ShardPlan
 from .ragged_tensor import like_param, local_piece
 
@@ -126,19 +127,26 @@ class GradReducer:
         grad_dtype: of the unsharded parameters' gradients (the compute dtype); default
             ``reduce_dtype``.
         device, shapes: of the buffers and each tensor's full view.
+        host_copies: an offloaded group's copies (vescale_zero.offload): the sharded gradients
+            then live in host memory and each reduce-scatter's result is copied there.
     """
 
     def __init__(self, plan: ShardPlan, rank: int, process_group: dist.ProcessGroup, stats: CommStats, *,
                  reduce_dtype: torch.dtype, shard_dtype: torch.dtype,
                  device: torch.device, shapes: Sequence[Sequence[int]],
                  replicate_group: Optional[dist.ProcessGroup] = None,
-                 grad_dtype: Optional[torch.dtype] = None) -> None:
+                 grad_dtype: Optional[torch.dtype] = None, host_copies: Optional[HostCopies] = None) -> None:
         self.plan, self.rank, self.process_group, self.stats = plan, rank, process_group, stats
         self.replicate_group = replicate_group
         self.reduce_dtype, self.shard_dtype = reduce_dtype, shard_dtype
         self.grad_dtype = grad_dtype or reduce_dtype
         self.full = DBuffer(plan, rank, reduce_dtype, device, shapes=shapes, with_local=False)
-        self.sharded = GradShard(plan, rank, shard_dtype, device)
+        self.host_copies = host_copies
+        if host_copies is None:
+            self.sharded = GradShard(plan, rank, shard_dtype, device)
+        else:
+            offload = host_copies.offload
+            self.sharded = GradShard(plan, rank, shard_dtype, offload.device, pin_memory=offload.pins(device))
         self.requires_grad_sync = True
         self.divide_factor: Optional[float] = None  # None: AVG over the group
         self._pending: Optional[Tuple] = None
@@ -244,11 +252,11 @@ class GradReducer:
                 with torch.no_grad():
                     source.full.mul_(1.0 / self.divide_factor)
             op = dist.ReduceOp.SUM
-        direct = not accumulate and self.reduce_dtype == self.shard_dtype
+        direct = not accumulate and self.reduce_dtype == self.shard_dtype and self.host_copies is None
         # The shard gets its storage here if no .grad holds it (grad_shard [Note: gradient
         # shards live with their .grad]); ``_pending`` holds it until finish hands out the views.
         out = self.sharded.allocate() if direct else torch.empty(
-            self.plan.shard_size, dtype=self.reduce_dtype, device=self.sharded.device)
+            self.plan.shard_size, dtype=self.reduce_dtype, device=self.full.device)
         work = source.reduce_scatter(self.process_group, into=out, op=op, stats=self.stats, async_op=True)
         self._pending = (work, source, out, accumulate, op == dist.ReduceOp.AVG)
 
@@ -263,6 +271,8 @@ class GradReducer:
         if self.replicate_group is not None:  # [Note: HSDP]
             with torch.no_grad():
                 all_reduce(out, self.replicate_group, average, self.stats)
+        if self.host_copies is not None:
+            out = self._to_host(out, accumulate)
         shard = out if out is self.sharded.live else self.sharded.allocate(zero=accumulate)
         with torch.no_grad():
             if out is not shard:
@@ -276,6 +286,22 @@ class GradReducer:
             for i, sp in params:
                 if sp.grad is None:
                     sp.grad = like_param(self.sharded.view_of(shard, i), sp)
+
+    def _to_host(self, reduced: torch.Tensor, accumulate: bool) -> torch.Tensor:
+        """An offloaded group's reduced shard (on the device) in host memory, cast to the shard
+        dtype on the device first: copied straight into the host shard, without waiting
+        (offload [Note: host copies and their streams]), when it replaces the gradients; into
+        a host staging tensor, waited for, when it is added to them."""
+        copies = self.host_copies
+        with torch.no_grad():
+            reduced = reduced.to(self.shard_dtype)
+            if not accumulate:
+                shard = self.sharded.allocate()
+                copies.to_host(shard, reduced)
+                return shard
+            staged = copies.offload.empty(reduced.numel(), self.shard_dtype, self.full.device)
+            copies.to_host(staged, reduced, wait=True)
+            return staged
 
     def _accumulate(self, shard: torch.Tensor, reduced: torch.Tensor,
                     params: Sequence[Tuple[int, nn.Parameter]]) -> None:

@@ -48,10 +48,14 @@ class GradShard:
     Args:
         plan, rank: the group's layout and this rank's index in it.
         dtype, device: of the shard (the master parameters').
+        pin_memory: allocate it in pinned host memory (an offloaded group on an accelerator:
+            vescale_zero.offload).
     """
 
-    def __init__(self, plan: ShardPlan, rank: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, plan: ShardPlan, rank: int, dtype: torch.dtype, device: torch.device, *,
+                 pin_memory: bool = False) -> None:
         self.plan, self.rank, self.dtype, self.device = plan, rank, dtype, torch.device(device)
+        self.pin_memory = pin_memory
         self._slices = plan.local_slices(rank)
         self._ref: Optional[weakref.ref] = None
         self._persistent = False  # persistent_view handed out: the shard is the group's for life
@@ -65,8 +69,9 @@ class GradShard:
         """The live shard, or a new one (zeroed if ``zero``). The caller holds it: the reducer does not."""
         shard = self.live
         if shard is None:
-            make = torch.zeros if zero else torch.empty
-            shard = make(self.plan.shard_size, dtype=self.dtype, device=self.device)
+            shard = torch.empty(self.plan.shard_size, dtype=self.dtype, device=self.device, pin_memory=self.pin_memory)
+            if zero:
+                shard.zero_()
             self._ref = weakref.ref(shard)
         return shard
 

@@ -6,7 +6,8 @@ master shard before the collective, one collective (or two), something done afte
     strategy        before (this rank)                   collective              after
     DirectGather    --   (master.local *is* the input)   all-gather              --
     CastGather      master.local -> param_dtype, into    in-place all-gather     --
-                    this rank's slot of compute.full
+                    this rank's slot of compute.full     (offloaded: issued
+                    (offloaded: a host->device copy)     from the copy stream)
     FP8TileGather   master.local -> float8 tile bands    1 in-place all-gather   dequantize / copy
                     + scales, other tensors cast to      of bytes                into compute.full,
                     param_dtype, into this rank's slot                            free the byte buffer
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from .collectives import CommStats, all_gather
 from .dbuffer import DBuffer
 from .fp8_gather import FP8GatherLayout
+from .offload import HostCopies
 
 __all__ = ["ParamGather", "DirectGather", "CastGather", "FP8TileGather", "make_param_gather"]
 
@@ -73,14 +75,30 @@ class DirectGather(ParamGather):
 
 
 class CastGather(ParamGather):
-    """Mixed precision: cast the master shard into this rank's slot of the full buffer and
-    gather in place (see [Note: every gather re-reads the master])."""
+    """Mixed precision, or a master shard in host memory: copy (cast) the master shard into
+    this rank's slot of the full buffer and gather in place (see [Note: every gather re-reads
+    the master]). Offloaded, the copy and the collective run from the copy stream (offload
+    [Note: host copies and their streams]): always asynchronous, :meth:`finish` waits."""
+
+    def __init__(self, master: DBuffer, compute: DBuffer, process_group: dist.ProcessGroup, stats: CommStats,
+                 host_copies: Optional[HostCopies] = None) -> None:
+        super().__init__(master, compute, process_group, stats)
+        self.host_copies = host_copies
 
     def start(self, async_op: bool) -> None:
         slot = self.compute.own_slot()
+        if self.host_copies is None:
+            with torch.no_grad():
+                slot.copy_(self.master.local)
+            self._gather(slot, async_op)
+            return
         with torch.no_grad():
-            slot.copy_(self.master.local)
-        self._gather(slot, async_op)
+            stream = self.host_copies.to_device(slot, self.master.local)
+        if stream is None:
+            self._gather(slot, async_op)
+        else:
+            with stream:
+                self._gather(slot, True)
 
 
 class FP8TileGather(ParamGather):
@@ -96,12 +114,15 @@ class FP8TileGather(ParamGather):
         self._bytes: Optional[torch.Tensor] = None
 
     def start(self, async_op: bool) -> None:
-        plan, rank, device = self.master.plan, self.master.rank, self.master.device
+        plan, rank, device = self.master.plan, self.master.rank, self.compute.device
         size = self.layout.slot_bytes
         self._bytes = torch.zeros(plan.world_size * size, dtype=torch.uint8, device=device)
         own = self._bytes.narrow(0, rank * size, size)
+        local = self.master.local
+        if local.device != device:  # an offloaded master: packed on the device, after a copy on this stream
+            local = local.to(device, non_blocking=True)
         with torch.no_grad():
-            self.layout.pack_local(rank, self.master.local, own)
+            self.layout.pack_local(rank, local, own)
         work = all_gather(self._bytes, own, self.process_group, self.stats, async_op)
         if work is not None:
             self._works.append(work)
@@ -116,15 +137,17 @@ class FP8TileGather(ParamGather):
 
 
 def make_param_gather(master: DBuffer, compute: DBuffer, process_group: dist.ProcessGroup, stats: CommStats,
-                      shapes, fp8_tile: Optional[int], fp8: Optional[Sequence[bool]] = None) -> ParamGather:
+                      shapes, fp8_tile: Optional[int], fp8: Optional[Sequence[bool]] = None,
+                      host_copies: Optional[HostCopies] = None) -> ParamGather:
     """The strategy for a group: FP8 tiles if ``fp8_tile`` and some tensor is chosen for FP8
     (``fp8[i]``; default: every tensor of 2+ dimensions, [Note: which tensors are FP8]), else a
-    cast if the compute dtype differs from the master's, else the direct gather."""
+    cast (a copy) if the compute dtype differs from the master's or the master is offloaded
+    (``host_copies``), else the direct gather."""
     if fp8_tile:
         chosen = [len(s) >= 2 for s in shapes] if fp8 is None else list(fp8)
         if any(chosen):
             layout = FP8GatherLayout(master.plan, shapes, fp8_tile, chosen, compute.dtype)
             return FP8TileGather(master, compute, process_group, stats, layout)
-    if compute.dtype != master.dtype:
-        return CastGather(master, compute, process_group, stats)
+    if compute.dtype != master.dtype or host_copies is not None:
+        return CastGather(master, compute, process_group, stats, host_copies)
     return DirectGather(master, compute, process_group, stats)

@@ -3,7 +3,10 @@
 One group owns, per rank::
 
     role            buffer                      dtype          lives
-    sharded params  master.local                param's own    always (the optimizer's tensors)
+    sharded params  master.local                param's own    always (the optimizer's tensors; in
+                                                               host memory when offloaded: see
+                                                               vescale_zero.offload, as are the
+                                                               sharded grads)
     full params     compute.full                param_dtype    while gathered (forward/backward)
     gather input    master.local, or this rank's slot of compute.full (a cast), or of a
                     float8 buffer (FP8 tiles): see vescale_zero.param_gather
@@ -61,6 +64,7 @@ from .eager_hooks import outside_compile
 from .grad_reduce import GradReducer
 from .grad_shard import GradShard
 from .group_progress import BackwardProgress, ForwardRecord, GroupState, InputGradTrigger, Part
+from .offload import HostCopies, HostOffload
 from .param_gather import make_param_gather
 from .planner import ShardPlan, TensorSpec, plan
 from .ragged_param import ManagedParam, RaggedParam, ShardedRange
@@ -114,6 +118,7 @@ class ParamGroup:
         fp8_tile: Optional[int] = None,
         replicate_group: Optional[dist.ProcessGroup] = None,
         fp8: Optional[Sequence[bool]] = None,
+        offload: Optional[HostOffload] = None,
     ) -> None:
         dtypes = {p.dtype for p in originals}
         devices = {p.device for p in originals}
@@ -140,6 +145,7 @@ class ParamGroup:
         # which tensors an FP8 gather moves as FP8: fp8_gather [Note: which tensors are FP8]
         self._fp8 = None if fp8 is None else list(fp8)
         self._expose_full_grad: Optional[Callable[[nn.Parameter, torch.Tensor], None]] = None
+        self.offload = offload
         self._build(self.device, originals)
         with torch.no_grad():
             for i, p in enumerate(originals):
@@ -164,18 +170,27 @@ class ParamGroup:
         """Every buffer of the group on ``device`` (the full ones freed) and the parameter
         objects viewing them, carrying the attributes of ``templates`` (the unsharded ones
         of ``unsharded_templates`` if given)."""
-        self.device = torch.device(device)
+        self.device = torch.device(device)  # the compute device: full buffers, collectives
         self.mesh = shard_mesh(self.process_group, self.device)
         shapes = [m.shape for m in self.managed]
-        self.master = DBuffer(self.plan, self.rank, self.orig_dtype, self.device, shapes=shapes, with_full=False)
-        direct = self.param_dtype == self.orig_dtype and not self._fp8_tile
+        # offload [Note: host copies and their streams]: the persistent shards in host memory
+        copies = None if self.offload is None or self.device.type == "meta" else HostCopies(self.offload, self.device)
+        self.host_copies: Optional[HostCopies] = copies
+        self.host_device = self.device if copies is None else self.offload.device  # where the shards live
+        local = None
+        if copies is not None:
+            local = self.offload.empty(self.plan.shard_size, self.orig_dtype, self.device).zero_()
+        self.master = DBuffer(self.plan, self.rank, self.orig_dtype, self.host_device, shapes=shapes, with_full=False,
+                              local=local)
+        direct = self.param_dtype == self.orig_dtype and not self._fp8_tile and copies is None
         self.compute = DBuffer(self.plan, self.rank, self.param_dtype, self.device, shapes=shapes,
                                local=self.master.local if direct else None, with_local=direct)
         self.gather = make_param_gather(self.master, self.compute, self.process_group, self.stats, shapes,
-                                        self._fp8_tile, self._fp8)
+                                        self._fp8_tile, self._fp8, copies)
         self.grads = GradReducer(self.plan, self.rank, self.process_group, self.stats, reduce_dtype=self.reduce_dtype,
                                  shard_dtype=self.orig_dtype, device=self.device, shapes=shapes,
-                                 replicate_group=self.replicate_group, grad_dtype=self.param_dtype)
+                                 replicate_group=self.replicate_group, grad_dtype=self.param_dtype,
+                                 host_copies=copies)
         self.params: List[RaggedParam] = []
         for i, (m, p) in enumerate(zip(self.managed, templates)):
             like = unsharded_templates[i] if unsharded_templates is not None else None
@@ -419,6 +434,12 @@ class ParamGroup:
     def finish_grad_sync(self) -> None:
         """Wait for the reduce-scatter and give the sharded parameters their ``.grad``."""
         self.grads.finish([(i, self.params[i].sharded) for i in self._grad_indices])
+
+    def settle_host_copies(self) -> None:
+        """An offloaded group: return when its host copies are complete (offload [Note: host
+        copies and their streams]); a no-op otherwise."""
+        if self.host_copies is not None:
+            self.host_copies.settle()
 
     def end_backward(self, forward_id: Optional[int]) -> None:
         """The backward of root forward ``forward_id`` is over: the next one starts afresh.

@@ -49,6 +49,7 @@ from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_typ
 from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach_types
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .comm_device import collective_device
 from .placement import RaggedShard, ShardedRange, flat_range_boxes
 
 __all__ = ["RaggedDTensor", "ragged_spec", "shard_mesh", "local_piece", "is_ragged", "like_param", "local_rows"]
@@ -174,12 +175,13 @@ class RaggedDTensor(DTensor):
         world = placement.world_size
         width = max(placement.local_numel(r) for r in range(world))
         local = self._local_tensor.detach().reshape(-1)
-        send = local.new_zeros(width)
+        where = collective_device(group, local.device)  # an offloaded piece on the host, NCCL: via the device
+        send = torch.zeros(width, dtype=local.dtype, device=where)
         send[: local.numel()] = local
-        recv = local.new_empty(width * world)
+        recv = send.new_empty(width * world)
         dist.all_gather_into_tensor(recv, send, group=group)
         pieces = [recv[r * width: r * width + placement.local_numel(r)] for r in range(world)]
-        return torch.cat(pieces).view(self.shape)
+        return torch.cat(pieces).view(self.shape).to(local.device)
 
     def redistribute(self, device_mesh: Optional[DeviceMesh] = None, placements: Any = None, *,
                      async_op: bool = False, **kwargs: Any) -> DTensor:  # type: ignore[override]

@@ -411,6 +411,7 @@ class RootContext:
                 state.group.finish_grad_sync()
                 state.group.reshard()
                 state.group.end_backward(self.backward_of)
+                state.group.settle_host_copies()  # offload [Note: host copies and their streams]
         drop_unused(usage)  # unused_grads [Note: unused everywhere]
         if self.backward_of is not None:
             for fid in [f for f in self.post_orders if f <= self.backward_of]:
@@ -435,6 +436,8 @@ class RootContext:
                 self.reducing.append(group)
         usage = usage_anywhere(self.reduce_order())
         self._finish_in_flight()
+        for group in self.reduce_order():
+            group.settle_host_copies()
         drop_unused(usage)
 
 
