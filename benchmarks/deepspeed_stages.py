@@ -1,12 +1,6 @@
 """DeepSpeed "ragged" vs ZeRO-3 vs stage 0 on the same model: ms/step and peak memory per rank.
 
-    .venv/bin/python benchmarks/deepspeed_stages.py [--ranks 2] [--cycles 2] [--offload]
-
-``--offload`` runs ragged and ZeRO-3 each with and without ``offload_optimizer`` +
-``offload_param`` to the CPU (Hugging Face's ``ds_config_zero3.json`` keys; both then step
-DeepSpeed's CPU Adam, the others torch's AdamW), instead of ragged, ZeRO-3 and stage 0: the
-ratio columns compare ragged with the stage-3 run of the same offload, and each offloaded run
-with the same stage without it.
+    .venv/bin/python benchmarks/deepspeed_stages.py [--ranks 2] [--cycles 2]
 
 Each variant runs in fresh processes (so that peak memory is its own), the variants cycle
 A B C A B C, fp32 on gloo (or NCCL when CUDA is present). Memory: on GPU the CUDA
@@ -31,9 +25,7 @@ import torch
 import torch.multiprocessing as mp
 from tqdm import tqdm
 
-VARIANTS = ("ragged", "3", "0")
-OFFLOAD_VARIANTS = ("ragged", "3", "ragged+cpu", "3+cpu")
-"""``<stage>[+cpu]``: the stage, with offload_optimizer and offload_param to the CPU."""
+VARIANTS = ("ragged", 3, 0)
 
 
 def _rss_mib() -> float:
@@ -41,19 +33,7 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _ds_config(variant: str, args: argparse.Namespace) -> Dict:
-    stage, _, offload = variant.partition("+")
-    zero = {"stage": stage if stage == "ragged" else int(stage)}
-    adam = {"lr": 1e-3, "torch_adam": True}
-    if offload:  # Hugging Face's ds_config_zero3.json keys; DeepSpeed then steps its CPU Adam at either stage
-        zero.update(offload_optimizer={"device": offload, "pin_memory": True},
-                    offload_param={"device": offload, "pin_memory": True})
-        adam = {"lr": 1e-3}
-    return {"train_batch_size": args.global_batch, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-            "optimizer": {"type": "AdamW", "params": adam}, "zero_optimization": zero, "steps_per_print": 10**9}
-
-
-def worker(rank: int, world: int, port: int, stage: str, args: argparse.Namespace, out: Dict) -> None:
+def worker(rank: int, world: int, port: int, stage, args: argparse.Namespace, out: Dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     cuda = torch.cuda.is_available()
@@ -71,7 +51,12 @@ def worker(rank: int, world: int, port: int, stage: str, args: argparse.Namespac
     cfg = GPTConfig(vocab_size=1024, seq_len=64, d_model=args.d_model, n_layers=args.layers, n_heads=8)
     gc.collect()
     base = _rss_mib()
-    engine, *_ = deepspeed.initialize(model=GPT(cfg), config=_ds_config(stage, args))
+    ds_cfg = {
+        "train_batch_size": args.global_batch, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "zero_optimization": {"stage": stage}, "steps_per_print": 10**9,
+    }
+    engine, *_ = deepspeed.initialize(model=GPT(cfg), config=ds_cfg)
     corpus = SyntheticCorpus(cfg.vocab_size, cfg.seq_len)
     times: List[float] = []
     for step in range(args.warmup + args.steps):
@@ -103,13 +88,11 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--global-batch", type=int, default=8)
-    p.add_argument("--offload", action="store_true", help="ragged and ZeRO-3, each with and without CPU offload")
     p.add_argument("--json", help="also write raw results here")
     args = p.parse_args()
-    variants = OFFLOAD_VARIANTS if args.offload else VARIANTS
     with mp.Manager() as manager:
         out = manager.dict()
-        runs = [(c, v) for c in range(args.cycles) for v in variants]
+        runs = [(c, v) for c in range(args.cycles) for v in VARIANTS]
         for _, stage in tqdm(runs, desc="runs (A B C A B C)"):
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
@@ -117,23 +100,18 @@ def main() -> None:
             mp.spawn(worker, args=(args.ranks, port, stage, args, out), nprocs=args.ranks)
         results = dict(out)
     rows = {}
-    for v in variants:
+    for v in VARIANTS:
         runs_v = results[str(v)]
         ms = [1e3 * t for r in runs_v for t in r["times"]]
         rows[v] = (statistics.median(ms), min(ms), max(ms), statistics.median(r["peak_mib"] for r in runs_v))
     dev = "CUDA peak allocated" if torch.cuda.is_available() else "peak RSS growth, rank 0"
     print(f"\n{args.ranks} ranks, fp32, GPT {args.layers}x{args.d_model} (vocab 1024), "
           f"global batch {args.global_batch}, {args.cycles} cycles x {args.steps} steps")
-    print(f"{'stage':10s} {'median ms':>10s} {'min':>8s} {'max':>8s} {'memory MiB':>11s} "
-          f"{'ragged/x time':>14s} {'ragged/x mem':>13s}" + (f" {'offload/none time':>18s}" if args.offload else ""))
+    print(f"{'stage':8s} {'median ms':>10s} {'min':>8s} {'max':>8s} {'memory MiB':>11s} "
+          f"{'ragged/x time':>14s} {'ragged/x mem':>13s}")
     for v, (med, lo, hi, mem) in rows.items():
-        offload = v.partition("+")[2]
-        ours = rows["ragged+" + offload if offload else "ragged"]  # the ragged run with the same offload
-        line = (f"{v:10s} {med:10.1f} {lo:8.1f} {hi:8.1f} {mem:11.0f} "
-                f"{ours[0] / med:14.3f} {ours[3] / mem:13.3f}")
-        if args.offload:
-            line += f" {med / rows[v.partition('+')[0]][0]:18.3f}"
-        print(line)
+        print(f"{str(v):8s} {med:10.1f} {lo:8.1f} {hi:8.1f} {mem:11.0f} "
+              f"{rows['ragged'][0] / med:14.3f} {rows['ragged'][3] / mem:13.3f}")
     print(f"(memory: {dev})")
     if args.json:
         with open(args.json, "w") as f:

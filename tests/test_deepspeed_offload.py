@@ -89,7 +89,7 @@ def _engine(rank, world_size, cfg, model=None, **kwargs):
 def _offloaded(engine):
     from vescale_zero.fully_shard import groups_of
 
-    return sorted({str(getattr(g, "offload_device", None)) for g in groups_of(engine.module)})
+    return sorted({str(g.offload.device) if g.offload is not None else "None" for g in groups_of(engine.module)})
 
 
 def _train(rank, world_size, stage, which, steps=STEPS, extra=None):

@@ -110,11 +110,10 @@ class RaggedEngineMixin:
         else:
             if precision.dtype is not None:
                 self._fp32_masters()
-            policy = offload_policy(opts.offload)
             vz.fully_shard_layers(
                 self.module, opts.sharded_modules, mesh=self._ragged_mesh(),
                 reshard_after_forward=opts.reshard_after_forward, mp_policy=mp, granularity=granularity,
-                fp8_all_gather_tile=opts.fp8_all_gather_tile, **({"offload_policy": policy} if policy else {}),
+                fp8_all_gather_tile=opts.fp8_all_gather_tile, offload_policy=offload_policy(opts.offload),
             )
         if zero3:
             fill_from_zero3(self.module, zero3)
@@ -183,7 +182,7 @@ class RaggedEngineMixin:
                     f"{want}: shard with mesh=<the data-parallel group> (or its HSDP mesh), or "
                     "pass the unsharded model and let deepspeed.initialize shard it")
         opts, default = self.ragged_options, RaggedOptions()
-        offloaded = {getattr(group, "offload_device", None) is not None for group in groups_of(self.module)}
+        offloaded = {group.offload is not None for group in groups_of(self.module)}
         if offloaded and offloaded != {opts.offload is not None}:
             sharded = "with offload_policy=CPUOffloadPolicy(...)" if True in offloaded else "without offload_policy"
             config = "sets offload_optimizer" if opts.offload is not None else "has no offload_optimizer"
