@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import os
 import tempfile
+import warnings
 
 import pytest
 import torch
@@ -124,6 +125,31 @@ def _resume(rank, world_size, kind):
             "state": _same_state_dict(ref_opt.state_dict(), resumed_opt.state_dict())}
 
 
+def _scheduled(rank, world_size):
+    """An LR scheduler made before or after the state goes to files (both wrap ``opt.step``):
+    the same weights as in memory, and no "scheduler stepped before the optimizer" warning."""
+    batches = _batches(rank, world_size, steps=3)
+    out = {}
+    for when in ("memory", "before", "after"):
+        model, opt = _model_and_opt("foreach")
+        if when == "after":
+            offload_state_to_files(opt, model, _shared_dir())
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        if when == "before":
+            offload_state_to_files(opt, model, _shared_dir())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for x, y in batches:
+                model(x, y).backward()
+                opt.step()
+                scheduler.step()
+                opt.zero_grad()
+        out[when] = (_weights(model), [str(w.message) for w in caught if "lr_scheduler" in str(w.message)])
+    same = {when: all(torch.equal(out["memory"][0][n], v) for n, v in out[when][0].items())
+            for when in ("before", "after")}
+    return {"same": same, "warnings": [w for _, ws in out.values() for w in ws]}
+
+
 def _state_locals(opt):
     return [local_piece(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
 
@@ -216,7 +242,8 @@ _CASES = {
     "resume": (_resume, ("foreach",)),
     "resume_8bit": (_resume, ("8bit",)),
 }
-_TWO_RANKS_ONLY = {"tracker": (_tracker, ()), "corrupt": (_corrupt, ()), "directories": (_directories, ())}
+_TWO_RANKS_ONLY = {"tracker": (_tracker, ()), "corrupt": (_corrupt, ()), "directories": (_directories, ()),
+                   "scheduler": (_scheduled, ())}
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda ws: f"{ws}ranks")
@@ -270,3 +297,10 @@ def test_bad_or_shared_directory_is_refused(results):
         assert errors[0].startswith("FileNotFoundError") and "does not exist" in errors[0]
         assert errors[1].startswith("NotADirectoryError")
         assert "in use by another optimizer" in errors[2] and "its own directory" in errors[2]
+
+
+@pytest.mark.parametrize("results", [2], indirect=True, ids=["2ranks"])
+def test_lr_scheduler_made_before_or_after_wraps_the_stepping(results):
+    _, got = results
+    for r in got["scheduler"]:
+        assert r == {"same": {"before": True, "after": True}, "warnings": []}, r

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import copy
 import types
+import weakref
 from collections import defaultdict
 from collections.abc import MutableMapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -117,6 +118,23 @@ def _files_step(optimizer: torch.optim.Optimizer, closure: Optional[Callable] = 
     return getattr(optimizer, _INSTALLED).step(closure)
 
 
+def _installed_step(optimizer: torch.optim.Optimizer) -> Callable:
+    """``optimizer.step`` as installed. [Note: LR schedulers] A torch LR scheduler wraps
+    ``optimizer.step`` (checked against torch 2.13: ``LRScheduler.__init__`` binds
+    ``step.__func__`` to the optimizer and marks the wrapper ``_wrapped_by_lr_sched``, warning
+    when a step without the mark runs). A scheduler made later wraps this bound method; one
+    made before is inside it (the step that runs per group), so the replacement keeps its mark."""
+    if not getattr(optimizer.step, "_wrapped_by_lr_sched", False):
+        return types.MethodType(_files_step, optimizer)
+    owner = weakref.ref(optimizer)
+
+    def step(closure: Optional[Callable] = None) -> Any:
+        return _files_step(owner(), closure)
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    return step
+
+
 def _files_load_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
     getattr(optimizer, _INSTALLED).load_state_dict(state_dict)
 
@@ -150,7 +168,7 @@ class StateFiles:
         self._inner_step = optimizer.step
         self._inner_load = optimizer.load_state_dict
         existing = optimizer.state
-        optimizer.step = types.MethodType(_files_step, optimizer)
+        optimizer.step = _installed_step(optimizer)
         optimizer.load_state_dict = types.MethodType(_files_load_state_dict, optimizer)
         setattr(optimizer, _INSTALLED, self)
         optimizer.state = self.state
