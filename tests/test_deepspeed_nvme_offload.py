@@ -24,18 +24,18 @@ from tests.test_deepspeed import GLOBAL_BATCH, _deepspeed, _train_steps, ds_conf
 STEPS = 4
 
 
-def _shared_dir() -> str:
-    path = [tempfile.mkdtemp(prefix="vz-nvme-") if dist.get_rank() == 0 else None]
+def _shared_dir(base: str) -> str:
+    path = [tempfile.mkdtemp(prefix="nvme-", dir=base) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(path, src=0)
     return path[0]
 
 
-def _engine(world_size, nvme, pipeline_read=False):
+def _engine(world_size, base, nvme, pipeline_read=False):
     deepspeed = _deepspeed()
     cfg = ds_config("ragged", world_size)
     if nvme:
         cfg["zero_optimization"]["offload_optimizer"] = {
-            "device": "nvme", "nvme_path": _shared_dir(), "buffer_count": 4, "pin_memory": True,
+            "device": "nvme", "nvme_path": _shared_dir(base), "buffer_count": 4, "pin_memory": True,
             "pipeline_read": pipeline_read, "fast_init": False}
     engine, *_ = deepspeed.initialize(model=AwkwardLM(seed=0), config=cfg)
     return engine
@@ -45,33 +45,35 @@ def _weights(engine):
     return {n: v for n, (_, _, _, v) in local_pieces(engine.module).items()}
 
 
-def _run(rank, world_size, nvme, pipeline_read=False):
+def _run(rank, world_size, base, nvme, pipeline_read=False):
     os.environ["LOCAL_RANK"] = str(rank)
-    engine = _engine(world_size, nvme, pipeline_read)
+    engine = _engine(world_size, base, nvme, pipeline_read)
     losses = _train_steps(engine, make_batches(STEPS, GLOBAL_BATCH), rank, world_size)
     files = engine.optimizer_state_files
     return {"losses": losses, "weights": _weights(engine), "in_files": files is not None,
             "held": len(engine.optimizer.state._resident) if files is not None else None}
 
 
-def _resume(rank, world_size):
+def _resume(rank, world_size, base):
     """2 steps with the state in files, engine.save_checkpoint, a fresh engine (new files) loads it, 2 more."""
     os.environ["LOCAL_RANK"] = str(rank)
     batches = make_batches(STEPS, GLOBAL_BATCH)
-    engine = _engine(world_size, True)
+    engine = _engine(world_size, base, True)
     _train_steps(engine, batches[:2], rank, world_size)
-    ckpt = _shared_dir()
+    ckpt = _shared_dir(base)
     engine.save_checkpoint(ckpt, tag="two")
-    resumed = _engine(world_size, True)
+    resumed = _engine(world_size, base, True)
     resumed.load_checkpoint(ckpt, tag="two")
     losses = _train_steps(resumed, batches[2:], rank, world_size)
     return {"losses": losses, "weights": _weights(resumed)}
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return run_cases_on_ranks({"memory": (_run, (False,)), "nvme": (_run, (True,)),
-                               "nvme_read_ahead": (_run, (True, True)), "resume": (_resume, ())}, 2, timeout=400)
+def runs(tmp_path_factory):
+    base = str(tmp_path_factory.mktemp("nvme-offload"))
+    return run_cases_on_ranks({"memory": (_run, (base, False)), "nvme": (_run, (base, True)),
+                               "nvme_read_ahead": (_run, (base, True, True)), "resume": (_resume, (base,))}, 2,
+                              timeout=400)
 
 
 def _equal(a, b):

@@ -24,9 +24,9 @@ from vescale_zero.testing.live_bytes import LiveBytes
 BLOCK = 13  # AdamW8bit's block: several per AwkwardLM tensor (as tests/test_optim_8bit.py)
 
 
-def _shared_dir() -> str:
-    """A fresh directory, the same on every rank (each writes its own files in it)."""
-    path = [tempfile.mkdtemp(prefix="vz-state-") if dist.get_rank() == 0 else None]
+def _shared_dir(base: str) -> str:
+    """A fresh directory under ``base``, the same on every rank (each writes its own files in it)."""
+    path = [tempfile.mkdtemp(prefix="state-", dir=base) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(path, src=0)
     return path[0]
 
@@ -79,13 +79,13 @@ def _same_state_dict(a: dict, b: dict) -> bool:
     return True
 
 
-def _parity(rank, world_size, kind, buffer_count):
+def _parity(rank, world_size, base, kind, buffer_count):
     """In memory vs in files, same optimizer, 5 steps: weights and state_dict() equal."""
     batches = _batches(rank, world_size)
     ref_model, ref_opt = _model_and_opt(kind)
     _train(ref_model, ref_opt, batches)
     model, opt = _model_and_opt(kind)
-    files = offload_state_to_files(opt, model, _shared_dir(), buffer_count=buffer_count)
+    files = offload_state_to_files(opt, model, _shared_dir(base), buffer_count=buffer_count)
     _train(model, opt, batches)
     held = len(opt.state._resident) + len(opt.state._pending)  # state tensors held between steps
     out = {"weights": _same_weights(ref_model, model), "state": _same_state_dict(ref_opt.state_dict(),
@@ -97,7 +97,7 @@ def _parity(rank, world_size, kind, buffer_count):
     return out
 
 
-def _resume(rank, world_size, kind):
+def _resume(rank, world_size, base, kind):
     """2 steps in files, vz.checkpoint save / load into a fresh model whose optimizer state is
     in files, 3 more; and the same through opt.state_dict() / load_state_dict(): both equal 5
     uninterrupted steps in memory."""
@@ -105,27 +105,27 @@ def _resume(rank, world_size, kind):
     ref_model, ref_opt = _model_and_opt(kind)
     _train(ref_model, ref_opt, batches)
     model, opt = _model_and_opt(kind)
-    offload_state_to_files(opt, model, _shared_dir())
+    offload_state_to_files(opt, model, _shared_dir(base))
     _train(model, opt, batches[:2])
-    path = os.path.join(_shared_dir(), "ckpt")
+    path = os.path.join(_shared_dir(base), "ckpt")
     vz.checkpoint.save(path, model, opt)
     torch_sd = opt.state_dict()
 
     resumed, resumed_opt = _model_and_opt(kind)
-    offload_state_to_files(resumed_opt, resumed, _shared_dir())
+    offload_state_to_files(resumed_opt, resumed, _shared_dir(base))
     vz.checkpoint.load(path, resumed, resumed_opt)
     _train(resumed, resumed_opt, batches[2:])
 
     again, again_opt = _model_and_opt(kind)  # torch's own state dict, loaded into files
     vz.checkpoint.load(path, again)  # the weights only
-    offload_state_to_files(again_opt, again, _shared_dir())
+    offload_state_to_files(again_opt, again, _shared_dir(base))
     again_opt.load_state_dict(torch_sd)
     _train(again, again_opt, batches[2:])
     return {"checkpoint": _same_weights(ref_model, resumed), "state_dict": _same_weights(ref_model, again),
             "state": _same_state_dict(ref_opt.state_dict(), resumed_opt.state_dict())}
 
 
-def _scheduled(rank, world_size):
+def _scheduled(rank, world_size, base):
     """An LR scheduler made before or after the state goes to files (both wrap ``opt.step``):
     the same weights as in memory, and no "scheduler stepped before the optimizer" warning."""
     batches = _batches(rank, world_size, steps=3)
@@ -133,10 +133,10 @@ def _scheduled(rank, world_size):
     for when in ("memory", "before", "after"):
         model, opt = _model_and_opt("foreach")
         if when == "after":
-            offload_state_to_files(opt, model, _shared_dir())
+            offload_state_to_files(opt, model, _shared_dir(base))
         scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
         if when == "before":
-            offload_state_to_files(opt, model, _shared_dir())
+            offload_state_to_files(opt, model, _shared_dir(base))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for x, y in batches:
@@ -163,7 +163,7 @@ def _step_under_tracker(model, opt, batch):
     return tracker
 
 
-def _tracker(rank, world_size):
+def _tracker(rank, world_size, base):
     """LiveBytes over the third step: the state bytes alive at the peak are every group's in
     memory, the largest group's (the staging buffer) with files, and the whole peak drops by
     at least the difference."""
@@ -177,7 +177,7 @@ def _tracker(rank, world_size):
     del model, opt, state
 
     model, opt = _model_and_opt("foreach")
-    files = offload_state_to_files(opt, model, _shared_dir())
+    files = offload_state_to_files(opt, model, _shared_dir(base))
     _train(model, opt, batches[:2])
     on_disk = files.payload_bytes()
     hosts = [s.host for s in files._stages]
@@ -188,11 +188,11 @@ def _tracker(rank, world_size):
             "files_peak": ours.peak}
 
 
-def _corrupt(rank, world_size):
+def _corrupt(rank, world_size, base):
     """A truncated file, then an overwritten header: each a clear error, not garbage state."""
     batches = _batches(rank, world_size, steps=3)
     model, opt = _model_and_opt("foreach")
-    files = offload_state_to_files(opt, model, _shared_dir())
+    files = offload_state_to_files(opt, model, _shared_dir(base))
     _train(model, opt, batches[:2])
     messages = []
     path = files.files.path(1)
@@ -213,10 +213,11 @@ def _corrupt(rank, world_size):
     return messages
 
 
-def _directories(rank, world_size):
-    """A missing directory, a file for a directory, and two optimizers sharing one."""
+def _directories(rank, world_size, base):
+    """A missing directory, a file for a directory, and two optimizers sharing one (not writable: the
+    tests run as root, whom permissions do not stop)."""
     model, opt = _model_and_opt("foreach")
-    base = _shared_dir()
+    base = _shared_dir(base)
     errors = []
     for bad in (os.path.join(base, "missing"), __file__):
         try:
@@ -231,6 +232,9 @@ def _directories(rank, world_size):
         errors.append(str(e))
     first.close()
     offload_state_to_files(other_opt, other_model, base)  # free again once the first one closed
+    del other_model, other_opt
+    gc.collect()  # ... or once its optimizer is gone
+    offload_state_to_files(opt, model, base)
     return errors
 
 
@@ -247,9 +251,11 @@ _TWO_RANKS_ONLY = {"tracker": (_tracker, ()), "corrupt": (_corrupt, ()), "direct
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda ws: f"{ws}ranks")
-def results(request):
+def results(request, tmp_path_factory):
+    base = str(tmp_path_factory.mktemp(f"state-files-{request.param}ranks"))
     cases = dict(_CASES, **(_TWO_RANKS_ONLY if request.param == 2 else {}))
-    return request.param, run_cases_on_ranks(cases, request.param)
+    return request.param, run_cases_on_ranks({name: (fn, (base, *args)) for name, (fn, args) in cases.items()},
+                                             request.param)
 
 
 @pytest.mark.parametrize("case", ["foreach", "fused", "8bit", "foreach_read_ahead"])

@@ -157,6 +157,8 @@ class StateFiles:
         self._loose = len(groups)  # the "group" of the optimizer's parameters that are in no fully_shard group
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         self.files = StateFileDir(directory, rank, world)
+        # the files and the directory's lock go with this object (a cycle through the optimizer) unless closed
+        self._finalizer = weakref.finalize(self, self.files.close, False)
         self.optimizer = optimizer
         pin = pin_memory and torch.accelerator.is_available()
         self._stages = [Stage(pin) for _ in range(min(buffer_count, 2))]  # more would wait on the same step
