@@ -104,8 +104,7 @@ def _worker(rank: int, world: int, port: int, buffer_count: int, directory: str,
     model(x, y).backward()
     with LiveBytes() as tracker:
         opt.step()
-    state_keys = tracker.keys_of([s.host for s in files._stages if s.host is not None] if files is not None
-                                 else _state_locals(opt))
+    state_keys = tracker.keys_of(files.staging_buffers() if files is not None else _state_locals(opt))
     opt.zero_grad()
     result = {
         "iter_ms": 1e3 * statistics.median(t for t, _ in timed),

@@ -180,7 +180,7 @@ def _tracker(rank, world_size, base):
     files = offload_state_to_files(opt, model, _shared_dir(base))
     _train(model, opt, batches[:2])
     on_disk = files.payload_bytes()
-    hosts = [s.host for s in files._stages]
+    hosts = files.staging_buffers()
     ours = _step_under_tracker(model, opt, batches[2])
     files_state = ours.split({k: "state" for k in ours.keys_of(hosts)}).get("state", 0)
     return {"total": total, "mem_state": mem_state, "files_state": files_state, "largest": max(on_disk.values()),

@@ -383,6 +383,10 @@ class StateFiles:
         """Bytes of the staging buffers (host and devices): the state held in memory during a step."""
         return sum(s.nbytes() for s in self._stages)
 
+    def staging_buffers(self) -> List[torch.Tensor]:
+        """The staging buffers (host, then device ones) allocated so far."""
+        return [b for s in self._stages for b in [s.host, *s.on_device.values()] if b is not None]
+
     def payload_bytes(self) -> Dict[int, int]:
         """Each group's state bytes on disk (aligned), by fully_shard group index."""
         return {unit: layout.nbytes for unit, layout in self._layouts.items()}
