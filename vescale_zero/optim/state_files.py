@@ -3,7 +3,7 @@
 ::
 
     opt = torch.optim.AdamW(model.parameters(), foreach=True)     # after fully_shard
-    files = vz.optim.offload_state_to_files(opt, model, "/nvme/run1")
+    files = offload_state_to_files(opt, model, "/nvme/run1")      # vescale_zero.optim
     ...  opt.step(), opt.zero_grad(), opt.state_dict(), vz.checkpoint.save(...) as before
 
 [Note: stepping group by group] ``opt.step()`` runs the optimizer's own step once per
