@@ -51,6 +51,7 @@ from vescale_zero.optim import AdamW8bit, Muon, Shampoo
 from .accelerate_stage import present_ragged_stage_to_accelerate
 from .config import RaggedOptions
 from .module_hooks import RaggedModuleHooks
+from .nvme_offload import offload_optimizer_to_nvme
 from .recovery_scripts import write_recovery_scripts
 from .safe_accessors import attach_optimizer
 from .saving import consolidated_state_dict, install_save_hooks
@@ -245,6 +246,7 @@ class RaggedEngineMixin:
         ]
         super()._configure_optimizer(client_optimizer, params)
         attach_optimizer(self.basic_optimizer)  # deepspeed.utils.safe_*_optimizer_state read its state
+        self.optimizer_state_files = offload_optimizer_to_nvme(self.basic_optimizer, self.module, self.ragged_options)
         if self.optimizer is not None and not hasattr(self.optimizer, "parameter_offload"):
             # ZeRO-3's handle on the module hooks: module_hooks [Note: pausing the hooks for generation]
             self.optimizer.parameter_offload = RaggedModuleHooks(self.module)
