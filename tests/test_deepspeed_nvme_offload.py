@@ -50,8 +50,15 @@ def _run(rank, world_size, base, nvme, pipeline_read=False):
     engine = _engine(world_size, base, nvme, pipeline_read)
     losses = _train_steps(engine, make_batches(STEPS, GLOBAL_BATCH), rank, world_size)
     files = engine.optimizer_state_files
-    return {"losses": losses, "weights": _weights(engine), "in_files": files is not None,
-            "held": len(engine.optimizer.state._resident) if files is not None else None}
+    held = len(engine.optimizer.state._resident) if files is not None else None
+    # deepspeed.utils' setters reach the state in files too (a read outside a step is a copy)
+    from deepspeed.utils import safe_get_full_optimizer_state, safe_set_full_optimizer_state
+    param = next(p for p in engine.module.parameters() if p.requires_grad)
+    written = torch.arange(param.numel(), dtype=torch.float32).view(param.shape)
+    safe_set_full_optimizer_state(param, written, "exp_avg")
+    set_seen = torch.equal(safe_get_full_optimizer_state(param, "exp_avg"), written)
+    return {"losses": losses, "weights": _weights(engine), "in_files": files is not None, "held": held,
+            "set_seen": set_seen}
 
 
 def _resume(rank, world_size, base):
@@ -86,6 +93,7 @@ def test_nvme_offload_trains_like_ragged_in_memory_bit_for_bit(runs, case):
         assert got["in_files"] and not mem["in_files"] and got["held"] == 0
         assert got["losses"] == mem["losses"]
         assert _equal(got["weights"], mem["weights"])
+        assert got["set_seen"] and mem["set_seen"]
 
 
 def test_nvme_offload_save_and_resume_equal_an_uninterrupted_run(runs):
