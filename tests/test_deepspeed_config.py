@@ -59,8 +59,8 @@ def test_deepspeed_config_ragged_section_errors_are_ours():
 
     with pytest.raises(ValueError, match="unknown key 'stage4_magic' for stage 'ragged'. Our keys: fp8_all_gather"):
         DeepSpeedConfig(_ragged_config(stage4_magic=1))
-    with pytest.raises(ValueError, match=r"offload_param: device 'nvme' needs nvme_path"):
-        DeepSpeedConfig(_ragged_config(offload_param={"device": "nvme"}))
+    with pytest.raises(ValueError, match=r"offload_param \(device 'nvme'\) with offload_optimizer \(device 'none'\)"):
+        DeepSpeedConfig(_ragged_config(offload_param={"device": "nvme", "nvme_path": "/local_nvme"}))
     offloaded = DeepSpeedConfig(_ragged_config(offload_optimizer={"device": "cpu"})).zero_config  # .offload's choice
     assert offloaded.ragged.offload.device == "cpu" and offloaded.offload_optimizer.device == "cpu"
 

@@ -277,8 +277,13 @@ def test_ignored_and_refused_keys():
     refused({"offload_optimizer": {"device": "nvme"}}, "offload_optimizer: device 'nvme' needs nvme_path")
     refused({"offload_optimizer": cpu, "offload_param": {"device": "cpu", "pin_memory": False}},
             "offload_optimizer.pin_memory True and offload_param.pin_memory False disagree")
-    refused({"offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"}}, "offload to 'nvme'",
-            "use \"device\": \"cpu\"")
+    nvme = {"device": "nvme", "nvme_path": "/local_nvme"}
+    refused({"offload_optimizer": nvme, "offload_param": cpu}, "offload_param (device 'cpu') with offload_optimizer "
+            "(device 'nvme') is not implemented", "remove offload_param")
+    refused({"offload_param": nvme}, "offload_param (device 'nvme')", "set both devices to 'cpu'")
+    ds, options, _ = _split(offload_optimizer=nvme)  # the optimizer state in files (test_deepspeed_nvme_offload)
+    assert options.offload is None and options.optimizer_nvme.nvme_path == "/local_nvme"
+    assert ds["zero_optimization"] == {"stage": 0}
     refused({"offload_optimizer": {"device": "disk"}}, "offload_optimizer.device 'disk'")  # DeepSpeed's own model
 
 

@@ -13,7 +13,9 @@ Our options, and the ZeRO-3 keys a user's existing config already has::
     reduce_bucket_size, ... (NOTED)     accepted with a one-line warning: we run one
                                         collective per group, there is nothing to tune
     offload_optimizer, offload_param    mapped: master shards, gradients and optimizer state in
-    (and the deprecated cpu_offload*)   host memory (see .offload [Note: offload under ragged])
+    (device cpu; cpu_offload*)          host memory (see .offload [Note: offload under ragged])
+    offload_optimizer (device nvme)     mapped: optimizer state in files under nvme_path,
+                                        stepped group by group (see nvme_offload_of)
     zero_hpz_partition_size,            rejected: contradicts ragged sharding or is not
     zero_quantized_*, zenflow,          implemented; the error names the key and the fix
     reduce_scatter=false
@@ -62,7 +64,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .offload import OFFLOAD_KEYS, OffloadOptions, read_offload, warn_ignored
 
-__all__ = ["RaggedOptions", "parse_ragged_section", "parse_precision", "apply_top_level_keys", "RAGGED_STAGE"]
+__all__ = ["RaggedOptions", "NvmeOptimizerOffload", "nvme_offload_of", "parse_ragged_section", "parse_precision",
+           "apply_top_level_keys", "RAGGED_STAGE"]
 
 RAGGED_STAGE = "ragged"
 
@@ -110,6 +113,38 @@ _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat
            "fp16": torch.float16, "float16": torch.float16}
 
 
+class NvmeOptimizerOffload(BaseModel):
+    """``offload_optimizer: {"device": "nvme", ...}`` as stage 'ragged' uses it (:func:`nvme_offload_of`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    nvme_path: str
+    read_ahead: bool = False
+    pin_memory: bool = True
+
+
+def nvme_offload_of(zero3: DeepSpeedZeroConfig) -> Optional[NvmeOptimizerOffload]:
+    """The section's ``offload_optimizer`` with device ``nvme`` (``None`` for any other device),
+    parsed by DeepSpeed's own model: the optimizer state goes to files under ``nvme_path``
+    (vescale_zero.optim.state_files), one fully_shard group's state in memory at a time.
+    ``pipeline_read`` / ``pipeline_write`` read the next group's state while one steps (two
+    staging buffers); ``buffer_count`` (DeepSpeed's pool of swap buffers), ``fast_init`` and
+    ``cpuadam_cores_perc`` have nothing to set here; a partial offload (``ratio`` < 1) and
+    ``super_offload`` are refused."""
+    offload = zero3.offload_optimizer
+    if offload is None or offload.device != "nvme":
+        return None
+    if offload.nvme_path is None:
+        raise ValueError("zero_optimization.offload_optimizer: device 'nvme' needs nvme_path, an existing writable "
+                         "directory (on a fast local disk) for the optimizer state files")
+    if offload.ratio != 1.0 or offload.super_offload:
+        what = f"ratio {offload.ratio}" if offload.ratio != 1.0 else "super_offload"
+        raise ValueError(f"zero_optimization.offload_optimizer: {what} is not implemented with stage 'ragged', which "
+                         "offloads all of the optimizer state; remove it")
+    return NvmeOptimizerOffload(nvme_path=str(offload.nvme_path), read_ahead=offload.pipeline,
+                                pin_memory=offload.pin_memory)
+
+
 class RaggedOptions(BaseModel):
     """Our keys in the ragged section (all optional)."""
 
@@ -130,6 +165,8 @@ class RaggedOptions(BaseModel):
     see [Note: shard groups]); default: shard over the whole data-parallel group."""
     offload: Optional[OffloadOptions] = None
     """Not a key of the section: read from offload_optimizer / offload_param (.offload)."""
+    optimizer_nvme: Optional[NvmeOptimizerOffload] = None
+    """From ``offload_optimizer`` with device ``nvme`` (not a key of its own: :func:`nvme_offload_of`)."""
 
     @property
     def reduce_torch_dtype(self) -> Optional[torch.dtype]:
@@ -191,7 +228,7 @@ def _as_deepspeed_reads_it(section: Dict[str, Any], ours: set) -> DeepSpeedZeroC
 
 def parse_ragged_section(section: Dict[str, Any]) -> Tuple[RaggedOptions, List[str]]:
     """Validate a ragged ``zero_optimization`` section: ``(options, warnings issued)``."""
-    ours = set(RaggedOptions.model_fields) - {"offload"}
+    ours = set(RaggedOptions.model_fields) - {"offload", "optimizer_nvme"}
     options: Dict[str, Any] = {}
     noted: List[str] = []
     for key, value in section.items():
@@ -213,6 +250,7 @@ def parse_ragged_section(section: Dict[str, Any]) -> Tuple[RaggedOptions, List[s
                 raise ValueError(f"zero_optimization: {why}")
     _merge_mics_shard_size(section, options)
     zero3 = _as_deepspeed_reads_it(section, ours)
+    options["optimizer_nvme"] = nvme_offload_of(zero3)
     if "overlap_comm" in section and "overlap_comm" in zero3.model_fields_set:  # not "auto"
         options.setdefault("prefetch", zero3.overlap_comm)
     options["offload"], ignored = read_offload(zero3)

@@ -54,6 +54,7 @@ from vescale_zero.optim import AdamW8bit, Muon, Shampoo
 from .accelerate_stage import present_ragged_stage_to_accelerate
 from .config import RaggedOptions
 from .module_hooks import RaggedModuleHooks
+from .nvme_offload import offload_optimizer_to_nvme
 from .offload import offload_policy
 from .optimizer_state import as_the_optimizer_keeps_it
 from .recovery_scripts import write_recovery_scripts
@@ -258,6 +259,7 @@ class RaggedEngineMixin:
         ]
         super()._configure_optimizer(client_optimizer, params)
         attach_optimizer(self.basic_optimizer)  # deepspeed.utils.safe_*_optimizer_state read its state
+        self.optimizer_state_files = offload_optimizer_to_nvme(self.basic_optimizer, self.module, self.ragged_options)
         if self.optimizer is not None and not hasattr(self.optimizer, "parameter_offload"):
             # ZeRO-3's handle on the module hooks: module_hooks [Note: pausing the hooks for generation]
             self.optimizer.parameter_offload = RaggedModuleHooks(self.module)

@@ -21,7 +21,10 @@ gathered, on the device, while its group computes. So under ragged:
                                          accepted beside offload_optimizer cpu, meaning the same;
                                          alone it is refused (it would move the optimizer's
                                          masters, and the optimizer with them)
-    either             device nvme       :func:`nvme_offload` (the NVMe wiring's one entry)
+    offload_optimizer  device nvme       the optimizer state in files (config.nvme_offload_of,
+                                         nvme_offload.py); the master shards stay on the device,
+                                         so offload_param beside it is refused, and so is
+    offload_param      device nvme       (a file-backed master shard is not implemented)
     legacy cpu_offload / cpu_offload_param: true     as DeepSpeed reads them (offload_* cpu)
 
 Sub-keys that only serve NVMe swapping or Superchips (``buffer_count``, ``fast_init``,
@@ -42,7 +45,7 @@ from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 from pydantic import BaseModel, ConfigDict
 from torch.distributed.fsdp import CPUOffloadPolicy
 
-__all__ = ["OFFLOAD_KEYS", "OffloadOptions", "read_offload", "nvme_offload", "offload_policy", "stage0_offload_keys"]
+__all__ = ["OFFLOAD_KEYS", "OffloadOptions", "read_offload", "warn_ignored", "offload_policy", "stage0_offload_keys"]
 
 OFFLOAD_KEYS = ("offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory")
 """The ragged section's keys read here (the last three: DeepSpeed's deprecated spellings)."""
@@ -59,9 +62,8 @@ class OffloadOptions(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    device: Literal["cpu", "nvme"]
+    device: Literal["cpu"]
     pin_memory: bool = True
-    nvme_path: Optional[str] = None
 
 
 def _device(section: Any) -> str:
@@ -69,16 +71,19 @@ def _device(section: Any) -> str:
 
 
 def read_offload(zero3: DeepSpeedZeroConfig) -> tuple[Optional[OffloadOptions], List[str]]:
-    """``(offload or None, sub-keys ignored)`` from the ragged section as DeepSpeed parsed it at stage 3
-    (deprecated spellings already turned into ``offload_*``); refuses what ragged cannot honour."""
+    """``(CPU offload or None, sub-keys ignored)`` from the ragged section as DeepSpeed parsed it at
+    stage 3 (deprecated spellings already turned into ``offload_*``); refuses what ragged cannot honour.
+    ``offload_optimizer`` to ``nvme`` is ``config.nvme_offload_of``'s (``None`` here)."""
     opt, param = zero3.offload_optimizer, zero3.offload_param
     opt_device, param_device = _device(opt), _device(param)
-    for key, section, device in (("offload_optimizer", opt, opt_device), ("offload_param", param, param_device)):
-        if device == "nvme" and section.nvme_path is None:
-            raise ValueError(f"zero_optimization.{key}: device 'nvme' needs nvme_path (a directory on the NVMe "
-                             "drive); add \"nvme_path\": \"/local_nvme\", or use device 'cpu'")
-    if "nvme" in (opt_device, param_device):
-        return nvme_offload(zero3), []
+    if param_device == "nvme" or (opt_device == "nvme" and param_device != "none"):
+        raise ValueError(
+            f"zero_optimization.offload_param (device {param_device!r}) with offload_optimizer (device {opt_device!r}) "
+            "is not implemented with stage 'ragged': a parameter's only persistent shard is the optimizer's fp32 "
+            "master, which stays on the device when the optimizer state goes to NVMe and has no NVMe form; remove "
+            "offload_param (keeping offload_optimizer 'nvme': state in files), or set both devices to 'cpu'")
+    if opt_device == "nvme":
+        return None, []
     if param_device == "cpu" and opt_device == "none":
         raise ValueError(
             "zero_optimization.offload_param (device 'cpu') without offload_optimizer: under stage 'ragged' a "
@@ -108,20 +113,10 @@ def warn_ignored(ignored: List[str]) -> None:
                       "or Superchip offload only); ignored", UserWarning, stacklevel=4)
 
 
-def nvme_offload(zero3: DeepSpeedZeroConfig) -> OffloadOptions:
-    """[Note: the NVMe hook] ``device: nvme`` in either offload key: the one place the NVMe
-    wiring (optimizer state in files under ``nvme_path``) plugs in. Not wired yet: refused."""
-    raise ValueError(
-        "zero_optimization: offload to 'nvme' is not implemented with stage 'ragged' yet; use \"device\": \"cpu\" "
-        "(master shards, gradients and optimizer state in host memory), or stage 3 for NVMe offload")
-
-
 def offload_policy(offload: Optional[OffloadOptions]) -> Optional[CPUOffloadPolicy]:
     """What ``fully_shard(offload_policy=...)`` gets for the config's offload (``None``: none)."""
     if offload is None:
         return None
-    if offload.device != "cpu":
-        raise ValueError(f"offload device {offload.device!r} has no fully_shard policy (see [Note: the NVMe hook])")
     return CPUOffloadPolicy(pin_memory=offload.pin_memory)
 
 

@@ -87,6 +87,20 @@ def _sharded_for_write(param: torch.Tensor) -> None:
 
 
 def _state(param: torch.Tensor, key: str) -> torch.Tensor:
+    return _state_entry(param, key)[2]
+
+
+def _write_state(param: torch.Tensor, key: str, write: Callable[[torch.Tensor], None]) -> None:
+    """``write`` into this parameter's state ``key``, then hand the state back to the optimizer:
+    with its state in files (vescale_zero.optim.state_files) a read outside a step is a copy,
+    and only an assignment reaches the file."""
+    optimizer, state, value = _state_entry(param, key)
+    with torch.no_grad():
+        write(value)
+    optimizer.state[param] = state
+
+
+def _state_entry(param: torch.Tensor, key: str):
     ref = _OPTIMIZERS.get(param)
     optimizer = ref() if ref is not None else None
     if optimizer is None:
@@ -101,7 +115,7 @@ def _state(param: torch.Tensor, key: str) -> torch.Tensor:
                              "created by the first engine.step()); read it after a step")
         raise ValueError(f"optimizer state {key!r} is not a per-element state of this parameter in "
                          f"{type(optimizer).__name__}; its per-element states are {per_element}")
-    return value
+    return optimizer, state, value
 
 
 def _grad(param: torch.Tensor, what: str) -> torch.Tensor:
@@ -145,8 +159,7 @@ def set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_sta
     if not param.requires_grad:
         return
     _check_full(param, value, "safe_set_full_optimizer_state")
-    with torch.no_grad():
-        local_piece(_state(param, optim_state_key)).copy_(value.reshape(-1)[_range(param)])
+    _write_state(param, optim_state_key, lambda state: local_piece(state).copy_(value.reshape(-1)[_range(param)]))
 
 
 def get_local_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
@@ -182,10 +195,8 @@ def get_local_optimizer_state(param: torch.Tensor, optim_state_key: str) -> Opti
 def set_local_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
     if not param.requires_grad:
         return
-    local = local_piece(_state(param, optim_state_key))
-    _check_local(local, value, "safe_set_local_optimizer_state")
-    with torch.no_grad():
-        local.copy_(value.reshape(-1))
+    _check_local(local_piece(_state(param, optim_state_key)), value, "safe_set_local_optimizer_state")
+    _write_state(param, optim_state_key, lambda state: local_piece(state).copy_(value.reshape(-1)))
 
 
 def update_full_grad_vectorized(param_list: List[torch.Tensor], update_func: Callable[..., torch.Tensor]) -> None:
