@@ -1,7 +1,8 @@
 """Peak per-rank memory of vescale-zero, PyTorch FSDP2, DeepSpeed ZeRO-3 and DDP on one GPT.
 
     .venv/bin/python benchmarks/memory.py [--ranks 2 4] [--precisions fp32 bf16] [--layers 4]
-        [--d-model 256] [--systems vescale fsdp2 zero3 ddp] [--fake-ranks 8 64 1024] [--no-fake]
+        [--d-model 256] [--systems vescale fsdp2 zero3 ddp vescale_off fsdp2_off zero3_off]
+        [--fake-ranks 8 64 1024]
 
 Part 1 (real ranks, gloo, CPU, spawned): each system builds the GPT its own way for a model too
 big for one rank -- vescale-zero on meta + ``fully_shard`` + ``vz.materialize``; FSDP2
@@ -32,6 +33,24 @@ The floor (no literals, the same for every system): ``(params + grads + AdamW st
 group prefetched) + the unsharded model's own activation peak on the same local batch (measured
 by the same tracker); ``excess`` = peak - floor, as measured (negative allowed).
 
+[Note: offload rows] ``vescale_off``, ``fsdp2_off`` and ``zero3_off`` are the same systems with
+their host offload: vescale-zero ``fully_shard(..., offload_policy=CPUOffloadPolicy(pin_memory=False))``,
+FSDP2 ``fully_shard(..., offload_policy=CPUOffloadPolicy(pin_memory=False))`` (pinning needs an
+accelerator), ZeRO-3 ``offload_optimizer`` and ``offload_param`` to ``cpu`` (``pin_memory`` off). They
+get a table of their own, each after its row without offload, with the bytes split by where they
+live, device or host, and by role. Each place has its own peak (on a GPU they are two memories): the
+tracker logs every storage's size changes, and the log is replayed per place (:func:`peaks_by_where`).
+On a CPU the host *is* the device, so the place of a storage is told by the buffer it belongs to,
+exactly, by storage (data pointer), not by its ``device`` (:func:`host_buffers`): host = vescale-zero's
+offloaded groups' master shards (``group.master.local``), gradient shards (``group.sharded_grad``) and
+the AdamW state of their parameters; FSDP2's offloaded sharded parameters, their gradients and state;
+ZeRO-3's parameter partitions (``ds_tensor``, its flat groups), fp32 partitions, gradient partitions
+and optimizer state. Everything else -- gathered parameters (``compute.full``), full gradients before
+their reduce (``grads.full``), collective buffers, activations -- is device; so is a host temporary
+that dies before the step's role snapshots (after backward, after the optimizer step). Floors:
+offloaded, device = 2 x the largest group's full parameters and gradients + the activation peak,
+host = (params + grads + AdamW state) / world; not offloaded, device = the whole floor, host = 0.
+
 Part 2 (``--fake-ranks``): estimated memory at world sizes we cannot run, in one process on
 PyTorch's fake process group (``FakeStore`` + ``init_process_group("fake")``: collectives
 return at once, tensors are real), for a stack of Llama-3-8B-shaped layers (``--fake-layers``).
@@ -54,13 +73,14 @@ import socket
 import sys
 import threading
 import time
-from typing import Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -69,12 +89,14 @@ if REPO not in sys.path:
 from vescale_zero.testing import GPT, GPTConfig, SyntheticCorpus  # noqa: E402
 from vescale_zero.testing.live_bytes import LiveBytes  # noqa: E402
 
-SYSTEMS = ("vescale", "vescale_trs", "fsdp2", "zero3", "ddp", "vescale_lin", "fsdp2_lin")
-REAL_SYSTEMS = SYSTEMS[:5]
+OFFLOAD_SYSTEMS = ("vescale_off", "fsdp2_off", "zero3_off")  # [Note: offload rows]
+SYSTEMS = ("vescale", "vescale_trs", "fsdp2", "zero3", "ddp", "vescale_lin", "fsdp2_lin") + OFFLOAD_SYSTEMS
+REAL_SYSTEMS = SYSTEMS[:5] + OFFLOAD_SYSTEMS
 FAKE_SYSTEMS = ("vescale", "fsdp2", "zero3", "ddp", "vescale_lin", "fsdp2_lin")  # no _trs row: collectives
 # allocate nothing on the fake process group
 PER_LINEAR = ("vescale_lin", "fsdp2_lin", "zero3")  # [Note: granularity of the comparison]
 ROLES = ("params", "grads", "optim", "comm", "act")
+WHERE = ("device", "host")
 MiB = 2 ** 20
 
 
@@ -98,6 +120,8 @@ def zero3_buckets(hidden: int) -> Dict[str, int]:
 def build(system: str, model_fn, precision: str, batch: int, blocks_of, hidden: int):
     """``(model, optimizer, engine, step)`` for ``system``; ``step(x, y)`` trains one step."""
     bf16 = precision == "bf16"
+    offload = system.endswith("_off")  # [Note: offload rows]
+    system = system[:-len("_off")] if offload else system
     if system in ("vescale", "vescale_trs", "vescale_lin"):
         import vescale_zero as vz
         from vescale_zero.collectives import set_reduce_scatter_impl
@@ -109,7 +133,8 @@ def build(system: str, model_fn, precision: str, batch: int, blocks_of, hidden: 
         layers = sorted({type(b).__name__ for b in blocks_of(model)})
         if system == "vescale_lin":  # [Note: granularity of the comparison]
             layers = ["Linear"] + layers
-        vz.fully_shard_layers(model, layer_classes=layers, mp_policy=policy)
+        vz.fully_shard_layers(model, layer_classes=layers, mp_policy=policy,
+                              offload_policy=CPUOffloadPolicy(pin_memory=False) if offload else None)
         vz.materialize(model, init_fn=_init_module, device="cpu")
     elif system in ("fsdp2", "fsdp2_lin"):
         from torch.distributed.device_mesh import init_device_mesh
@@ -121,6 +146,8 @@ def build(system: str, model_fn, precision: str, batch: int, blocks_of, hidden: 
         kw = {"mesh": mesh}
         if bf16:
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if offload:  # pin_memory=False: FSDP2 pins for an accelerator, which a CPU-only process has not
+            kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
         units = (_linears(model) if system == "fsdp2_lin" else []) + list(blocks_of(model))
         for unit in units:  # innermost first
             fully_shard(unit, **kw)
@@ -137,6 +164,9 @@ def build(system: str, model_fn, precision: str, batch: int, blocks_of, hidden: 
                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
                "zero_optimization": {"stage": 3, **zero3_buckets(hidden)}, "gradient_clipping": 0.0,
                "steps_per_print": 10 ** 9}
+        if offload:
+            cfg["zero_optimization"].update(offload_optimizer={"device": "cpu", "pin_memory": False},
+                                            offload_param={"device": "cpu", "pin_memory": False})
         if bf16:
             cfg["bf16"] = {"enabled": True}
             cfg["communication_data_type"] = "fp32"
@@ -220,9 +250,20 @@ class RoleMarks:
 
 
 class _MarkingLiveBytes(LiveBytes):
-    """``LiveBytes`` that passes every collective's arguments to ``marks.collective``."""
+    """``LiveBytes`` that passes every collective's arguments to ``marks.collective`` and logs
+    every change of a storage's size (``log``: ``(key, bytes)``, in order), so that the live
+    bytes of any subset of the storages can be replayed afterwards (:func:`peaks_by_where`)."""
 
     marks: RoleMarks
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: List[Tuple[int, int]] = []
+
+    def _set(self, key: int, nbytes: int) -> None:
+        if key in self._size:  # a tracked storage (LiveBytes ignores the others)
+            self.log.append((key, nbytes))
+        super()._set(key, nbytes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
@@ -242,8 +283,74 @@ def persistent_roles(tracker: LiveBytes, model: nn.Module, opt, engine) -> Dict[
         for name, value in vars(opt).items():
             if "grad" in name.lower():
                 grads += _tensors(value)
+        # its fp32 partitions (a copy of its own under offload_optimizer, stepped one sub-group at
+        # a time: its torch optimizer's groups hold them only then) and their gradients
+        flat = _tensors(list(getattr(opt, "fp32_partitioned_groups_flat", [])))
+        params += flat
+        grads += [t.grad for t in flat if t.grad is not None]
     state = [_local(t) for s in inner.state.values() for t in _tensors(s)]
     return {"params": tracker.keys_of(params), "grads": tracker.keys_of(grads), "optim": tracker.keys_of(state)}
+
+
+def host_buffers(model: nn.Module, opt, engine) -> List[torch.Tensor]:
+    """The buffers an offloading system keeps in host memory ([Note: offload rows]), found
+    through its own objects: vescale-zero's offloaded groups' master shard
+    (``group.master.local``), gradient shard (``group.sharded_grad``) and the optimizer state of
+    their parameters; FSDP2's parameters with ``offload_to_cpu`` (``CPUOffloadPolicy``): their
+    sharded local tensors, gradients and optimizer state; ZeRO-3 with ``offload_param``: the
+    parameter partitions (``ds_tensor``, the flat fp16 groups), with ``offload_optimizer``: the
+    fp32 partitions, their gradients, the flat gradient partition buffer and the optimizer
+    state. Empty for a system that offloads nothing."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from vescale_zero.fully_shard import groups_of
+
+    inner = getattr(opt, "optimizer", opt)
+
+    def state_of(params) -> List[torch.Tensor]:
+        return [_local(t) for p in params for t in _tensors(inner.state.get(p, {}))]
+
+    out: List[torch.Tensor] = []
+    for group in groups_of(model):
+        if group.host_copies is not None:
+            grad = group.sharded_grad.live
+            out += [group.master.local] + ([grad] if grad is not None else []) + state_of(group.sharded_params)
+    for module in model.modules():
+        param_group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        for fsdp_param in (param_group.fsdp_params if param_group is not None else []):
+            if fsdp_param.offload_to_cpu:
+                p = fsdp_param.sharded_param
+                out += [_local(p)] + ([_local(p.grad)] if p.grad is not None else []) + state_of([p])
+    if engine is not None:
+        if getattr(opt, "offload_param", False):
+            out += [p.ds_tensor for p in model.parameters() if hasattr(p, "ds_tensor")]
+            out += _tensors(list(getattr(opt, "fp16_partitioned_groups_flat", [])))
+            out += _tensors(list(getattr(opt, "param_groups_fp16_flat_cpu_memory", [])))
+        if getattr(opt, "offload_optimizer", False):
+            flat = list(opt.fp32_partitioned_groups_flat)
+            out += flat + [t.grad for t in flat if t.grad is not None] + state_of(flat)
+            out += _tensors(getattr(opt, "grad_partitions_flat_buffer", None))
+    return out
+
+
+def peaks_by_where(log: List[Tuple[int, int]], where_of: Callable[[int], str]) -> Dict[str, Tuple[int, Dict]]:
+    """Replay a tracker's log: per place (``WHERE``), the peak of the live bytes of the storages
+    that live there and those storages (key -> bytes) at that peak."""
+    live, top = dict.fromkeys(WHERE, 0), {w: (0, -1) for w in WHERE}
+    sizes: Dict[int, int] = {}
+    for i, (key, nbytes) in enumerate(log):  # where each place peaks ...
+        w = where_of(key)
+        live[w] += nbytes - sizes.get(key, 0)
+        sizes[key] = nbytes
+        if live[w] > top[w][0]:
+            top[w] = (live[w], i)
+    out = {}
+    for w, (peak, at) in top.items():  # ... and what lives there then
+        sizes = {}
+        for key, nbytes in log[:at + 1]:
+            sizes[key] = nbytes
+        out[w] = (peak, {k: n for k, n in sizes.items() if n and where_of(k) == w})
+    return out
 
 
 # ---- one rank ----------------------------------------------------------------------------
@@ -277,15 +384,18 @@ def measure_rank(system: str, model_fn, blocks_of, precision: str, batches, step
     tracker.marks = marks
     handle = nn.modules.module.register_module_forward_hook(marks.leaf_forward)
     roles: Dict[str, set] = {r: set() for r in ("params", "grads", "optim")}
+    host: set = set()
     inner_step = getattr(engine, "step", None) if engine is not None else opt.step
     owner = engine if engine is not None else opt
 
     def step_with_roles(*a, **k):  # the roles after backward, before the optimizer step ...
         for r, keys in persistent_roles(tracker, model, opt, engine).items():
             roles[r] |= keys
+        host.update(tracker.keys_of(host_buffers(model, opt, engine)))
         out = inner_step(*a, **k)
         for r, keys in persistent_roles(tracker, model, opt, engine).items():  # ... and after it
             roles[r] |= keys
+        host.update(tracker.keys_of(host_buffers(model, opt, engine)))
         return out
 
     owner.step = step_with_roles
@@ -304,7 +414,13 @@ def measure_rank(system: str, model_fn, blocks_of, precision: str, batches, step
                        ("params", roles["params"])):  # later wins: persistent roles over comm marks
         key_role.update(dict.fromkeys(keys, role))
     split = tracker.split(key_role, other="act")
-    return {"peak": tracker.peak, **{r: split.get(r, 0) for r in ROLES}, "rss": sampler.peak - base}
+    where: Dict[str, Dict[str, int]] = {}
+    for w, (peak, storages) in peaks_by_where(tracker.log, lambda key: "host" if key in host else "device").items():
+        by_role: Dict[str, int] = {}
+        for key, nbytes in storages.items():
+            by_role[key_role.get(key, "act")] = by_role.get(key_role.get(key, "act"), 0) + nbytes
+        where[w] = {"peak": peak, **{r: by_role.get(r, 0) for r in ROLES}}
+    return {"peak": tracker.peak, **{r: split.get(r, 0) for r in ROLES}, "rss": sampler.peak - base, "where": where}
 
 
 def activation_peak(model_fn, precision: str, x, y) -> int:
@@ -398,9 +514,58 @@ def run_real(args) -> Dict[str, Dict]:
                 rows = {s: max(out[f"{world}:{precision}:{s}"], key=lambda r: r["peak"]) for s in args.systems
                         if s in REAL_SYSTEMS}
                 tables[(world, precision)] = (rows, floor)
-                print_table(f"{world} ranks, gloo CPU, {_describe(precision)}, GPT {cfg.n_layers}x{cfg.d_model} "
-                            f"(vocab {cfg.vocab_size}, seq {cfg.seq_len}), local batch {args.batch}", rows, floor)
+                title = (f"{world} ranks, gloo CPU, {_describe(precision)}, GPT {cfg.n_layers}x{cfg.d_model} "
+                         f"(vocab {cfg.vocab_size}, seq {cfg.seq_len}), local batch {args.batch}")
+                plain = {s: r for s, r in rows.items() if s not in OFFLOAD_SYSTEMS}
+                if plain:
+                    print_table(title, plain, floor)
+                if any(s in OFFLOAD_SYSTEMS for s in rows):
+                    # each rank's own places peak apart: the rank with the highest device peak, then host peak
+                    where_rows = {s: _worst_where(out[f"{world}:{precision}:{s}"]) for s in _offload_table(rows)}
+                    print_where_table(title + " -- by where the bytes live (offload rows)", where_rows, floor)
     return tables
+
+
+def _offload_table(rows: Dict[str, Dict]) -> List[str]:
+    """The systems of the offload table: each offloading system after its row without offload."""
+    out = []
+    for off in OFFLOAD_SYSTEMS:
+        base = off[:-len("_off")]
+        out += [s for s in (base, off) if s in rows and s not in out]
+    return out
+
+
+def _worst_where(ranks: List[Dict]) -> Dict[str, Dict]:
+    """Per place, the split of the rank whose peak there is the highest."""
+    return {w: max((r["where"][w] for r in ranks), key=lambda x: x["peak"]) for w in WHERE}
+
+
+def where_floors(system: str, floor: Dict[str, float]) -> Dict[str, float]:
+    """[Note: offload rows] The floor of each place: offloaded, the device holds the gathered
+    groups and the activations, the host the sharded parameters, gradients and AdamW state;
+    otherwise the device holds all of it and the host nothing."""
+    if system in OFFLOAD_SYSTEMS:
+        return {"device": floor["gathered"] + floor["act"], "host": floor["sharded"]}
+    return {"device": floor["floor"], "host": 0.0}
+
+
+def print_where_table(title: str, rows: Dict[str, Dict], floor: Dict[str, float]) -> None:
+    """One line per system: for the device and for the host, the peak of the bytes that live there,
+    its split by role, the floor of that place and the excess over it (MiB)."""
+    print(f"\n{title}")
+    print(f"floors: offloaded: device = 2 groups full {floor['gathered'] / MiB:.2f} + act {floor['act'] / MiB:.2f}, "
+          f"host = sharded {floor['sharded'] / MiB:.2f}; not offloaded: device = {floor['floor'] / MiB:.2f}, host = 0")
+    cols = ("peak",) + ROLES + ("floor", "excess")
+    print(f"{'':11s} " + " | ".join(f"{w:^{9 * len(cols) - 1}s}" for w in WHERE))
+    print(f"{'system':11s} " + " | ".join(" ".join(f"{c:>8s}" for c in cols) for _ in WHERE))
+    for system, r in rows.items():
+        floors = where_floors(system, floor)
+        parts = []
+        for w in WHERE:
+            x = r[w]
+            values = [x["peak"]] + [x[k] for k in ROLES] + [floors[w], x["peak"] - floors[w]]
+            parts.append(" ".join(f"{v / MiB:8.2f}" for v in values[:-1]) + f" {values[-1] / MiB:+8.2f}")
+        print(f"{system:11s} " + " | ".join(parts))
 
 
 def _describe(precision: str) -> str:

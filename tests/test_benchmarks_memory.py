@@ -42,3 +42,43 @@ def test_memory_benchmark_smoke(capsys):
     assert set(rows) == set(bench.FAKE_SYSTEMS), out  # every system: a row, or why it cannot run on a fake group
     measured = sum("does not run" not in line for line in rows.values())
     assert measured >= 5, out  # vescale, FSDP2 and ZeRO-3 (and the _lin rows) run on PyTorch's fake process group
+
+
+def _offload_rows(rank: int, world: int):
+    """benchmarks/memory.py's measurement of vescale-zero with and without CPUOffloadPolicy, and of
+    FSDP2 with it, on a tiny GPT (fp32, two steps, the second measured): each system's bytes at
+    its device peak and at its host peak, by role; and the master-shard bytes it was built with."""
+    import importlib
+
+    from vescale_zero.testing import GPT, GPTConfig, SyntheticCorpus
+
+    bench = importlib.import_module("benchmarks.memory")
+    cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)
+    corpus = SyntheticCorpus(cfg.vocab_size, cfg.seq_len)
+    batches = [corpus.batch(i, 2 * world, rank, world) for i in range(2)]
+    return {system: bench.measure_rank(system, lambda: GPT(cfg), lambda m: list(m.blocks), "fp32", batches, 2,
+                                       cfg.d_model)["where"]
+            for system in ("vescale", "vescale_off", "fsdp2_off")}
+
+
+def test_memory_offload_rows_place_shards_on_the_host():
+    """[Note: offload rows] With CPUOffloadPolicy the device-side bytes of vescale-zero hold no
+    parameter, gradient or optimizer-state buffer (its master shards, gradient shards and AdamW
+    state are host buffers, by data pointers) and the host-side bytes hold exactly them: the
+    same master shard and AdamW state bytes as the run without offload holds on the device, a
+    gradient shard as large as the master shard, nothing else. Without offload nothing is on
+    the host. FSDP2's CPUOffloadPolicy rows split the same way."""
+    from tests.distributed import run_on_ranks
+
+    for rank, rows in enumerate(run_on_ranks(_offload_rows, 2, timeout=240)):
+        plain, off = rows["vescale"], rows["vescale_off"]
+        assert plain["host"]["peak"] == 0, (rank, plain)
+        for system in ("vescale_off", "fsdp2_off"):
+            device, host = rows[system]["device"], rows[system]["host"]
+            assert device["params"] == device["grads"] == device["optim"] == 0, (rank, system, device)
+            assert host["params"] > 0 and host["grads"] == host["params"], (rank, system, host)
+            assert host["optim"] >= 2 * host["params"], (rank, system, host)  # AdamW's two moments, and its steps
+            assert host["comm"] == host["act"] == 0, (rank, system, host)  # only the persistent shards
+            assert host["peak"] == host["params"] + host["grads"] + host["optim"], (rank, system, host)
+        assert off["host"]["params"] == plain["device"]["params"], (rank, off, plain)  # the same master shard
+        assert off["host"]["optim"] == plain["device"]["optim"], (rank, off, plain)  # the same AdamW state

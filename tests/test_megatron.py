@@ -14,6 +14,7 @@ the first step's reduced gradients within the summation-order bound, weights wit
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
@@ -552,6 +553,126 @@ def test_expert_idle_on_one_rank_equals_megatron_ddp():
     _check_recorded(results, list(MOE_IDLE_VARIANTS), exact=True, same_as_plain=list(MOE_IDLE_VARIANTS))
 
 
+# ---- optimizer CPU offload (Megatron-LM's flags) ----------------------------------------
+# The example passes them to VeScaleFSDP (its options) and to get_vescale_optimizer (the
+# OptimizerConfig); megatron-core DDP + Megatron's FP32 step (the reference) ignore them.
+OFFLOAD_VARIANTS = {
+    "offload": ["--optimizer-cpu-offload"],  # --optimizer-offload-fraction 1.0, Megatron-LM's default: every group
+    # SMALL's groups in module order: the root (embeddings, final norm) ~9% of the parameters, then each
+    # layer ~45%: at least 30% are the root and the first layer
+    "offload-0.3": ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.3", "--no-pin-cpu-grads"],
+}
+OFFLOADED_GROUPS = {"plain": [False, False, False], "offload": [True, True, True], "offload-0.3": [True, True, False]}
+
+
+def _host_side(model, optimizer) -> List[Dict]:
+    """Per group of ``model`` (module order), after training: offloaded or not (its host copies),
+    its parameter count, and by data pointers whether every sharded parameter views the group's
+    master shard, which is not a slice of a device buffer (no compute shard aliases it, as one
+    does without offload), whether every ``main_grad`` views the gradient shard, and whether the
+    optimizer's state of those parameters is on the host device and in tensors of its own."""
+    from vescale_zero import local_piece
+
+    def storage(t: torch.Tensor) -> int:
+        return t.untyped_storage().data_ptr()
+
+    out = []
+    for group in model.vescale_groups:
+        master = storage(group.master.local)
+        pieces = [sp.to_local() for sp in group.sharded_params]
+        state = [local_piece(v) for sp in group.sharded_params for v in optimizer.optimizer.state.get(sp, {}).values()
+                 if torch.is_tensor(v) and v.dim() > 0]
+        out.append({
+            "offloaded": group.host_copies is not None,
+            "numel": sum(math.prod(sp.sharded_range.shape) for sp in group.sharded_params),
+            "master apart": group.compute.local is None and master != storage(group.compute.full),
+            "params in master": all(storage(p) == master for p in pieces),
+            "grads in shard": all(storage(sp.main_grad) == storage(group.sharded_grad.local)
+                                  for i, sp in enumerate(group.sharded_params) if i in group.grad_indices),
+            "state on host": bool(state) and all(v.device == group.host_device and storage(v) not in (
+                master, storage(group.sharded_grad.local)) for v in state),
+        })
+    return out
+
+
+def _noting_host_side(pg, args):
+    """Test-only: the example's ``build`` noted per variant, so that :func:`_host_side` reads the
+    VeScaleFSDP model and optimizer each variant trained. Returns ``(before_variant, report)``."""
+    built: Dict[str, tuple] = {}
+    current = {"name": None}
+    build = pg.build
+
+    def noting_build(a):
+        model, optimizer, config = build(a)
+        built[current["name"]] = (model, optimizer)
+        return model, optimizer, config
+
+    pg.build = noting_build
+
+    def before_variant(name: str) -> None:
+        current["name"] = name
+
+    def report() -> Dict[str, List[Dict]]:
+        return {name: _host_side(model, optimizer) for name, (model, optimizer) in built.items()}
+
+    return before_variant, report
+
+
+def test_optimizer_cpu_offload_equals_the_run_without():
+    """``--optimizer-cpu-offload`` (fraction 1.0, and 0.3 with ``--no-pin-cpu-grads``) on GPTModel
+    tp1 x dp2, fp32: VeScaleFSDP equals megatron-core DDP and its own run without the flag step by
+    step, bit for bit (losses, reduced gradients, weights): offload moves buffers, not arithmetic.
+    The offloaded groups are whole groups in module order up to the fraction, and their sharded
+    parameters, gradients and optimizer state are the host-side buffers (by data pointers)."""
+    argv = SMALL + ["--clip-grad", "0", "--global-batch-size", "8"]
+    results = run_on_ranks(_recorded_runs, 2, argv, OFFLOAD_VARIANTS, _noting_host_side, timeout=300)
+    _check_recorded(results, list(OFFLOAD_VARIANTS), exact=True, same_as_plain=list(OFFLOAD_VARIANTS))
+    for rank, res in enumerate(results):
+        for name, groups in res["extra"].items():
+            assert [g["offloaded"] for g in groups] == OFFLOADED_GROUPS[name], (rank, name, groups)
+            for g in groups:
+                if g["offloaded"]:
+                    assert g["master apart"] and g["params in master"] and g["grads in shard"], (rank, name, g)
+                    assert g["state on host"], (rank, name, g)
+                else:
+                    assert not g["master apart"], (rank, name, g)  # the compute shard is the master
+        numels = [g["numel"] for g in res["extra"]["offload-0.3"]]
+        assert numels[0] < 0.3 * sum(numels) <= numels[0] + numels[1], numels  # the rule picks the first two
+
+
+def test_optimizer_offload_settings():
+    """Megatron's offload settings, from Megatron-LM's arguments or an OptimizerConfig: off, or
+    fraction 0 (OptimizerConfig's default; Megatron offloads nothing then): none; pinned only when
+    both pin flags are on; fractions outside [0, 1] refused. Whole groups in order while fewer than
+    the fraction of the elements are offloaded (the group crossing it included); 1: every group."""
+    from argparse import Namespace
+
+    from megatron.core.optimizer import OptimizerConfig
+
+    from vescale_zero.integrations.megatron import OptimizerOffload, optimizer_offload
+    from vescale_zero.integrations.megatron.optimizer_offload import groups_to_offload
+
+    assert optimizer_offload(Namespace(optimizer_cpu_offload=False, optimizer_offload_fraction=1.0)) is None
+    from vescale_zero.integrations.megatron import arguments
+
+    arguments._WARNED.difference_update({"--optimizer-offload-fraction", "--no-pin-cpu-grads"})  # said once a process
+    with pytest.warns(UserWarning, match="offloads nothing"):
+        assert optimizer_offload(OptimizerConfig(optimizer_cpu_offload=True)) is None  # fraction 0.0 by default
+    assert optimizer_offload(OptimizerConfig(optimizer_cpu_offload=True, optimizer_offload_fraction=0.5)) == \
+        OptimizerOffload(fraction=0.5, pin_memory=True)
+    lm = Namespace(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0, pin_cpu_params=True,
+                   pin_cpu_grads=False)
+    with pytest.warns(UserWarning, match="--no-pin-cpu-grads"):
+        assert optimizer_offload(lm) == OptimizerOffload(fraction=1.0, pin_memory=False)
+    assert not optimizer_offload(lm).policy().pin_memory
+    with pytest.raises(ValueError, match=r"--optimizer-offload-fraction must be in \[0, 1\], got 1.5"):
+        optimizer_offload(Namespace(optimizer_cpu_offload=True, optimizer_offload_fraction=1.5))
+    assert groups_to_offload([10, 45, 45], 0.3) == [True, True, False]
+    assert groups_to_offload([10, 45, 45], 0.1) == [True, False, False]
+    assert groups_to_offload([10, 45, 45], 0.11) == [True, True, False]
+    assert groups_to_offload([10, 45, 0], 1.0) == [True, True, True]
+
+
 def _resume_and_interchange(rank: int, world_size: int, argv: List[str], ckpt_dir: str) -> Dict:
     from tests.megatron_shim import MegatronFP32Step
     from vescale_zero import checkpoint
@@ -646,6 +767,9 @@ def _bad_inputs(rank: int, world_size: int) -> Dict[str, str]:
         config = pg.optimizer_config(args)
         expect("optimizer", lambda: get_vescale_optimizer(config, [model], optimizer="lamb"),
                "'lamb'", "adam", "sgd", "adamw8bit", "shampoo", "muon")
+        offload = dataclasses.replace(config, optimizer_cpu_offload=True, optimizer_offload_fraction=1.0)
+        expect("offload not sharded so", lambda: get_vescale_optimizer(offload, [model]),
+               "optimizer_cpu_offload=True", "VeScaleFSDPOptions(optimizer_offload=", "--optimizer-cpu-offload")
         state = model.state_dict()
         key = next(k for k, v in state.items() if torch.is_tensor(v) and v.dim() == 2)
         expect("shape", lambda: model.load_state_dict({**state, key: torch.zeros(3, 3)}), key, "(3, 3)")
@@ -658,7 +782,7 @@ def test_unsupported_settings_give_clear_errors():
     for outcome in run_on_ranks(_bad_inputs, 2, timeout=300):
         bad = {k: v for k, v in outcome.items() if v != "ok"}
         assert not bad, bad
-        assert len(outcome) == 7  # --use-distributed-optimizer and --gradient-accumulation-fusion are accepted
+        assert len(outcome) == 8  # --use-distributed-optimizer and --gradient-accumulation-fusion are accepted
 
 
 def _train_bf16(rank: int, world_size: int, argv: List[str]) -> Dict:

@@ -589,6 +589,8 @@ FLAGS_WITHOUT_EFFECT = {  # flag: (args field, a value that sets it, words of th
     "--ddp-num-buckets": ("ddp_num_buckets", 2, "buckets are its groups"),
     "--ddp-pad-buckets-for-high-nccl-busbw": ("ddp_pad_buckets_for_high_nccl_busbw", True, "16 bytes"),
     "--use-precision-aware-optimizer": ("use_precision_aware_optimizer", True, "fp32 master weights"),
+    "--use-torch-optimizer-for-cpu-offload": ("use_torch_optimizer_for_cpu_offload", True, "on the host"),
+    "--overlap-cpu-optimizer-d2h-h2d": ("overlap_cpu_optimizer_d2h_h2d", True, "copy stream"),
     # parsed by Megatron-LM into torch dtypes (core_v0.16.1 arguments.py lines 645-653)
     "--main-grads-dtype": ("main_grads_dtype", torch.bfloat16, "fp32 optimizer states"),
     "--main-params-dtype": ("main_params_dtype", torch.float16, "fp32 optimizer states"),
@@ -800,6 +802,47 @@ def _muon(rank: int, world_size: int) -> Dict[str, Any]:
     return out
 
 
+# ---- G: --optimizer-cpu-offload -------------------------------------------------------
+def _megatron_optimizer_config(args, drop=()):
+    """core_v0.16.1 training.py get_megatron_optimizer_config, lines 1410-1435: the Adam config's
+    fields read from the arguments by name (``drop``: fields left at their defaults)."""
+    from megatron.core.optimizer import AdamOptimizerConfig
+
+    return AdamOptimizerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(AdamOptimizerConfig)
+                                  if hasattr(args, f.name) and f.name not in drop})
+
+
+def _offload(rank: int, world_size: int) -> Dict[str, Any]:
+    """Megatron-LM's get_model, get_megatron_optimizer (its config from the arguments) and 3 steps
+    under the switch, without and with --optimizer-cpu-offload and what Megatron-LM's validate_args
+    asks beside it (core_v0.16.1 arguments.py lines 1189-1194: --use-precision-aware-optimizer, which
+    megatron-core's OptimizerConfig allows only with --use-distributed-optimizer): losses, weights,
+    whether each group is offloaded, and the warnings."""
+    import warnings
+
+    argv = ARGV + ["--global-batch-size", "8", "--clip-grad", "0", "--train-iters", "3", "--use-vescale-fsdp"]
+    out: Dict[str, Any] = {}
+    with _megatron_job(argv) as (pg, _):
+        for name, extra in (("plain", []), ("offload", ["--optimizer-cpu-offload", "--use-distributed-optimizer"])):
+            args = _lm_args(pg, argv + extra)
+            args.use_precision_aware_optimizer = bool(extra)
+            training = _switched(pg, args)
+            pg.seed(args)
+            config = pg.transformer_config(args)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                model = _get_model(training, pg, args, config)
+            # use_precision_aware_optimizer stays out of the config here: its check needs Transformer
+            # Engine (megatron-core 0.16.1 is_te_min_version), not installed on this machine
+            optimizer = training.get_megatron_optimizer(
+                _megatron_optimizer_config(args, drop=("use_precision_aware_optimizer",)), model)
+            losses = pg.train_loop(args, model[0], optimizer, config)["losses"]
+            out[name] = {"losses": losses, "weights": _full_weights(model[0]),
+                         "offloaded": [g.host_copies is not None for g in model[0].vescale_groups],
+                         "said": [str(w.message) for w in caught if "has no effect" in str(w.message)]}
+    return out
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> Dict[str, List[Any]]:
     root = str(tmp_path_factory.mktemp("megatron_lm_ckpt"))
@@ -808,7 +851,7 @@ def results(tmp_path_factory) -> Dict[str, List[Any]]:
         "torch_ckpt": (_torch_checkpoint, (root,)), "grad_reduce": (_grad_reduce, ()), "flags": (_flags, ()),
         "clash": (_clash, ()), "nan": (_nan, ()),
         "params_norm": (_params_norm, ()), "muon": (_muon, ()),
-        "dist_opt": (_distributed_optimizer, (root,)), "hashes": (_hashes, ()),
+        "dist_opt": (_distributed_optimizer, (root,)), "hashes": (_hashes, ()), "offload": (_offload, ()),
     }, 2, timeout=400)
 
 
@@ -961,3 +1004,18 @@ def test_megatron_lm_optimizer_muon(results):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([os.path.abspath(__file__), "-q"]))
+
+
+def test_megatron_lm_optimizer_cpu_offload(results):
+    """G: --optimizer-cpu-offload through Megatron-LM's get_model and get_megatron_optimizer: every
+    group keeps its shards on the host (fraction 1.0, Megatron-LM's default), and 3 fp32 steps equal
+    the run without the flag bit for bit (losses, weights); --use-precision-aware-optimizer, which
+    Megatron-LM demands beside it, is not called without effect."""
+    for rank, res in enumerate(results["offload"]):
+        plain, offload = res["plain"], res["offload"]
+        assert plain["offloaded"] and not any(plain["offloaded"]), (rank, plain["offloaded"])
+        assert offload["offloaded"] and all(offload["offloaded"]), (rank, offload["offloaded"])
+        assert len(offload["losses"]) == 3 and offload["losses"] == plain["losses"], (rank, offload, plain)
+        assert sorted(offload["weights"]) == sorted(plain["weights"])
+        assert all(torch.equal(offload["weights"][k], v) for k, v in plain["weights"].items()), rank
+        assert offload["said"] == [], (rank, offload["said"])

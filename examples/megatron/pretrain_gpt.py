@@ -24,6 +24,10 @@ As Megatron-LM (tag core_v0.16.1) does: the learning rate follows megatron-core'
 (``iter_NNNNNNN/`` and ``latest_checkpointed_iteration.txt``); the log line is
 ``training_log``'s (iteration, consumed samples, learning rate, lm loss, loss scale, grad
 norm, skipped iterations).
+
+``--optimizer-cpu-offload`` (with ``--optimizer-offload-fraction``, ``--no-pin-cpu-*``) under
+``--use-vescale-fsdp`` keeps the master weights, gradients and optimizer state of the offloaded
+groups in host memory and steps the optimizer there; gathers and reduce-scatters stay on the GPU.
 """
 
 from __future__ import annotations
@@ -142,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bf16", action=_HalfPrecision, nargs=0, default=False)
     g.add_argument("--fp16", action=_HalfPrecision, nargs=0, default=False)
     g.add_argument("--seed", type=int, default=1234)
+    # Megatron-LM's optimizer offload flags (core_v0.16.1 names and defaults); VeScaleFSDP keeps the
+    # offloaded groups' shards and optimizer state in host memory (integrations/megatron/optimizer_offload.py)
+    g.add_argument("--optimizer-cpu-offload", action="store_true")
+    g.add_argument("--optimizer-offload-fraction", type=float, default=1.0)
+    g.add_argument("--no-pin-cpu-grads", dest="pin_cpu_grads", action="store_false")
+    g.add_argument("--no-pin-cpu-params", dest="pin_cpu_params", action="store_false")
     g.add_argument("--log-interval", type=int, default=1)
     g = p.add_argument_group("learning rate and weight decay (Megatron-LM's SchedulerConfig)")
     g.add_argument("--lr", type=float, default=3e-3)
@@ -242,6 +252,8 @@ def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         bf16=args.bf16, fp16=args.fp16, use_distributed_optimizer=args.use_distributed_optimizer,
+        optimizer_cpu_offload=args.optimizer_cpu_offload, optimizer_offload_fraction=args.optimizer_offload_fraction,
+        pin_cpu_grads=args.pin_cpu_grads, pin_cpu_params=args.pin_cpu_params,
     )
 
 

@@ -31,6 +31,7 @@ from .arguments import (
 from .data_parallel import VeScaleFSDP, VeScaleFSDPOptions, check_supported, clash_message, params_l2_norm
 from .megatron_lm import use_vescale_fsdp_in_megatron_lm
 from .optimizer import SUPPORTED_OPTIMIZERS, VeScaleOptimizer, check_dist_checkpoint_optimizer, get_vescale_optimizer
+from .optimizer_offload import OptimizerOffload, optimizer_offload
 
 __all__ = [
     "VeScaleFSDP",
@@ -48,4 +49,6 @@ __all__ = [
     "use_vescale_fsdp_in_megatron_lm",
     "SUPPORTED_OPTIMIZERS",
     "check_dist_checkpoint_optimizer",
+    "OptimizerOffload",
+    "optimizer_offload",
 ]

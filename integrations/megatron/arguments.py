@@ -25,6 +25,7 @@ import torch.distributed as dist
 from vescale_zero.optim import AdamW8bit, Muon, Shampoo
 
 from .data_parallel import VeScaleFSDPOptions, clash_message
+from .optimizer_offload import optimizer_offload
 
 __all__ = [
     "add_vescale_fsdp_args", "validate_vescale_args", "vescale_options_from_args", "vescale_optimizer_name",
@@ -121,6 +122,7 @@ def vescale_options_from_args(args: argparse.Namespace) -> VeScaleFSDPOptions:
         reshard_after_forward=getattr(args, "vescale_reshard_after_forward", True),
         prefetch=getattr(args, "vescale_prefetch", True),
         fp8_all_gather_tile=getattr(args, "vescale_fp8_all_gather_tile", None),
+        optimizer_offload=optimizer_offload(args),  # Megatron-LM's --optimizer-cpu-offload: optimizer_offload.py
     )
 
 
@@ -154,6 +156,12 @@ _NO_EFFECT: List[Tuple[str, str, Callable[[Any], bool], str]] = [
     ("--ddp-pad-buckets-for-high-nccl-busbw", "ddp_pad_buckets_for_high_nccl_busbw", bool,
      "every rank's piece of a VeScaleFSDP group starts on 16 bytes already (DEFAULT_ALIGN_BYTES); the groups are "
      "not padded further"),
+    ("--use-torch-optimizer-for-cpu-offload", "use_torch_optimizer_for_cpu_offload", bool,
+     "under --optimizer-cpu-offload VeScaleFSDP's optimizer (torch's, or --vescale-optimizer's) steps the offloaded "
+     "shards where they live, on the host, whichever optimizer class Megatron would pick"),
+    ("--overlap-cpu-optimizer-d2h-h2d", "overlap_cpu_optimizer_d2h_h2d", bool,
+     "under --optimizer-cpu-offload VeScaleFSDP copies each group's shard to the device on a copy stream of its own "
+     "and its reduced gradients back without waiting (vescale_zero.offload), always"),
     ("--use-precision-aware-optimizer", "use_precision_aware_optimizer", bool,
      "VeScaleFSDP's sharded parameters are the fp32 master weights, updated in place by a torch optimizer whose "
      "states take their dtype (fp32); for lower-precision optimizer states use --vescale-optimizer adamw8bit"),
@@ -171,7 +179,9 @@ def flags_without_effect(args: argparse.Namespace) -> List[Tuple[str, str]]:
     ``--use-vescale-fsdp`` (nothing without it)."""
     if not getattr(args, "use_vescale_fsdp", False):
         return []
-    out = [(flag, why) for flag, field, is_set, why in _NO_EFFECT if is_set(getattr(args, field, None))]
+    out = [(flag, why) for flag, field, is_set, why in _NO_EFFECT if is_set(getattr(args, field, None))
+           # Megatron-LM's validate_args asks for it beside --optimizer-cpu-offload: no news to the user
+           and not (flag == "--use-precision-aware-optimizer" and getattr(args, "optimizer_cpu_offload", False))]
     # --overlap-param-gather asks what VeScaleFSDP's prefetch does (its default): an effect unless that is off
     if getattr(args, "overlap_param_gather", False) and not getattr(args, "vescale_prefetch", True):
         out.append(("--overlap-param-gather", _NO_PREFETCH))

@@ -79,6 +79,7 @@ from vescale_zero.state_dict import full_state_dict, load_full_state_dict
 from .dist_checkpoint import SHARD_ONLY_ATTRIBUTES, STREAMING, checkpoint_parameters
 from .hsdp import check_outer_dp_sharding, data_parallel_meshes, ddp_process_groups, shard_group
 from .meta_init import check_all_or_nothing_on_meta, has_meta_tensors, materialize_megatron
+from .optimizer_offload import OptimizerOffload, groups_to_offload
 
 __all__ = ["VeScaleFSDP", "VeScaleFSDPOptions", "check_supported", "clash_message", "params_l2_norm"]
 
@@ -93,6 +94,9 @@ class VeScaleFSDPOptions:
     prefetch: bool = True
     fp8_all_gather_tile: Optional[int] = None
     """Gather parameters as float8 with one scale per tile x tile tile (e.g. 128)."""
+    optimizer_offload: Optional[OptimizerOffload] = None
+    """Megatron's ``--optimizer-cpu-offload``: which groups keep their master shard, gradient shard
+    and optimizer state in host memory (optimizer_offload.py); ``None``: none."""
 
 
 _OTHER_SHARDING = {
@@ -260,40 +264,66 @@ class VeScaleFSDP(_BaseDataParallel):
         dense_factor = 1.0 if per_token else None if self.ddp_config.average_in_collective else dp_cp
         expert_factor = 1.0 if per_token else dp_cp
 
+        # Every group's (module, mesh, divide factor), inner modules first as fully_shard wants.
+        layer_calls: List[tuple] = []
+        for layer in [m for m in module.modules() if isinstance(m, TransformerLayer)]:
+            layer_calls += [(experts, self.expert_mesh, expert_factor) for experts in _expert_modules(layer)]
+            layer_calls.append((layer, self.dense_mesh, dense_factor))
+        # A word embedding tied across pipeline stages is its own group on both stages, so
+        # both shard it alike (see [Note: gradients]).
+        model = _unwrap(module)
+        output_layer = None
+        tail_calls: List[tuple] = []
+        if getattr(model, "share_embeddings_and_output_weights", False) and not (
+            getattr(model, "pre_process", True) and getattr(model, "post_process", True)
+        ):
+            if model.pre_process:
+                tail_calls.append((model.embedding.word_embeddings, self.dense_mesh, dense_factor))
+            elif model.post_process and model.output_layer.weight is not None:
+                output_layer = model.output_layer
+                tail_calls.append((output_layer, self.dense_mesh, dense_factor))
+        tail_calls.append((module, self.dense_mesh, dense_factor))
+        offloaded = self._offloaded(module, [sub for sub, _, _ in layer_calls + tail_calls])
+
         def shard(sub: nn.Module, group, factor: Optional[float]) -> None:
-            vz.fully_shard(sub, mesh=group, **common)
+            policy = opts.optimizer_offload.policy() if id(sub) in offloaded else None
+            vz.fully_shard(sub, mesh=group, offload_policy=policy, **common)
             if factor is not None:
                 sub.set_gradient_divide_factor(factor, recurse=False)
 
-        layers = [m for m in module.modules() if isinstance(m, TransformerLayer)]
-        for layer in layers:
-            for experts in _expert_modules(layer):
-                shard(experts, self.expert_mesh, expert_factor)
-            shard(layer, self.dense_mesh, dense_factor)
+        for call in layer_calls:
+            shard(*call)
         stray = [n for n, p in module.named_parameters() if _is_expert(p) and not hasattr(p, "_vescale_fsdp_group_of")]
         if stray:
             raise ValueError(
                 f"VeScaleFSDP: expert parameters outside a TransformerLayer are not supported: {stray[:4]}"
             )
-        # A word embedding tied across pipeline stages is its own group on both stages, so
-        # both shard it alike (see [Note: gradients]).
-        model = _unwrap(module)
-        output_layer = None
-        if getattr(model, "share_embeddings_and_output_weights", False) and not (
-            getattr(model, "pre_process", True) and getattr(model, "post_process", True)
-        ):
-            if model.pre_process:
-                shard(model.embedding.word_embeddings, self.dense_mesh, dense_factor)
-            elif model.post_process and model.output_layer.weight is not None:
-                output_layer = model.output_layer
-                shard(output_layer, self.dense_mesh, dense_factor)
-        shard(module, self.dense_mesh, dense_factor)
+        for call in tail_calls:
+            shard(*call)
         if output_layer is not None:
             # GPTModel reads ``output_layer.weight`` (to pass it as the output weight)
             # before the output layer runs: gather it when the root's forward starts.
             module.register_forward_pre_hook(outside_compile(lambda *_: output_layer.unshard()))
         module.set_prefetch(opts.prefetch)
         module.set_unused_grads("zero")  # as Megatron's DDP: main_grad of a parameter no rank used is zero
+
+    def _offloaded(self, module: nn.Module, subs: List[nn.Module]) -> set:
+        """``id``s of the modules in ``subs`` (one group each, inner ones first, as they are
+        sharded) whose groups live in host memory: optimizer_offload.py [Note: offload fraction],
+        over the groups in module order (each group's parameters: its module's, less those of
+        the groups sharded before it)."""
+        offload = self.options.optimizer_offload
+        if offload is None:
+            return set()
+        claimed: set = set()
+        numels: Dict[int, int] = {}
+        for sub in subs:
+            own = [p for p in sub.parameters() if id(p) not in claimed]
+            claimed.update(id(p) for p in own)
+            numels[id(sub)] = sum(p.numel() for p in own)
+        in_module_order = [id(m) for m in module.modules() if id(m) in numels]
+        chosen = groups_to_offload([numels[i] for i in in_module_order], offload.fraction)
+        return {i for i, take in zip(in_module_order, chosen) if take}
 
     # ---- the _BaseDataParallel contract ---------------------------------------------
     @contextmanager

@@ -93,6 +93,7 @@ from .data_parallel import VeScaleFSDP
 from .dist_checkpoint import boxes_by_parameter, state_boxes
 from .distrib_optim_file import megatron_parameter_state
 from .hsdp import replica_rank, shard_group
+from .optimizer_offload import check_offload_matches
 
 __all__ = ["VeScaleOptimizer", "get_vescale_optimizer", "SUPPORTED_OPTIMIZERS", "check_dist_checkpoint_optimizer"]
 
@@ -583,8 +584,9 @@ def get_vescale_optimizer(
         raise ValueError(f"--use-vescale-fsdp: optimizer {name!r} is not supported; "
                          f"choose one of {SUPPORTED_OPTIMIZERS}")
     # config.use_distributed_optimizer: accepted, VeScaleFSDP already shards the optimizer state
-    if config.optimizer_cpu_offload:
-        raise ValueError("--use-vescale-fsdp does not offload the optimizer to CPU; drop --optimizer-cpu-offload")
+    # config.optimizer_cpu_offload: the chunks' offloaded groups hold their shards and so this
+    # optimizer's state in host memory (optimizer_offload.py), as long as they were sharded so
+    check_offload_matches(config, model_chunks)
     twin_of: Dict[int, nn.Parameter] = {}
     chunks = []
     for chunk in model_chunks:
