@@ -95,23 +95,11 @@ def build(system: str, offload: str, cfg, device: torch.device, args) -> tuple:
 
 
 def worker(rank: int, world: int, port: int, system: str, offload: str, args, out: Dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    cuda = torch.cuda.is_available()
-    if not cuda:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    if system in ("zero3", "ragged"):
-        import deepspeed
+    from peers import start_rank, train_step  # benchmarks/peers.py
 
-        if not cuda:
-            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
-    else:
-        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", rank=rank, world_size=world)
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    cuda = torch.cuda.is_available()
+    # cpu:gloo beside NCCL: torch's clip / full_tensor on host-side parameters (README, Offload)
+    device = start_rank(rank, world, port, system in ("zero3", "ragged"), nccl="cpu:gloo,cuda:nccl")
     from vescale_zero.testing import GPTConfig, SyntheticCorpus
 
     cfg = GPTConfig(vocab_size=512, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, n_heads=8)
@@ -125,14 +113,7 @@ def worker(rank: int, world: int, port: int, system: str, offload: str, args, ou
         return
 
     def step(i: int) -> None:
-        x, y = (t.to(device) for t in corpus.batch(i, args.global_batch, rank, world))
-        if engine is not None:
-            engine.backward(engine(x, y))
-            engine.step()
-        else:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        train_step(model, opt, engine, *(t.to(device) for t in corpus.batch(i, args.global_batch, rank, world)))
 
     for i in range(args.warmup):
         step(i)

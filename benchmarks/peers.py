@@ -418,30 +418,39 @@ def _gpt_config(args: argparse.Namespace, precision: str):
     return GPTConfig(vocab_size=512, seq_len=args.seq_len, d_model=d_model, n_layers=args.layers, n_heads=8)
 
 
-def worker(rank: int, world: int, port: int, variant: str, precision: str, args: argparse.Namespace,
-           out: Dict) -> None:
+def start_rank(rank: int, world: int, port: int, with_deepspeed: bool, nccl: str = "nccl") -> torch.device:
+    """Join the benchmark's process group as ``rank`` (through DeepSpeed's ``init_distributed``
+    when ``with_deepspeed``; ``nccl``: the backend string on GPUs), make the rank's device current
+    and share the CPU threads among the ranks; returns the device."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
-    base_variant, torch_rs, compiled = _split_variant(variant)
-    backend = args.compile_backend if compiled else None
     cuda = torch.cuda.is_available()
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    if base_variant in ("zero3", "ds_ragged"):
+    if with_deepspeed:
         import deepspeed
 
         if not cuda:
             deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
     else:
-        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
-    if torch_rs:
-        force_torch_reduce_scatter()
+        dist.init_process_group(nccl if cuda else "gloo", rank=rank, world_size=world)
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    _profile_collective_waits()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    return device
+
+
+def worker(rank: int, world: int, port: int, variant: str, precision: str, args: argparse.Namespace,
+           out: Dict) -> None:
+    base_variant, torch_rs, compiled = _split_variant(variant)
+    backend = args.compile_backend if compiled else None
+    cuda = torch.cuda.is_available()
+    device = start_rank(rank, world, port, base_variant in ("zero3", "ds_ragged"))
+    if torch_rs:
+        force_torch_reduce_scatter()
+    _profile_collective_waits()
     from vescale_zero.testing import SyntheticCorpus
 
     cfg = _gpt_config(args, precision)

@@ -115,6 +115,19 @@ def _train(rank, world_size, stage, which, steps=STEPS, extra=None):
             "local_sums": _local_grad_magnitudes(rank, world_size) if stage == 3 else None}
 
 
+def _steps(engine, batches, rank, world_size):
+    """One engine step of ACCUM micro-batches per batch; the last micro-batch's loss of each."""
+    losses = []
+    for batch in batches:
+        x, y = rank_slice(batch, rank, world_size)
+        for i in range(ACCUM):
+            loss = engine(x.chunk(ACCUM)[i], y.chunk(ACCUM)[i])
+            engine.backward(loss)
+            engine.step()
+        losses.append(loss.item())
+    return losses
+
+
 def _train_client_cpu_adam(rank, world_size):
     """Ragged without offload, stepping a client DeepSpeedCPUAdam: the same kernel and reduction order as
     ragged with offload_optimizer (OPTIMIZER_ONLY)."""
@@ -125,14 +138,7 @@ def _train_client_cpu_adam(rank, world_size):
     del cfg["optimizer"]
     engine = _engine(rank, world_size, cfg, model, optimizer=DeepSpeedCPUAdam(model.parameters(), lr=LR,
                                                                              weight_decay=0.1))
-    losses = []
-    for batch in make_batches(STEPS, GLOBAL_BATCH):
-        x, y = rank_slice(batch, rank, world_size)
-        for i in range(ACCUM):
-            loss = engine(x.chunk(ACCUM)[i], y.chunk(ACCUM)[i])
-            engine.backward(loss)
-            engine.step()
-        losses.append(loss.item())
+    losses = _steps(engine, make_batches(STEPS, GLOBAL_BATCH), rank, world_size)
     return {"losses": losses, "params": local_pieces(engine.module), "offloaded": _offloaded(engine)}
 
 
@@ -304,14 +310,7 @@ def _with_checkpoint(rank, world_size, ckpt, phase, which="hf_zero3", resume_whi
         loaded = (local_pieces(engine.module), _moment_pieces(engine))
     elif phase == "first":
         batches = batches[:3]
-    losses = []
-    for batch in batches:
-        x, y = rank_slice(batch, rank, world_size)
-        for i in range(ACCUM):
-            loss = engine(x.chunk(ACCUM)[i], y.chunk(ACCUM)[i])
-            engine.backward(loss)
-            engine.step()
-        losses.append(loss.item())
+    losses = _steps(engine, batches, rank, world_size)
     if phase == "first":
         engine.save_checkpoint(ckpt)
         loaded = (local_pieces(engine.module), _moment_pieces(engine))  # what was saved
