@@ -135,8 +135,14 @@ def worker(rank: int, world: int, port: int, system: str, offload: str, args, ou
 def run(system: str, offload: str, args) -> Dict:
     manager = mp.Manager()
     out = manager.dict()
-    mp.start_processes(worker, args=(args.ranks, _free_port(), system, offload, args, out), nprocs=args.ranks,
-                       join=True, start_method="spawn")
+    try:
+        mp.start_processes(worker, args=(args.ranks, _free_port(), system, offload, args, out), nprocs=args.ranks,
+                           join=True, start_method="spawn")
+    except mp.ProcessExitedException:
+        # gloo sometimes aborts a process at exit, after its work (environment.md): keep a finished
+        # run's figures, re-raise otherwise
+        if "times" not in out and "skipped" not in out:
+            raise
     return dict(out)
 
 
