@@ -129,18 +129,17 @@ def nvme_offload_of(zero3: DeepSpeedZeroConfig) -> Optional[NvmeOptimizerOffload
     (vescale_zero.optim.state_files), one fully_shard group's state in memory at a time.
     ``pipeline_read`` / ``pipeline_write`` read the next group's state while one steps (two
     staging buffers); ``buffer_count`` (DeepSpeed's pool of swap buffers), ``fast_init`` and
-    ``cpuadam_cores_perc`` have nothing to set here; a partial offload (``ratio`` < 1) and
-    ``super_offload`` are refused."""
+    ``cpuadam_cores_perc`` have nothing to set here; ``super_offload`` is refused (a partial
+    offload, ``ratio`` < 1, by ``.offload.read_offload``, for either device)."""
     offload = zero3.offload_optimizer
     if offload is None or offload.device != "nvme":
         return None
     if offload.nvme_path is None:
         raise ValueError("zero_optimization.offload_optimizer: device 'nvme' needs nvme_path, an existing writable "
                          "directory (on a fast local disk) for the optimizer state files")
-    if offload.ratio != 1.0 or offload.super_offload:
-        what = f"ratio {offload.ratio}" if offload.ratio != 1.0 else "super_offload"
-        raise ValueError(f"zero_optimization.offload_optimizer: {what} is not implemented with stage 'ragged', which "
-                         "offloads all of the optimizer state; remove it")
+    if offload.super_offload:
+        raise ValueError("zero_optimization.offload_optimizer: super_offload is not implemented with stage 'ragged', "
+                         "which offloads all of the optimizer state; remove it")
     return NvmeOptimizerOffload(nvme_path=str(offload.nvme_path), read_ahead=offload.pipeline,
                                 pin_memory=offload.pin_memory)
 

@@ -72,8 +72,9 @@ def _device(section: Any) -> str:
 
 def read_offload(zero3: DeepSpeedZeroConfig) -> tuple[Optional[OffloadOptions], List[str]]:
     """``(CPU offload or None, sub-keys ignored)`` from the ragged section as DeepSpeed parsed it at
-    stage 3 (deprecated spellings already turned into ``offload_*``); refuses what ragged cannot honour.
-    ``offload_optimizer`` to ``nvme`` is ``config.nvme_offload_of``'s (``None`` here)."""
+    stage 3 (deprecated spellings already turned into ``offload_*``); refuses what ragged cannot honour
+    (a partial offload on either device). ``offload_optimizer`` to ``nvme`` is ``config.nvme_offload_of``'s
+    (``None`` here)."""
     opt, param = zero3.offload_optimizer, zero3.offload_param
     opt_device, param_device = _device(opt), _device(param)
     if param_device == "nvme" or (opt_device == "nvme" and param_device != "none"):
@@ -82,6 +83,11 @@ def read_offload(zero3: DeepSpeedZeroConfig) -> tuple[Optional[OffloadOptions], 
             "is not implemented with stage 'ragged': a parameter's only persistent shard is the optimizer's fp32 "
             "master, which stays on the device when the optimizer state goes to NVMe and has no NVMe form; remove "
             "offload_param (keeping offload_optimizer 'nvme': state in files), or set both devices to 'cpu'")
+    if opt_device != "none" and opt.ratio < 1.0:
+        raise ValueError(
+            f"zero_optimization.offload_optimizer.ratio {opt.ratio} is not implemented with stage 'ragged' (it keeps "
+            "part of the optimizer on the device), which offloads every group's optimizer state; remove ratio (or "
+            "set 1.0), or use stage 3 for partial offload")
     if opt_device == "nvme":
         return None, []
     if param_device == "cpu" and opt_device == "none":
@@ -92,11 +98,6 @@ def read_offload(zero3: DeepSpeedZeroConfig) -> tuple[Optional[OffloadOptions], 
             "state in host memory, the optimizer steps there), or remove offload_param")
     if opt_device == "none":
         return None, []
-    if opt.ratio < 1.0:
-        raise ValueError(
-            f"zero_optimization.offload_optimizer.ratio {opt.ratio} (part of the optimizer kept on the device) is not "
-            "implemented with stage 'ragged', which offloads every group's optimizer state; remove ratio (or set 1.0), "
-            "or use stage 3 for partial offload")
     if param_device == "cpu" and param.pin_memory != opt.pin_memory:
         raise ValueError(
             f"zero_optimization: offload_optimizer.pin_memory {opt.pin_memory} and offload_param.pin_memory "
