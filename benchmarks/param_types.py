@@ -12,13 +12,19 @@ gradients (the local pieces of the DTensor gradients). So the only difference me
 the DTensor dispatch (``vescale_zero.ragged_tensor`` [Note: ops on ragged tensors]; for
 FSDP2, torch's DTensor dispatch). The variants run interleaved, each round every system and
 optimizer kind both ways; printed: median ms per optimizer step and per training step
-(forward + backward + step), and the ratio DTensor / plain. Absolute times on a shared
-machine are noise: read the ratios.
+(forward + backward + step), and the ratio DTensor / plain: the median of each round's ratio
+(the pair ran back to back, so a slower stretch of a shared machine moves both). Absolute
+times on a shared machine are noise: read the ratios.
 
-What a DTensor costs is per tensor and per op (one call from the dispatcher into Python
-per ``_foreach_*`` op, about a microsecond per tensor in its lists, and a wrapper per
-output of an out-of-place op), not per element: the ratio falls as tensors grow
-(``--d-model``), and on a GPU that host time overlaps the kernels already queued.
+Where the DTensor step still costs more than the plain one, it is per tensor, not per
+element. torch's element-wise optimizers step the local pieces directly
+(``vescale_zero.local_optim_steps``): what is left is one pass over the lists, and torch's
+own ``_init_group`` reading ``p.grad``, ``torch.is_complex(p)``, ``p.device`` of a tensor
+subclass (about 0.1-0.3 us more per read than of an ``nn.Parameter``, which torch
+special-cases; any subclass pays it, FSDP2's DTensors too). FSDP2's DTensors take torch's
+dispatch for every op: about 0.6 us per tensor in each list, and a wrapper per output of
+an out-of-place op. The ratio falls as tensors grow (``--d-model``), and on a GPU that host
+time overlaps the kernels already queued.
 """
 
 from __future__ import annotations
@@ -101,6 +107,11 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Dict
                 times[(key, "step")].append(t2 - t0)
     if rank == 0:
         out.update({k: statistics.median(v) for k, v in times.items()})
+        for system in models:  # each round's DTensor / plain ratio: the pair ran back to back
+            for kind in KINDS:
+                for part in ("opt", "step"):
+                    pairs = zip(times[((system, kind, "dtensor"), part)], times[((system, kind, "plain"), part)])
+                    out[((system, kind), part, "paired")] = statistics.median(d / p for d, p in pairs)
     dist.destroy_process_group()
 
 
@@ -118,14 +129,15 @@ def main() -> None:
     out = mp.Manager().dict()
     mp.spawn(worker, args=(args.ranks, port, args, out), nprocs=args.ranks)
     print(f"GPT {args.layers} x {args.d_model}, {args.ranks} ranks (gloo, CPU), median of {args.rounds} rounds")
+    print("ratio: DTensor / plain, the median over rounds of each round's pair (run back to back)")
     print(f"{'system':<8} {'optimizer':<14} {'opt ms DTensor':>15} {'opt ms plain':>13} {'ratio':>6} "
           f"{'step ms DTensor':>16} {'step ms plain':>14} {'ratio':>6}")
     for system in args.systems:
         for kind in KINDS:
             od, op = out[((system, kind, "dtensor"), "opt")] * 1e3, out[((system, kind, "plain"), "opt")] * 1e3
             sd, sp = out[((system, kind, "dtensor"), "step")] * 1e3, out[((system, kind, "plain"), "step")] * 1e3
-            print(f"{system:<8} {kind:<14} {od:>15.2f} {op:>13.2f} {od / op:>6.3f} "
-                  f"{sd:>16.2f} {sp:>14.2f} {sd / sp:>6.3f}")
+            ro, rs = out[((system, kind), "opt", "paired")], out[((system, kind), "step", "paired")]
+            print(f"{system:<8} {kind:<14} {od:>15.2f} {op:>13.2f} {ro:>6.3f} {sd:>16.2f} {sp:>14.2f} {rs:>6.3f}")
 
 
 if __name__ == "__main__":

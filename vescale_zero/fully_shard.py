@@ -27,6 +27,7 @@ from .eager_hooks import outside_compile
 from .fp8_gather import FP8Filter, default_fp8_filter, tile_band_granularity
 from .granularity import GranularityPolicy, resolve_granularities
 from .layer_discovery import find_layer_classes
+from .local_optim_steps import install_local_optimizer_steps
 from .offload import resolve_offload_policy
 from .param_group import GroupState, ManagedParam, ParamGroup
 from .runtime import STATE_ATTR, FSDPState, RootContext, in_backward_pass
@@ -347,6 +348,7 @@ def fully_shard(
             "module is already sharded by torch.distributed.fsdp.fully_shard; shard each module with one FSDP only"
         )
     offload = resolve_offload_policy(offload_policy)
+    install_local_optimizer_steps()  # torch's optimizers step the local pieces ([Note: torch's optimizers ...])
     named = _collect_params(module)
     devices = {p.device for _, p, _ in named}
     # A meta module is sharded as planned; vescale_zero.materialize (or to_empty) gives it

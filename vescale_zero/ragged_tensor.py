@@ -17,8 +17,10 @@ subclass answers the ops itself (``__torch_dispatch__``), in three kinds:
   factories. Every ragged argument in one position has the same layout as the others in
   that position (a parameter, its gradient, its optimizer state), so the op runs on the
   local pieces and its results get the layout back: what an optimizer does is exact and
-  costs one unwrap per tensor. Plain 0-dim tensors (Adam's ``step``, a grad scale) and
-  replicated DTensors (a clip coefficient) join as they are.
+  costs one unwrap per tensor (torch's element-wise optimizers skip even that: their lists
+  are unwrapped once per step, local_optim_steps [Note: torch's optimizers step the local
+  pieces]). Plain 0-dim tensors (Adam's ``step``, a grad scale) and replicated DTensors (a
+  clip coefficient) join as they are.
 * reductions to a number: ``_foreach_norm`` gives DTensors *partial* over the shard
   dimension (torch's own ``_NormPartial``), so torch's ``clip_grad_norm_`` reduces the norms
   across ranks exactly as it does for FSDP2's ``Shard(0)`` parameters (one all-reduce when the
