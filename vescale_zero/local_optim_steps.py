@@ -155,7 +155,7 @@ def _local_lists(tensor_lists: List[list]) -> Optional[Tuple[List[list], List[li
         if all_ragged and types == _RAGGED_ONLY:  # parameter-shaped: one layout per index
             if not all(map(is_, map(_SPEC, tensors), specs)) and not _same_layouts(tensors, params):
                 return None
-            local.append([t._local_tensor for t in tensors])
+            local.append(list(map(_LOCAL, tensors)))
         elif RaggedDTensor in types:
             pieces = _mixed_pieces(tensors, params)
             if pieces is None:
@@ -173,6 +173,7 @@ def _local_lists(tensor_lists: List[list]) -> Optional[Tuple[List[list], List[li
 
 _RAGGED_ONLY = {RaggedDTensor}
 _SPEC = attrgetter("_spec")
+_LOCAL = attrgetter("_local_tensor")
 
 
 def _same_layouts(tensors: list, params: list) -> bool:
