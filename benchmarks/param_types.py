@@ -30,6 +30,7 @@ time overlaps the kernels already queued.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import socket
 import statistics
@@ -83,6 +84,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Dict
             for kind, make in KINDS.items() for rep in ("dtensor", "plain")}
     corpus = SyntheticCorpus(cfg.vocab_size, cfg.seq_len)
     times: Dict[tuple, List[float]] = {(key, part): [] for key in opts for part in ("opt", "step")}
+    timing: Dict[str, float] = {}  # --breakdown: seconds spent in each part of the step under way
+    if args.breakdown:
+        _time_parts(opts, timing)
     step = 0
     for round_ in range(args.rounds + 1):  # round 0 warms up (optimizer state, allocator)
         for key, opt in opts.items():
@@ -96,6 +100,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Dict
             if rep == "plain":
                 for p, q in zip(sharded, plain):
                     q.grad = None if p.grad is None else p.grad.to_local()
+            timing.clear()
             t1 = time.perf_counter()
             opt.step()
             t2 = time.perf_counter()
@@ -105,6 +110,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Dict
             if round_:
                 times[(key, "opt")].append(t2 - t1)
                 times[(key, "step")].append(t2 - t0)
+                for part, seconds in timing.items():
+                    times.setdefault((key, part), []).append(seconds)
     if rank == 0:
         out.update({k: statistics.median(v) for k, v in times.items()})
         for system in models:  # each round's DTensor / plain ratio: the pair ran back to back
@@ -115,6 +122,30 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Dict
     dist.destroy_process_group()
 
 
+def _time_parts(opts: Dict[tuple, torch.optim.Optimizer], timing: Dict[str, float]) -> None:
+    """``--breakdown``: times torch's ``_init_group`` (the lists built from ``p.grad`` and the
+    state), the functional (``torch.optim.adam.adam`` / ``sgd.sgd``, with, for ragged
+    parameters, vescale_zero's pass over the lists) and that pass alone, into ``timing``."""
+    from vescale_zero import local_optim_steps
+
+    def timed(fn, part):
+        def run(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                timing[part] = timing.get(part, 0.0) + time.perf_counter() - t0
+        return run
+
+    for opt in opts.values():
+        opt._init_group = timed(opt._init_group, "init")
+    for name in ("adam", "sgd"):
+        module = importlib.import_module(f"torch.optim.{name}")
+        setattr(module, name, timed(getattr(module, name), "functional"))
+    for name in ("_local_lists", "_hand_back"):
+        setattr(local_optim_steps, name, timed(getattr(local_optim_steps, name), "unwrap"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=2)
@@ -122,6 +153,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--systems", nargs="+", choices=tuple(SYSTEMS), default=list(SYSTEMS))
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time the parts of each optimizer step (torch's _init_group, the functional, "
+                             "vescale_zero's pass over the lists): where a DTensor step's extra time goes")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -138,6 +172,18 @@ def main() -> None:
             sd, sp = out[((system, kind, "dtensor"), "step")] * 1e3, out[((system, kind, "plain"), "step")] * 1e3
             ro, rs = out[((system, kind), "opt", "paired")], out[((system, kind), "step", "paired")]
             print(f"{system:<8} {kind:<14} {od:>15.2f} {op:>13.2f} {ro:>6.3f} {sd:>16.2f} {sp:>14.2f} {rs:>6.3f}")
+    if args.breakdown:
+        print("\nwhere the optimizer step goes, us (median): DTensor / plain; 'unwrap' is vescale_zero's pass over the "
+              "lists (inside 'functional'); 'other' is the step minus _init_group and the functional")
+        print(f"{'system':<8} {'optimizer':<14} {'_init_group':>15} {'functional':>17} {'unwrap':>7} {'other':>13}")
+        for system in args.systems:
+            for kind in KINDS:
+                us = {rep: {part: out.get(((system, kind, rep), part), 0.0) * 1e6
+                            for part in ("opt", "init", "functional", "unwrap")} for rep in ("dtensor", "plain")}
+                other = {rep: u["opt"] - u["init"] - u["functional"] for rep, u in us.items()}
+                d, p = us["dtensor"], us["plain"]
+                print(f"{system:<8} {kind:<14} {d['init']:>7.0f} / {p['init']:<5.0f} {d['functional']:>8.0f} / "
+                      f"{p['functional']:<6.0f} {d['unwrap']:>7.0f} {other['dtensor']:>5.0f} / {other['plain']:<5.0f}")
 
 
 if __name__ == "__main__":
