@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tests.distributed import run_on_ranks
+from tests.test_ragged_ops import _refusal
 
 OPTIMIZERS = {
     "AdamW default": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
@@ -132,14 +133,6 @@ def _adafactor_step(params: list) -> None:
     for p in params:
         p.grad = torch.ones_like(p)
     opt.step()
-
-
-def _refusal(fn) -> str:
-    try:
-        fn()
-    except NotImplementedError as e:
-        return str(e)
-    return "no error"
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
