@@ -123,8 +123,20 @@ def _train(rank, world_size, stage, extra):
     extra = dict(extra)
     first_grads = extra.pop("first_grads", False)  # also return the first step's reduced gradients
     engine, *_ = deepspeed.initialize(model=AwkwardLM(seed=0), config=ds_config(stage, world_size, **extra))
+    losses, grads = train_steps(engine, stage, rank, world_size, STEPS, first_grads=first_grads)
+    out = {"losses": losses, "params": _full_params(engine, stage), "steps": engine.global_steps,
+           "optimizer": type(engine.basic_optimizer).__name__}
+    if first_grads:
+        out["grads"] = grads
+        out["local_sums"] = _local_grad_magnitudes(rank, world_size)
+    return out
+
+
+def train_steps(engine, stage, rank, world_size, steps, *, first_grads=False):
+    """``steps`` engine steps of ACCUM micro-batches each: ``(the mean loss of every step over
+    all ranks, the first step's reduced gradients if first_grads else None)``."""
     losses, grads = [], None
-    for step, batch in enumerate(make_batches(STEPS, GLOBAL_BATCH)):
+    for step, batch in enumerate(make_batches(steps, GLOBAL_BATCH)):
         x, y = rank_slice(batch, rank, world_size)
         total = torch.zeros(())
         for i in range(ACCUM):
@@ -136,12 +148,7 @@ def _train(rank, world_size, stage, extra):
             total += loss.detach().float() / ACCUM
         torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.AVG)
         losses.append(total.item())
-    out = {"losses": losses, "params": _full_params(engine, stage), "steps": engine.global_steps,
-           "optimizer": type(engine.basic_optimizer).__name__}
-    if first_grads:
-        out["grads"] = grads
-        out["local_sums"] = _local_grad_magnitudes(rank, world_size)
-    return out
+    return losses, grads
 
 
 def run(world_size, stage, *, optimizer_class=None, **extra):

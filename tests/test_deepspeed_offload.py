@@ -27,11 +27,11 @@ from tests.test_deepspeed import (  # noqa: E402
     GLOBAL_BATCH,
     _assert_grads_within,
     _deepspeed,
-    _first_step_grads,
     _full_params,
     _local_grad_magnitudes,
     _moment_pieces,
     ds_config,
+    train_steps,
 )
 
 LR, STEPS = 1e-2, 4
@@ -96,19 +96,7 @@ def _train(rank, world_size, stage, which, steps=STEPS, extra=None):
     """``steps`` steps of CONFIGS[which] at ``stage``: the first step's reduced gradients, the mean
     loss of every step, the full weights, the optimizer class (and, for ragged, where the shards live)."""
     engine = _engine(rank, world_size, offload_config(stage, world_size, which, **(extra or {})))
-    losses, grads = [], None
-    for step, batch in enumerate(make_batches(steps, GLOBAL_BATCH)):
-        x, y = rank_slice(batch, rank, world_size)
-        total = torch.zeros(())
-        for i in range(ACCUM):
-            loss = engine(x.chunk(ACCUM)[i], y.chunk(ACCUM)[i])
-            engine.backward(loss)
-            if step == 0 and i == ACCUM - 1:
-                grads = _first_step_grads(engine, stage)
-            engine.step()
-            total += loss.detach() / ACCUM
-        torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.AVG)
-        losses.append(total.item())
+    losses, grads = train_steps(engine, stage, rank, world_size, steps, first_grads=True)
     return {"losses": losses, "grads": grads, "params": _full_params(engine, stage),
             "optimizer": type(engine.basic_optimizer).__name__,
             "offloaded": _offloaded(engine) if stage == "ragged" else None,
