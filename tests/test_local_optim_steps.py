@@ -1,10 +1,11 @@
-"""torch's element-wise optimizers step the local pieces of ragged parameters
-(local_optim_steps [Note: torch's optimizers step the local pieces]): each of torch's optimizers and
-kernels (per-tensor, foreach, fused) gives the bits of the same step on plain tensors and of the
-op-by-op dispatch path, keeps its state in the parameters' layout (SGD's momentum, made inside the
-functional, included), bumps the parameters' version counters where plain tensors' are bumped, and
-sends no op of a step through the ragged dispatch; an optimizer that is not element-wise
-(Adafactor) is refused, not stepped on pieces. 2 and 3 ranks (3: a rank holds an empty piece)."""
+"""torch's element-wise optimizers step the local pieces of ragged parameters (local_optim_steps [Note:
+torch's optimizers step the local pieces]): each of torch's optimizers and kernels (per-tensor,
+foreach, fused) gives, on ragged parameters alone and with a plain one mixed in, the bits of the
+same step on plain tensors and of the op-by-op dispatch path, keeps its state in the parameters'
+layout (SGD's momentum, made inside the functional, included), bumps the parameters' version
+counters where plain tensors' are bumped, and sends no op of a step through the ragged dispatch; an
+optimizer that is not element-wise (Adafactor) is refused, not stepped on pieces. 2 and 3 ranks (3:
+a rank holds an empty piece)."""
 
 from __future__ import annotations
 
@@ -89,9 +90,12 @@ def _steps(rank: int, world: int) -> dict:
 
     result = {}
     for kind, make in OPTIMIZERS.items():
-        fast, slow = ragged_copies() + [nn.Parameter(extra.clone())], ragged_copies()  # (dispatch: no plain mixed in)
+        fast, only, slow = ragged_copies() + [nn.Parameter(extra.clone())], ragged_copies(), ragged_copies()
         plain = [nn.Parameter(local_piece(p).detach().clone()) for p in base] + [nn.Parameter(extra.clone())]
-        runs = {"fast": (fast, make(fast)), "dispatch": (slow, make(slow)), "plain": (plain, make(plain))}
+        # fast: ragged and plain parameters in one optimizer; only: ragged ones alone (what a sharded model gives);
+        # dispatch: ragged ones alone, op by op (it refuses a plain one mixed in)
+        runs = {"fast": (fast, make(fast)), "only": (only, make(only)), "dispatch": (slow, make(slow)),
+                "plain": (plain, make(plain))}
         changed = {name: [] for name in runs}
         dispatched: list = []
         refused = ""
@@ -103,7 +107,8 @@ def _steps(rank: int, world: int) -> dict:
                     p.grad = like_param(g.clone(), p)
                 before = [p._version for p in params]
                 path = _dispatch_path() if name == "dispatch" else contextlib.nullcontext()
-                counting = _count_dispatches(dispatched) if name == "fast" and step else contextlib.nullcontext()
+                counted = name in ("fast", "only") and step
+                counting = _count_dispatches(dispatched) if counted else contextlib.nullcontext()
                 with path, counting:
                     if name == "dispatch":  # op by op: it may refuse an op (Rprop's masked writes), never err silently
                         refused = refused or _refusal(opt.step).replace("no error", "")
@@ -111,17 +116,19 @@ def _steps(rank: int, world: int) -> dict:
                         opt.step()
                 changed[name].append([p._version != v for p, v in zip(params, before)])
         pieces = {name: [local_piece(p).detach() for p in params] for name, (params, _) in runs.items()}
-        fast_state = runs["fast"][1].state
         state_layouts = [isinstance(v, RaggedDTensor) and v._spec.placements == p._spec.placements
-                         for p in fast[:-1] for v in fast_state[p].values() if torch.is_tensor(v) and v.dim() > 0]
+                         for name in ("fast", "only") for p in runs[name][0] if type(p) is RaggedDTensor
+                         for v in runs[name][1].state[p].values() if torch.is_tensor(v) and v.dim() > 0]
         result[kind] = {
             "fast == plain": all(torch.equal(a, b) for a, b in zip(pieces["fast"], pieces["plain"])),
+            "only == plain": all(torch.equal(a, b) for a, b in zip(pieces["only"], pieces["plain"])),
             "dispatch == plain": bool(refused) or all(torch.equal(a, b)
                                                       for a, b in zip(pieces["dispatch"], pieces["plain"])),
             "dispatch refused": refused,
             "state in the layout": bool(state_layouts) and all(state_layouts) if "SGD" != kind else not state_layouts,
             # a parameter written where plain tensors' counters move, but never the other way (fused kernels bump none)
-            "versions": all(f or not p for fs, ps in zip(changed["fast"], changed["plain"]) for f, p in zip(fs, ps)),
+            "versions": all(f or not p for name in ("fast", "only")
+                            for fs, ps in zip(changed[name], changed["plain"]) for f, p in zip(fs, ps)),
             "dispatched after the first step": dispatched,
         }
     result["Adafactor"] = _refusal(lambda: _adafactor_step(ragged_copies()))
@@ -144,7 +151,7 @@ def results(request) -> list:
 def test_torch_optimizer_steps_local_pieces_as_plain_tensors(results, kind):
     for rank, res in enumerate(results):
         got = res[kind]
-        assert got["fast == plain"] and got["dispatch == plain"], (rank, kind, got)
+        assert got["fast == plain"] and got["only == plain"] and got["dispatch == plain"], (rank, kind, got)
         assert not got["dispatch refused"] or "not supported on a ragged-sharded tensor" in got["dispatch refused"]
         assert got["state in the layout"], (rank, kind, got)
         assert got["versions"], (rank, kind, got)

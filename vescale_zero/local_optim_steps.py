@@ -144,30 +144,17 @@ def _local_lists(tensor_lists: List[list]) -> Optional[Tuple[List[list], List[li
     specs = list(map(_SPEC, params)) if all_ragged else None
     local: List[list] = []
     for tensors in tensor_lists:
-        if type(tensors) is not list:
+        if type(tensors) is not list or (tensors and len(tensors) != len(params)):
             return None
-        if not tensors:
-            local.append([])
-            continue
-        if len(tensors) != len(params):
-            return None
-        types = set(map(type, tensors))
-        if all_ragged and types == _RAGGED_ONLY:  # parameter-shaped: one layout per index
-            if not all(map(is_, map(_SPEC, tensors), specs)) and not _same_layouts(tensors, params):
-                return None
-            local.append(list(map(_LOCAL, tensors)))
-        elif RaggedDTensor in types:
+        same_specs = (all_ragged and tensors and set(map(type, tensors)) == _RAGGED_ONLY
+                      and all(map(is_, map(_SPEC, tensors), specs)))
+        if same_specs:  # parameter-shaped, each with its parameter's very spec (zeros_like, a gradient)
+            pieces = list(map(_LOCAL, tensors))
+        else:  # numbers per parameter (Adam's steps), buffers yet to be made (None), other specs, plain ones
             pieces = _mixed_pieces(tensors, params)
             if pieces is None:
                 return None
-            local.append(pieces)
-        elif not any(issubclass(tp, DTensor) for tp in types):  # numbers per parameter (Adam's steps), or
-            if not all(t is None or t.dim() == 0 or type(p) is not RaggedDTensor  # buffers yet to be made
-                       for t, p in zip(tensors, params)):
-                return None
-            local.append(list(tensors))
-        else:
-            return None
+        local.append(pieces)
     return local, [list(pieces) for pieces in local]
 
 
@@ -176,13 +163,10 @@ _SPEC = attrgetter("_spec")
 _LOCAL = attrgetter("_local_tensor")
 
 
-def _same_layouts(tensors: list, params: list) -> bool:
-    return all(type(t) is RaggedDTensor and t._spec.placements == p._spec.placements for t, p in zip(tensors, params))
-
-
 def _mixed_pieces(tensors: list, params: list) -> Optional[list]:
-    """Local pieces of a list beside parameters some of which are ragged: a ragged tensor at a
-    ragged parameter's index with its layout, a plain tensor at a plain one's (or a 0-dim one)."""
+    """Local pieces of a list beside the parameters, index by index: at a ragged parameter's
+    index a ragged tensor of its layout, a plain 0-dim tensor or ``None``; at a plain one's a
+    plain tensor or ``None``. ``None`` if any index breaks that (the dispatch path answers)."""
     pieces = []
     for t, p in zip(tensors, params):
         if type(p) is RaggedDTensor:
