@@ -55,6 +55,12 @@ Part 2 (``--fake-ranks``): estimated memory at world sizes we cannot run, in one
 PyTorch's fake process group (``FakeStore`` + ``init_process_group("fake")``: collectives
 return at once, tensors are real), for a stack of Llama-3-8B-shaped layers (``--fake-layers``).
 
+[Note: inputs in the compute dtype] The stack's input is hidden states, not token ids: under
+``--fake-precision bf16`` they are made in bf16, as a DeepSpeed user feeds a bf16 engine (ZeRO-3
+casts no inputs: fp32 ones meet its bf16 weights, "expected m1 and m2 to have the same dtype").
+FSDP2 and vescale-zero cast floating inputs to ``param_dtype`` themselves, so the same bf16
+batch reaches every system, and the unsharded model whose activation peak is the floor's term.
+
 [Note: granularity of the comparison] ZeRO-3 gathers one ``nn.Linear`` (a submodule with
 parameters) at a time, fetching and releasing inside a layer, while vescale-zero and FSDP2 as
 set up above gather a whole layer: against the per-layer floor ZeRO-3 sits far below both by
@@ -78,9 +84,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -88,6 +92,8 @@ if REPO not in sys.path:
 
 from vescale_zero.testing import GPT, GPTConfig, SyntheticCorpus  # noqa: E402
 from vescale_zero.testing.live_bytes import LiveBytes  # noqa: E402
+from vescale_zero.testing.llama import LlamaShapedStack, stack_layers  # noqa: E402
+from vescale_zero.testing.sharding import fake_world, shard_on_meta  # noqa: E402
 
 OFFLOAD_SYSTEMS = ("vescale_off", "fsdp2_off", "zero3_off")  # [Note: offload rows]
 SYSTEMS = ("vescale", "vescale_trs", "fsdp2", "zero3", "ddp", "vescale_lin", "fsdp2_lin") + OFFLOAD_SYSTEMS
@@ -101,14 +107,6 @@ MiB = 2 ** 20
 
 
 # ---- building each system ----------------------------------------------------------------
-def _init_module(m: nn.Module) -> None:
-    """Module-by-module initialisation (values do not matter for memory)."""
-    if isinstance(m, GPT):
-        nn.init.zeros_(m.pos)
-    elif callable(getattr(m, "reset_parameters", None)):
-        m.reset_parameters()
-
-
 def zero3_buckets(hidden: int) -> Dict[str, int]:
     """ZeRO-3's bucket sizes as Hugging Face's ``"auto"`` sets them from the hidden size. Its
     defaults (a 5e8-element reduce bucket, allocated whole) would charge it ~1.9 GiB of fp32
@@ -122,40 +120,15 @@ def build(system: str, model_fn, precision: str, batch: int, blocks_of, hidden: 
     bf16 = precision == "bf16"
     offload = system.endswith("_off")  # [Note: offload rows]
     system = system[:-len("_off")] if offload else system
-    if system in ("vescale", "vescale_trs", "vescale_lin"):
-        import vescale_zero as vz
+    if system in ("vescale", "vescale_trs", "vescale_lin", "fsdp2", "fsdp2_lin"):
         from vescale_zero.collectives import set_reduce_scatter_impl
 
-        set_reduce_scatter_impl("native" if system == "vescale_trs" else "auto")
-        with torch.device("meta"):
-            model = model_fn()
-        policy = vz.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-        layers = sorted({type(b).__name__ for b in blocks_of(model)})
-        if system == "vescale_lin":  # [Note: granularity of the comparison]
-            layers = ["Linear"] + layers
-        vz.fully_shard_layers(model, layer_classes=layers, mp_policy=policy,
-                              offload_policy=CPUOffloadPolicy(pin_memory=False) if offload else None)
-        vz.materialize(model, init_fn=_init_module, device="cpu")
-    elif system in ("fsdp2", "fsdp2_lin"):
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        with torch.device("meta"):
-            model = model_fn()
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        kw = {"mesh": mesh}
-        if bf16:
-            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if offload:  # pin_memory=False: FSDP2 pins for an accelerator, which a CPU-only process has not
-            kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
-        units = (_linears(model) if system == "fsdp2_lin" else []) + list(blocks_of(model))
-        for unit in units:  # innermost first
-            fully_shard(unit, **kw)
-        fully_shard(model, **kw)
-        model.to_empty(device="cpu")
-        with torch.no_grad():
-            for m in model.modules():
-                _init_module(m)
+        if system.startswith("vescale"):
+            set_reduce_scatter_impl("native" if system == "vescale_trs" else "auto")
+        per_linear = system.endswith("_lin")  # [Note: granularity of the comparison]
+        model = shard_on_meta("vescale" if system.startswith("vescale") else "fsdp2", model_fn,
+                              lambda m: (_linears(m) if per_linear else []) + list(blocks_of(m)), torch.device("cpu"),
+                              param_dtype=torch.bfloat16 if bf16 else None, offload=offload)
     elif system == "zero3":
         import deepspeed
 
@@ -586,82 +559,33 @@ def print_table(title: str, rows: Dict[str, Dict], floor: Dict[str, float], rss:
 
 
 # ---- fake process group: world sizes we cannot run -------------------------------------------
-class LlamaShapedLayer(nn.Module):
-    """A Llama-3 decoder layer's shapes: RMSNorm, grouped-query attention (no rotary: it holds
-    no parameters), RMSNorm, SwiGLU MLP."""
-
-    def __init__(self, hidden: int, ffn: int, heads: int, kv_heads: int) -> None:
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
-        self.attn_norm = nn.RMSNorm(hidden)
-        self.q = nn.Linear(hidden, hidden, bias=False)
-        self.k = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
-        self.v = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
-        self.o = nn.Linear(hidden, hidden, bias=False)
-        self.mlp_norm = nn.RMSNorm(hidden)
-        self.gate = nn.Linear(hidden, ffn, bias=False)
-        self.up = nn.Linear(hidden, ffn, bias=False)
-        self.down = nn.Linear(ffn, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        h = self.attn_norm(x)
-        q = self.q(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        x = x + self.o(a.transpose(1, 2).reshape(b, t, -1))
-        h = self.mlp_norm(x)
-        return x + self.down(F.silu(self.gate(h)) * self.up(h))
-
-
-class LlamaShapedStack(nn.Module):
-    """``n`` Llama-shaped layers; the loss is the mean square of the output (no embedding or head)."""
-
-    def __init__(self, n: int, hidden: int = 4096, ffn: int = 14336, heads: int = 32, kv_heads: int = 8) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(LlamaShapedLayer(hidden, ffn, heads, kv_heads) for _ in range(n))
-        self.norm = nn.RMSNorm(hidden)
-
-    def forward(self, x: torch.Tensor, _targets: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return self.norm(x).float().pow(2).mean()
-
-
-def _stack_blocks(model):
-    return list(model.layers)
-
-
 def _fake_model(args):
     dims = dict(hidden=args.fake_hidden, ffn=args.fake_ffn, heads=args.fake_heads, kv_heads=args.fake_kv_heads)
     return (lambda: LlamaShapedStack(args.fake_layers, **dims)), dims
 
 
 def _fake_batches(args, hidden: int):
+    """Two batches of hidden states in the compute dtype ([Note: inputs in the compute dtype])."""
     g = torch.Generator().manual_seed(0)
-    return [(torch.randn(1, args.fake_seq, hidden, generator=g), None) for _ in range(2)]
+    dtype = torch.bfloat16 if args.fake_precision == "bf16" else torch.float32
+    return [(torch.randn(1, args.fake_seq, hidden, generator=g).to(dtype), None) for _ in range(2)]
 
 
 def _fake_worker(_index: int, world: int, args, out) -> None:
     """Rank 0 of a fake world of ``world`` ranks, every system in turn, in a process of its own
     per world size (DeepSpeed keeps the first process group it saw for good)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(_free_port()), DS_ACCELERATOR="cpu")
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     model_fn, dims = _fake_model(args)
     batches = _fake_batches(args, dims["hidden"])
     for system in args.fake_systems:
-        dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
-        try:
-            out[f"{world}:{system}"] = measure_rank(system, model_fn, _stack_blocks, args.fake_precision, batches, 1,
-                                                    dims["hidden"])
-        except Exception as e:  # noqa: BLE001 - reported in the table: the system does not run here
-            out[f"{world}:{system}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}"
-        finally:
-            dist.destroy_process_group()
+        with fake_world(world):
+            try:
+                out[f"{world}:{system}"] = measure_rank(system, model_fn, stack_layers, args.fake_precision, batches,
+                                                        1, dims["hidden"])
+            except Exception as e:  # noqa: BLE001 - reported in the table: the system does not run here
+                out[f"{world}:{system}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}"
 
 
 def run_fake(args) -> None:
@@ -677,7 +601,7 @@ def run_fake(args) -> None:
                      f"{args.fake_layers} Llama-3-8B-shaped layers (hidden {dims['hidden']}, ffn {dims['ffn']}, "
                      f"{dims['heads']} heads, {dims['kv_heads']} KV heads; no embedding/head), 1 x "
                      f"{args.fake_seq} tokens")
-            tables = [("", _stack_blocks, [s for s in results if s not in PER_LINEAR[:2]])]
+            tables = [("", stack_layers, [s for s in results if s not in PER_LINEAR[:2]])]
             if any(s in results for s in PER_LINEAR[:2]):  # [Note: granularity of the comparison]
                 tables.append((" -- one group per nn.Linear, ZeRO-3's unit", _linears,
                                [s for s in PER_LINEAR if s in results]))

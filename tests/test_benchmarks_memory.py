@@ -10,16 +10,21 @@ import re
 import pytest
 
 
-def test_memory_benchmark_smoke(capsys):
+@pytest.mark.parametrize("precision, systems", [("fp32", None), ("bf16", ("vescale", "fsdp2", "zero3"))])
+def test_memory_benchmark_smoke(capsys, precision, systems):
+    """bf16: [Note: inputs in the compute dtype] (fp32 inputs failed the whole run: "expected m1
+    and m2 to have the same dtype")."""
     pytest.importorskip("deepspeed")
     bench = importlib.import_module("benchmarks.memory")  # the repository root is on sys.path (conftest / rootdir)
+    systems = systems or bench.FAKE_SYSTEMS
     args = bench.parse_args(["--ranks", "--fake-ranks", "8", "--fake-layers", "1", "--fake-hidden", "64",
-                             "--fake-ffn", "128", "--fake-heads", "4", "--fake-kv-heads", "2", "--fake-seq", "8"])
+                             "--fake-ffn", "128", "--fake-heads", "4", "--fake-kv-heads", "2", "--fake-seq", "8",
+                             "--fake-precision", precision, "--fake-systems", *systems])
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     bench.run_fake(args)
     out = capsys.readouterr().out
     tables = [t for t in out.split("\n\n") if "floor = " in t]
-    assert len(tables) == 2, out  # per layer, and one group per nn.Linear (ZeRO-3's unit)
+    assert len(tables) == (2 if "vescale_lin" in systems else 1), out  # per layer, and one group per nn.Linear
     rows = {}
     for table in tables:
         floor = re.search(r"floor = sharded ([\d.]+) \+ 2 groups full ([\d.]+) \+ act ([\d.]+) = ([\d.]+) MiB", table)
@@ -39,9 +44,9 @@ def test_memory_benchmark_smoke(capsys):
             assert abs(sum(roles) - peak) <= 0.01 * len(roles), line  # the split accounts for the whole peak
             assert row_floor == total and abs(peak - row_floor - excess) <= 0.02, line
             assert peak > 0 and roles[bench.ROLES.index("params")] > 0, line
-    assert set(rows) == set(bench.FAKE_SYSTEMS), out  # every system: a row, or why it cannot run on a fake group
-    measured = sum("does not run" not in line for line in rows.values())
-    assert measured >= 5, out  # vescale, FSDP2 and ZeRO-3 (and the _lin rows) run on PyTorch's fake process group
+    assert set(rows) == set(systems), out  # every system: a row, or why it cannot run on a fake group
+    measured = {name for name, line in rows.items() if "does not run" not in line}
+    assert measured == set(systems) - {"ddp"}, out  # all but DDP run on PyTorch's fake process group
 
 
 def _offload_rows(rank: int, world: int):
