@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["install_cuda_shim", "MegatronFP32Step", "megatron_optimizer_on_cpu", "fused_wgrad_on_cpu"]
+__all__ = ["install_cuda_shim", "gpu_check_prelude", "MegatronFP32Step", "megatron_optimizer_on_cpu",
+           "fused_wgrad_on_cpu"]
 
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint",
               "zeros_like", "ones_like", "empty_like", "full_like")
@@ -117,6 +118,14 @@ def install_cuda_shim() -> None:
     if not hasattr(moe_utils, "te_general_gemm"):  # 0.16.1 reads it unguarded when TE is absent
         moe_utils.te_general_gemm = None
     _installed = True
+
+
+def gpu_check_prelude(section: str) -> None:
+    """The GPU check's dry mode with megatron-core on CPU: ``python -m vescale_zero.gpu_check
+    --device cpu --prelude tests.megatron_shim:gpu_check_prelude`` installs the shim in the
+    megatron section's process, and nowhere else."""
+    if section == "megatron":
+        install_cuda_shim()
 
 
 @contextlib.contextmanager
