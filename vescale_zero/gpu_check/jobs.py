@@ -191,47 +191,60 @@ def _caller(stack: traceback.StackSummary) -> str:
     outside = next((f for f in reversed(stack) if not f.filename.startswith(_TORCH_DIR)
                     and "warnings" not in os.path.basename(f.filename)), None)
     inner = stack[-1] if len(stack) else None
-    where = lambda f: f"{os.path.relpath(f.filename, os.path.dirname(_TORCH_DIR))}:{f.lineno} {f.name}"  # noqa: E731
+    where = lambda f: f"{'/'.join(f.filename.split(os.sep)[-2:])}:{f.lineno} {f.name}"  # noqa: E731
     if outside is None:
         return where(inner) if inner else "?"
     return where(outside) + (f" (in {where(inner)})" if inner is not None and inner is not outside else "")
 
 
-def sync_debug(ctx: Context) -> Outcome:
-    s = ctx.sizes
+def host_syncs(step: Callable[[], Any]) -> Counter:
+    """Run ``step()`` under ``torch.cuda.set_sync_debug_mode("warn")``: every host synchronisation
+    it makes, counted by who asked (:func:`_caller`)."""
     sites: Counter = Counter()
 
     def note(message, category, filename, lineno, file=None, line=None) -> None:
         if "synchroniz" in str(message):
             sites[_caller(traceback.extract_stack()[:-1])] += 1
 
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = note
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sites
+
+
+def error_mode(step: Callable[[], Any]) -> str:
+    """Run ``step()`` under ``torch.cuda.set_sync_debug_mode("error")``: "" if it ran through,
+    else the error's line."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    except RuntimeError as e:
+        return one_line(e)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return ""
+
+
+def sync_debug(ctx: Context) -> Outcome:
+    s = ctx.sizes
     with world_of_one(ctx.device, ctx.timeout_s):
         model, opt = build_main_job(s.gpt, ctx.device)
         batch = batches(s.gpt, s.global_batch, ctx.device)
         for i in range(2):  # warm-up: optimizer state, lazily built buffers
             train_step(model, opt, batch(i))
         synchronize(ctx.device)
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = note
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                train_step(model, opt, batch(2))
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
+        sites = host_syncs(lambda: train_step(model, opt, batch(2)))
         synchronize(ctx.device)
-        error = ""
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            train_step(model, opt, batch(3))
-        except RuntimeError as e:
-            error = one_line(e)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+        error = error_mode(lambda: train_step(model, opt, batch(3)))
     count = sum(sites.values())
     lines = [f"- {n} x {site}" for site, n in sites.most_common()]
     figures = {"syncs_in_warn_step": count, "sites": dict(sites), "error_mode_step": error or "ran through"}
-    summary = (f"{count} host syncs in one step (warn mode); error mode: {error or 'the step ran through'}")
+    summary = f"{count} host syncs in one step (warn mode); error mode: {error or 'the step ran through'}"
     return Outcome("sync_debug", "PASS" if count == 0 and not error else "FAIL", summary, lines, figures)
 
 
@@ -246,21 +259,28 @@ def _describe_report(error: Exception) -> str:
         return str(error).strip().splitlines()[0][:300]
 
 
-def sanitizer(ctx: Context) -> Outcome:
+def collect_sanitizer_reports(into: List[Exception]) -> None:
+    """Make torch's CUDA sanitizer (on in this process: ``TORCH_CUDA_SANITIZER=1`` at ``import
+    torch``) append every report to ``into`` instead of raising the first: its event handler's
+    kernel-launch check is wrapped. (torch internals: ``torch.cuda._sanitizer``, the same in
+    torch 2.11 to 2.13.)"""
     import torch.cuda._sanitizer as csan
 
     if not csan.cuda_sanitizer.enabled:
         raise RuntimeError("the CUDA sanitizer is off in this process: start it with TORCH_CUDA_SANITIZER=1")
-    reports: List[Exception] = []
     handler = csan.cuda_sanitizer.dispatch.event_handler
     launch = handler._handle_kernel_launch
 
     def noting(*args, **kwargs):  # count every report; raise none, so the steps run to the end
-        errors = launch(*args, **kwargs)
-        reports.extend(errors)
+        into.extend(launch(*args, **kwargs))
         return []
 
     handler._handle_kernel_launch = noting
+
+
+def sanitizer(ctx: Context) -> Outcome:
+    reports: List[Exception] = []
+    collect_sanitizer_reports(reports)
     s = ctx.sizes
     with world_of_one(ctx.device, ctx.timeout_s):
         model, opt = build_main_job(s.gpt, ctx.device)
@@ -273,4 +293,3 @@ def sanitizer(ctx: Context) -> Outcome:
     figures = {"steps": s.sanitizer_steps, "reports": len(reports), "distinct": dict(kinds), "losses": values}
     summary = f"{len(reports)} sanitizer reports in {s.sanitizer_steps} steps ({len(kinds)} distinct)"
     return Outcome("sanitizer", "PASS" if not reports else "FAIL", summary, lines, figures)
-
