@@ -6,9 +6,16 @@ at the limit, a JIT build's compilers too). A CUDA error is sticky for the proce
 an NCCL hang holds its process, torch's CUDA sanitizer is switched on by an environment variable
 read at ``import torch``, and DeepSpeed keeps the first process group it saw: one process each
 keeps a failure to its own section and gives each its own allocator peaks. The section writes an
-``Outcome`` as JSON; a process that dies first (or hangs) is a FAIL with its last words. The
-runner itself never touches the device. Scratch files live in a temporary directory; ``--out``
-gets only ``report.md``, ``report.json`` and ``sections.log`` (every section's output).
+``Outcome`` as JSON; a process that dies first (or hangs) is a FAIL with its last words. Scratch
+files live in a temporary directory; ``--out`` gets only ``report.md``, ``report.json`` and
+``sections.log`` (every section's output).
+
+A section's process starts in the scratch directory, with the runner's working directory at the
+end of its ``PYTHONPATH``: an installed vescale-zero (a wheel in ``PYTHONPATH``) comes first even
+when the check is started from the repository's root, whose ``vescale_zero/`` lacks
+``vescale_zero.integrations`` (``setup.py`` maps it from ``integrations/``); a ``--prelude`` module
+of the repository (``tests.megatron_shim``) is still found. So whether a section's ``needs`` are
+importable is asked in its own process.
 """
 
 from __future__ import annotations
@@ -65,8 +72,6 @@ def _importable(module: str) -> bool:
 
 def environment(device: torch.device) -> Dict[str, Any]:
     """What the report's head says about the machine (without touching the device)."""
-    import vescale_zero
-
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         what = (f"{props.name}, capability {props.major}.{props.minor}, {props.total_memory / 2**30:.0f} GiB, "
@@ -77,26 +82,14 @@ def environment(device: torch.device) -> Dict[str, Any]:
     return {
         "device": what,
         "torch": f"{torch.__version__} (CUDA {torch.version.cuda or '-'}), Python {platform.python_version()}",
-        "vescale_zero": os.path.dirname(vescale_zero.__file__),
         "packages": ", ".join(f"{k} {v}" for k, v in versions.items()),
     }
 
 
-def _missing(section: Section) -> List[str]:
-    return [m for m in section.needs if not _importable(m)]
-
-
-def _skip_reason(section: Section, device: torch.device) -> str:
-    missing = _missing(section)
-    if missing:
-        why = ", ".join(missing)
-        if "vescale_zero.integrations" in missing:
-            why += (" (installed from a wheel, the package is shadowed by the repository's vescale_zero/ when run "
-                    "from the repository root: run from another directory)")
-        return f"not installed: {why} (carry its wheel: README, GPU check)"
-    if device.type != "cuda" and section.cuda_only:
-        return section.cuda_only
-    return ""
+def _missing(section: Section) -> str:
+    """"" if every module ``section`` needs is importable here, else which are not."""
+    missing = [m for m in section.needs if not _importable(m)]
+    return f"not installed: {', '.join(missing)} (carry its wheel: README, GPU check)" if missing else ""
 
 
 def _last_words(log: str) -> str:
@@ -113,11 +106,13 @@ def _run_child(section: Section, device: str, timeout_s: float, scratch: str, pr
     cmd = [sys.executable, "-m", "vescale_zero.gpu_check", "--section", section.name, "--device", device,
            "--result", result, "--timeout", str(max(10.0, timeout_s - 15))]
     cmd += ["--prelude", prelude] if prelude else []
+    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), os.getcwd()) if p)  # see the module's note
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0",
-               WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", PYTHONUNBUFFERED="1", **dict(section.env))
+               WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", PYTHONUNBUFFERED="1", PYTHONPATH=path, **dict(section.env))
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
-        child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=scratch,
+                                 start_new_session=True)
         try:
             rc = child.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -149,6 +144,7 @@ def run_check(out: str, device: str, budget_s: float, prelude: Optional[str] = N
         raise SystemExit("--device cuda: torch sees no CUDA device here (use --device cpu for the dry mode)")
     os.makedirs(out, exist_ok=True)
     start = time.perf_counter()
+    out = os.path.abspath(out)
     env = environment(dev)
     scratch = tempfile.mkdtemp(prefix="vescale_gpu_check_")
     outcomes: List[Outcome] = []
@@ -158,7 +154,7 @@ def run_check(out: str, device: str, budget_s: float, prelude: Optional[str] = N
             if only and section.name not in only:
                 continue
             left = budget_s - (time.perf_counter() - start)
-            reason = _skip_reason(section, dev)
+            reason = section.cuda_only if dev.type != "cuda" else ""
             if not reason and left < 20:
                 reason = f"no time left in the {budget_s:.0f} s budget"
             if reason:
@@ -175,6 +171,8 @@ def run_check(out: str, device: str, budget_s: float, prelude: Optional[str] = N
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     total = time.perf_counter() - start
+    places = sorted({o.figures.get("imported_from") for o in outcomes} - {None})
+    env["vescale_zero imported from"] = ", ".join(places) or "-"
     markdown = render_markdown(env, outcomes, total, budget_s)
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(markdown)
@@ -186,6 +184,10 @@ def run_check(out: str, device: str, budget_s: float, prelude: Optional[str] = N
     return 1 if any(o.status == "FAIL" for o in outcomes) else 0
 
 
+class _Skip(Exception):
+    """A section that cannot run here, and why."""
+
+
 def run_section(name: str, device: str, result: str, timeout_s: float, prelude: Optional[str]) -> int:
     """The process of one section ([Note: one process per section]): the prelude, the section,
     its ``Outcome`` written to ``result`` as JSON (a raised exception is a FAIL naming it)."""
@@ -193,6 +195,9 @@ def run_section(name: str, device: str, result: str, timeout_s: float, prelude: 
     t0 = time.perf_counter()
     scratch = tempfile.mkdtemp(prefix=f"vescale_gpu_check_{name}_")
     try:
+        missing = _missing(section)
+        if missing:
+            raise _Skip(missing)
         if prelude:
             module, _, function = prelude.partition(":")
             getattr(importlib.import_module(module), function)(name)
@@ -203,12 +208,15 @@ def run_section(name: str, device: str, result: str, timeout_s: float, prelude: 
         module, _, function = section.function.partition(":")
         run = getattr(importlib.import_module(f"vescale_zero.gpu_check.{module}"), function)
         outcome = run(Context(dev, FULL if dev.type == "cuda" else DRY, scratch, timeout_s))
+    except _Skip as e:
+        outcome = Outcome(name, "SKIP", str(e))
     except BaseException as e:  # noqa: BLE001 - the section's failure is its report
         traceback.print_exc()
         outcome = Outcome(name, "FAIL", one_line(e))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     outcome.seconds = time.perf_counter() - t0
+    outcome.figures["imported_from"] = os.path.dirname(importlib.import_module("vescale_zero").__file__)
     with open(result, "w") as f:
         json.dump(asdict(outcome), f, default=str)
     return 0
