@@ -237,10 +237,11 @@ def sync_debug(ctx: Context) -> Outcome:
         batch = batches(s.gpt, s.global_batch, ctx.device)
         for i in range(2):  # warm-up: optimizer state, lazily built buffers
             train_step(model, opt, batch(i))
+        watched = batch(2), batch(3)  # on the device first: a pageable host-to-device copy counts as a sync
         synchronize(ctx.device)
-        sites = host_syncs(lambda: train_step(model, opt, batch(2)))
+        sites = host_syncs(lambda: train_step(model, opt, watched[0]))
         synchronize(ctx.device)
-        error = error_mode(lambda: train_step(model, opt, batch(3)))
+        error = error_mode(lambda: train_step(model, opt, watched[1]))
     count = sum(sites.values())
     lines = [f"- {n} x {site}" for site, n in sites.most_common()]
     figures = {"syncs_in_warn_step": count, "sites": dict(sites), "error_mode_step": error or "ran through"}

@@ -46,7 +46,7 @@ FULL = Sizes(
     gpt=GPTConfig(vocab_size=256, seq_len=256, d_model=256, n_layers=4, n_heads=8), global_batch=16, steps=30,
     parity_steps=5, sanitizer_steps=2,
     big_gpt=GPTConfig(vocab_size=512, seq_len=1024, d_model=2048, n_layers=20, n_heads=16),  # 1.01e9 parameters
-    big_batch=8, warmup=3, timed=6,
+    big_batch=8, warmup=3, timed=10,
     llama=dict(hidden=4096, ffn=14336, heads=32, kv_heads=8), llama_layers=4, llama_seq=2048, fake_worlds=(8, 64),
     copy_model="llama3-70b", copy_scale=None, copy_ranks=(8, 64), copy_reps=5,
     megatron=dict(layers=2, hidden=256, heads=8, seq=128, vocab=512, micro_batch=4, steps=10),
@@ -69,7 +69,8 @@ class Section:
     :class:`Context`, returning an ``Outcome``. ``needs``: modules that must be importable, else
     the section is skipped saying which. ``cuda_only``: why it is skipped on another device
     ("": it runs everywhere). ``timeout_s``: its limit on CUDA (the dry mode has its own).
-    ``env``: set in its process only."""
+    ``env``: set in its process only. ``least_s``: the time it needs at the least; with less left
+    in the budget it is skipped, saying so."""
 
     name: str
     function: str
@@ -77,6 +78,7 @@ class Section:
     cuda_only: str = ""
     timeout_s: float = 120.0
     env: Tuple[Tuple[str, str], ...] = ()
+    least_s: float = 20.0
 
 
 SECTIONS = (
@@ -93,8 +95,8 @@ SECTIONS = (
     Section("sanitizer", "jobs:sanitizer", timeout_s=150, env=(("TORCH_CUDA_SANITIZER", "1"),),
             cuda_only="TORCH_CUDA_SANITIZER analyses CUDA kernels and streams only"),
     Section("deepspeed_fused_adam", "hosts:deepspeed_fused_adam", needs=("deepspeed", "vescale_zero.integrations"),
-            timeout_s=240, cuda_only="DeepSpeed's FusedAdam is a CUDA kernel (built on first use, ~1 min); the dry "
-            "mode's deepspeed section runs torch's Adam, as our tests do"),
+            timeout_s=240, least_s=120, cuda_only="DeepSpeed's FusedAdam is a CUDA kernel (built on first use, "
+            "~1 min); the dry mode's deepspeed section runs torch's Adam, as our tests do"),
 )
 
 

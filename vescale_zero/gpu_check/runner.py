@@ -155,8 +155,8 @@ def run_check(out: str, device: str, budget_s: float, prelude: Optional[str] = N
                 continue
             left = budget_s - (time.perf_counter() - start)
             reason = section.cuda_only if dev.type != "cuda" else ""
-            if not reason and left < 20:
-                reason = f"no time left in the {budget_s:.0f} s budget"
+            if not reason and left < section.least_s:
+                reason = f"{left:.0f} s left in the {budget_s:.0f} s budget, it needs {section.least_s:.0f} s"
             if reason:
                 outcome = Outcome(section.name, "SKIP", reason)
             else:
