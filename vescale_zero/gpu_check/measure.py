@@ -178,8 +178,9 @@ def copies(ctx: Context) -> Outcome:
     bandwidth = nominal_bandwidth(ctx.device)
     name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
     bw_text = f"{bandwidth / 1e12:.2f} TB/s nominal" if bandwidth else "no nominal bandwidth known"
-    lines = [f"{s.copy_model} decoder layer (last dim / {scale}), bf16 params + fp32 master / reduce, one rank's "
-             f"kernels around 2 all-gathers + 1 reduce-scatter; median of {s.copy_reps}; {name}: {bw_text}", "",
+    lines = [f"{s.copy_model} decoder layer (last dim / {scale}), bf16 params + fp32 master / reduce; one rank's "
+             f"kernels around 2 all-gathers + 1 reduce-scatter, ms per step (medians of {s.copy_reps}); GB/s: bytes "
+             f"read + written; {name}: {bw_text}", "",
              "| ranks | kind | FSDP2 ms | FSDP2 GB/s (% nominal) | ours ms | ours GB/s (% nominal) | ours/FSDP2 |",
              "|---:|---|---:|---:|---:|---:|---:|"]
     figures: Dict[str, Dict] = {"scale": scale, "bandwidth_Bps": bandwidth}

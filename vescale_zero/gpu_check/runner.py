@@ -45,7 +45,7 @@ from .report import Outcome, one_line, render_json, render_markdown
 __all__ = ["run_check", "run_section", "environment"]
 
 PACKAGES = ("vescale-zero", "deepspeed", "megatron-core", "transformers", "accelerate", "peft", "trl", "hjson",
-            "pydantic", "pydantic-core", "annotated-types", "typing-inspection")
+            "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions", "datasets")
 DRY_TIMEOUT_S = 150.0  # per section on a CPU (2 busy cores)
 LOG_TAIL = 200  # lines of each section's output kept in sections.log
 
