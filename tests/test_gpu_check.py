@@ -76,6 +76,10 @@ def test_a_failing_section_is_reported_and_the_check_goes_on(tmp_path):
     assert sections["checkpoint"]["summary"] == "its process exited with 3 before reporting: dying on purpose"
     assert sections["sync_debug"]["status"] == "SKIP"
     assert "Traceback" in (tmp_path / "sections.log").read_text()  # the raised section's traceback is kept
+    late = _check(str(tmp_path / "late"), "--sections", "main_job", "--budget", "1")
+    (section,) = json.loads((tmp_path / "late" / "report.json").read_text())["sections"]
+    assert late.returncode == 0 and section["status"] == "SKIP", section
+    assert section["summary"].endswith("left in the 1 s budget, it needs 20 s"), section
 
 
 def _sync_here() -> None:

@@ -71,7 +71,7 @@ def _importable(module: str) -> bool:
 
 
 def environment(device: torch.device) -> Dict[str, Any]:
-    """What the report's head says about the machine (without touching the device)."""
+    """What the report's head says about the machine (of the device: its properties only)."""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         what = (f"{props.name}, capability {props.major}.{props.minor}, {props.total_memory / 2**30:.0f} GiB, "
@@ -122,7 +122,7 @@ def _run_child(section: Section, device: str, timeout_s: float, scratch: str, pr
     seconds = time.perf_counter() - t0
     with open(log_path) as f:
         output = f.read()
-    if os.path.exists(result):
+    if os.path.exists(result):  # written whole or not at all (run_section)
         with open(result) as f:
             outcome = Outcome(**json.load(f))
     elif rc is None:
@@ -217,6 +217,7 @@ def run_section(name: str, device: str, result: str, timeout_s: float, prelude: 
         shutil.rmtree(scratch, ignore_errors=True)
     outcome.seconds = time.perf_counter() - t0
     outcome.figures["imported_from"] = os.path.dirname(importlib.import_module("vescale_zero").__file__)
-    with open(result, "w") as f:
+    with open(result + ".tmp", "w") as f:
         json.dump(asdict(outcome), f, default=str)
+    os.replace(result + ".tmp", result)  # the runner sees the whole result or none
     return 0
