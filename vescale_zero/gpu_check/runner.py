@@ -81,7 +81,7 @@ def environment(device: torch.device) -> Dict[str, Any]:
     versions = {name: _version(name) for name in PACKAGES}
     return {
         "device": what,
-        "torch": f"{torch.__version__} (CUDA {torch.version.cuda or '-'}), Python {platform.python_version()}",
+        "torch": f"{_version('torch')} (CUDA {torch.version.cuda or '-'}), Python {platform.python_version()}",
         "packages": ", ".join(f"{k} {v}" for k, v in versions.items()),
     }
 
