@@ -27,6 +27,8 @@ from typing import Any, Callable, Dict, List, Tuple
 import torch
 from torch import nn
 
+import vescale_zero as vz
+
 from ..testing import GPT, GPTConfig, SyntheticCorpus
 from .device import MiB, PeakMemory, synchronize, world_of_one
 from .plan import Context
@@ -41,8 +43,6 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 def build_main_job(cfg: GPTConfig, device: torch.device, mixed: bool = True) -> Tuple[nn.Module, torch.optim.Optimizer]:
     """The main job's model (each block, then the root, under ``fully_shard``; bf16 parameters
     and compute with fp32 master and reduce when ``mixed``) and its ``AdamW(fused=True)``."""
-    import vescale_zero as vz
-
     with torch.device(device):
         model = GPT(cfg)
     mp = vz.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None
@@ -55,8 +55,6 @@ def build_main_job(cfg: GPTConfig, device: torch.device, mixed: bool = True) -> 
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, batch, clip: float = 1.0) -> torch.Tensor:
     """One step: forward, backward, clipping to ``clip`` (0: none), optimizer step; the loss
     (still on the device: nothing here reads a device value on the host)."""
-    import vescale_zero as vz
-
     x, y = batch
     loss = model(x, y)
     loss.backward()
@@ -82,8 +80,6 @@ def batches(cfg: GPTConfig, global_batch: int, device: torch.device) -> Callable
 def _fp32_gap(ctx: Context) -> Dict[str, Any]:
     """The main job's model in fp32 against the unsharded model (same initial weights, data and
     ``AdamW(fused=True)``, no clipping): how far apart their losses and parameters are."""
-    import vescale_zero as vz
-
     s = ctx.sizes
     batch = batches(s.gpt, s.global_batch, ctx.device)
     sharded, opt = build_main_job(s.gpt, ctx.device, mixed=False)
@@ -102,8 +98,6 @@ def _fp32_gap(ctx: Context) -> Dict[str, Any]:
 
 
 def main_job(ctx: Context) -> Outcome:
-    import vescale_zero as vz
-
     s = ctx.sizes
     with world_of_one(ctx.device, ctx.timeout_s):
         model, opt = build_main_job(s.gpt, ctx.device)
@@ -139,20 +133,16 @@ def main_job(ctx: Context) -> Outcome:
 
 def _pieces(model: nn.Module, opt: torch.optim.Optimizer) -> List[Tuple[str, torch.Tensor]]:
     """Every parameter's local piece and every optimizer state tensor's, in a fixed order."""
-    from vescale_zero import local_piece
-
     out = []
     for name, p in model.named_parameters():
-        out.append((name, local_piece(p)))
+        out.append((name, vz.local_piece(p)))
         for key, value in sorted(opt.state.get(p, {}).items()):
             if torch.is_tensor(value):
-                out.append((f"{name}:{key}", local_piece(value) if hasattr(value, "to_local") else value))
+                out.append((f"{name}:{key}", vz.local_piece(value) if hasattr(value, "to_local") else value))
     return out
 
 
 def checkpoint(ctx: Context) -> Outcome:
-    import vescale_zero as vz
-
     s = ctx.sizes
     path = os.path.join(ctx.workdir, "checkpoint")
     with world_of_one(ctx.device, ctx.timeout_s):

@@ -24,6 +24,8 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
+import vescale_zero as vz
+
 from ..testing import GPT, SyntheticCorpus
 from .device import MiB, PeakMemory, nominal_bandwidth, timed_steps, world_of_one
 from .plan import Context
@@ -98,8 +100,6 @@ def _build_timed(system: str, ctx: Context):
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
     from torch.nn.parallel import DistributedDataParallel
-
-    import vescale_zero as vz
 
     s = ctx.sizes
     with torch.device(ctx.device):
