@@ -70,7 +70,9 @@ def shard_mesh(group: dist.ProcessGroup, device: torch.device) -> DeviceMesh:
     [Note: one mesh dimension] HSDP replicas hold equal shards, so a ragged tensor is
     described on its shard group alone: a norm reduces over the shard group (what
     ``vz.clip_grad_norm_`` does), and ``torch.distributed.checkpoint`` drops the replicas'
-    duplicate boxes (same offsets) when it plans a save. A meta-device group's mesh takes the
+    duplicate boxes (same offsets) when it plans a save. (Beside tensor parallelism the tp
+    dimensions join the shard one, the replicas still left out: tensor_parallel [Note: ragged
+    inside the tensor-parallel piece].) A meta-device group's mesh takes the
     backend's device type (it is rebuilt when the group leaves the meta device)."""
     device_type = device.type
     if device_type == "meta":
