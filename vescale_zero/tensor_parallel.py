@@ -163,16 +163,23 @@ def _ragged_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, name: str) -> Tuple[D
     dims = tuple(root.mesh_dim_names or ())
     shard = (dp_mesh.mesh_dim_names or (None,))[-1]
     tp_names = tuple(tp_mesh.mesh_dim_names or ())
-    if (not tp_names or shard is None or shard in tp_names or any(n not in dims for n in (shard, *tp_names))
-            or root[tp_names] != tp_mesh):
+    names = (shard, *tp_names)
+    # dimensions in the world mesh's order; a flattened one (torchtitan's "dp_shard_cp") is not
+    # among its dimensions: then the shard dimension first, as such meshes put data parallelism
+    ordered = tuple(sorted(names, key=dims.index)) if all(n in dims for n in names) else names
+    try:
+        usable = tp_names and shard is not None and shard not in tp_names and root[tp_names] == tp_mesh
+        mesh = root[ordered] if usable else None
+    except (KeyError, RuntimeError, ValueError):  # torch's refusals of a slice
+        mesh = None
+    if mesh is None:
         raise ValueError(
             f"fully_shard: {name!r} is a DTensor on the mesh {tp_mesh} (tensor parallelism), but the mesh given to "
             f"fully_shard, {dp_mesh}, is not another named dimension of the same world mesh; slice both from one "
             "init_device_mesh(device_type, (dp, tp), mesh_dim_names=('dp', 'tp')): parallelize_module(..., "
             "world['tp']) and fully_shard(..., mesh=world['dp']) (HSDP: world['replicate', 'shard'])"
         )
-    ordered = tuple(sorted((shard, *tp_names), key=dims.index))
-    return root[ordered], ordered.index(shard), tuple(tp_names.index(n) for n in ordered if n != shard)
+    return mesh, ordered.index(shard), tuple(tp_names.index(n) for n in ordered if n != shard)
 
 
 def tensor_parallel_layouts(params: Sequence[Tuple[str, torch.Tensor]], mesh: Any,
