@@ -14,7 +14,10 @@ of its own group, so the norm is one reduction per process group of that group's
 and the totals add up (max for the inf-norm). The reductions run in the order the groups are
 listed, which is the module's order on every rank, so no rank waits on another's collective.
 Adapters whose pieces are already unique across a larger group (the Megatron optimizer:
-across the whole world) pass that one group to :func:`grad_norm_over_groups`.
+across the whole world) pass that one group to :func:`grad_norm_over_groups`. A
+tensor-parallel parameter's pieces are spread over its shard group and the tp ranks that
+shard it (tensor_parallel [Note: ragged inside the tensor-parallel piece]): its terms are
+reduced over each of those groups in turn; a parameter replicated over tp is counted once.
 """
 
 from __future__ import annotations
@@ -28,21 +31,36 @@ from torch import nn
 from .comm_device import collective_device
 from .fully_shard import groups_of
 from .ragged_tensor import local_piece
+from .tensor_parallel import reduction_dims
 
 __all__ = ["clip_grad_norm_", "grad_norm_over_groups", "sharded_grad_norm"]
 
 
-def _split(module: nn.Module) -> Tuple[Dict[int, Tuple[dist.ProcessGroup, List[torch.Tensor]]], List[torch.Tensor],
+Groups = Tuple[dist.ProcessGroup, ...]
+
+
+def _reduced_over(group, index: int) -> Groups:
+    """The process groups a parameter's norm terms are reduced over, in turn."""
+    if group.managed[index].tp is None:
+        return (group.process_group,)
+    spec = group.sharded_params[index]._spec
+    return tuple(spec.mesh.get_group(d) for d in reduction_dims(spec))
+
+
+def _split(module: nn.Module) -> Tuple[Dict[tuple, Tuple[Groups, List[torch.Tensor]]], List[torch.Tensor],
                                       Optional[torch.device]]:
-    """``({id: (process group, its groups' sharded grads)}, replicated grads, the groups'
+    """``({ids: (process groups, their sharded grads)}, replicated grads, the groups'
     device)``; the process groups in the order the module's groups first name them (the same
     order on every rank: see [Note: several process groups])."""
     groups = groups_of(module)
     sharded_ids = {id(p) for g in groups for p in g.sharded_params + g.unsharded_params}
-    by_pg: Dict[int, Tuple[dist.ProcessGroup, List[torch.Tensor]]] = {}
+    by_pg: Dict[tuple, Tuple[Groups, List[torch.Tensor]]] = {}
     for g in groups:
-        pieces = by_pg.setdefault(id(g.process_group), (g.process_group, []))[1]
-        pieces += [t for t in (local_piece(g.sharded_params[i].grad) for i in g.grad_indices) if t is not None]
+        for i in g.grad_indices:
+            piece = local_piece(g.sharded_params[i].grad)
+            if piece is not None:
+                pgs = _reduced_over(g, i)
+                by_pg.setdefault(tuple(map(id, pgs)), (pgs, []))[1].append(piece)
     replicated = [p.grad for p in module.parameters() if id(p) not in sharded_ids and p.grad is not None]
     return by_pg, replicated, groups[0].device if groups else None
 
@@ -56,12 +74,12 @@ def _local_norm_term(grads: List[torch.Tensor], norm_type: float, device) -> tor
 
 
 @torch.no_grad()
-def grad_norm_over_groups(pieces: Sequence[Tuple[Optional[dist.ProcessGroup], List[torch.Tensor]]],
+def grad_norm_over_groups(pieces: Sequence[Tuple[Union[None, dist.ProcessGroup, Groups], List[torch.Tensor]]],
                           norm_type: Union[float, int] = 2.0, device: Optional[torch.device] = None) -> torch.Tensor:
     """The ``norm_type``-norm of gradients held as disjoint pieces: each entry is ``(process
     group, this rank's pieces)``, whose local ``|g|^p`` sum (max for the inf-norm) is reduced
-    over that group; ``None`` as the group: pieces counted once, on this rank alone
-    (replicated gradients). Every rank passes its groups in the same order (see [Note:
+    over that group (a tuple of groups: over each in turn); ``None`` as the group: pieces
+    counted once, on this rank alone (replicated gradients). Every rank passes its groups in the same order (see [Note:
     several process groups]). A 0-dim fp32 tensor on ``device`` (default: the first
     piece's, else the CPU); nothing is read on the host."""
     norm_type = float(norm_type)
@@ -70,10 +88,11 @@ def grad_norm_over_groups(pieces: Sequence[Tuple[Optional[dist.ProcessGroup], Li
         device = next((g.device for _, grads in pieces for g in grads), torch.device("cpu"))
     total = torch.zeros((), dtype=torch.float32, device=device)
     for pg, grads in pieces:
-        where = collective_device(pg, device) if pg is not None else device
+        pgs = pg if isinstance(pg, tuple) else (() if pg is None else (pg,))
+        where = collective_device(pgs[0], device) if pgs else device
         term = _local_norm_term(grads, norm_type, where)
-        if pg is not None:
-            dist.all_reduce(term, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=pg)
+        for each in pgs:
+            dist.all_reduce(term, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=each)
         total = torch.maximum(total, term.to(device)) if inf else total + term.to(device)
     return total if inf else total ** (1.0 / norm_type)
 

@@ -31,6 +31,7 @@ from .local_optim_steps import install_local_optimizer_steps
 from .offload import resolve_offload_policy
 from .param_group import GroupState, ManagedParam, ParamGroup
 from .runtime import STATE_ATTR, FSDPState, RootContext, in_backward_pass
+from .tensor_parallel import local_tensor, tensor_parallel_layouts
 from .unused_grads import UNUSED_GRAD_POLICIES
 
 __all__ = ["fully_shard", "fully_shard_layers", "RaggedFSDPModule", "MixedPrecisionPolicy", "CPUOffloadPolicy",
@@ -307,6 +308,9 @@ def fully_shard(
             tensor parallelism, [Note: HSDP sub-mesh]): the group is planned for, gathered and
             reduce-scattered in the shard group, and its reduced shard all-reduced across
             replicas (grad_reduce [Note: HSDP]), the mean over all ranks, as DDP gives.
+            Parameters that ``parallelize_module`` made DTensors need the data-parallel slice of
+            the same world mesh (``world["dp"]``, HSDP ``world["replicate", "shard"]``): see
+            :mod:`vescale_zero.tensor_parallel`.
         reshard_after_forward: free the full parameters after forward (re-gathered in
             backward); ``False`` keeps them until backward ends. The root keeps its group
             gathered after a forward with grad, for backward. Outside forward and backward
@@ -315,7 +319,8 @@ def fully_shard(
         mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy``: ``param_dtype`` for
             compute and gathers, ``reduce_dtype`` for the gradient reduce-scatter; the
             sharded (master) parameters keep the module's dtype.
-        granularity: each parameter's atomic block, see :mod:`vescale_zero.granularity`.
+        granularity: each parameter's atomic block, see :mod:`vescale_zero.granularity`; of a
+            tensor-parallel parameter's TP-local tensor (a policy's callable gets that tensor).
         align_bytes: every rank's shard, and every tensor's start, is a multiple of this many
             bytes in each buffer (vectorised and tensor-core kernels want 16 at least).
         fp8_all_gather_tile: gather parameters as float8 (e4m3) with one scale per
@@ -355,6 +360,11 @@ def fully_shard(
     # its shards later: materialize [Note: deferred initialisation].
     device = next(iter(devices)) if len(devices) == 1 else None
     pg, replicate_pg = _mesh_groups(mesh, None if device is not None and device.type == "meta" else device)
+    # DTensor parameters (parallelize_module): tensor_parallel [Note: ragged inside the tensor-parallel piece]
+    tp = tensor_parallel_layouts([(n, p) for n, p, _ in named], mesh, {
+        "fp8_all_gather_tile": fp8_all_gather_tile is not None, "offload_policy": offload is not None,
+        "the meta device (deferred initialisation)": device is not None and device.type == "meta"})
+    held = [(n, local_tensor(p)) for n, p, _ in named]  # what the group holds of each: granularity, shapes
 
     group = None
     if named:
@@ -364,7 +374,7 @@ def fully_shard(
             fp8 = [bool(choose(n, p)) for n, p, _ in named]
             # the tile-band rule binds the FP8 tensors only ([Note: which tensors are FP8])
             bands = {n: tile_band_granularity(p.shape, fp8_all_gather_tile) for (n, p, _), f in zip(named, fp8) if f}
-            grans = resolve_granularities([(n, p) for n, p, _ in named], bands if granularity is None else granularity)
+            grans = resolve_granularities(held, bands if granularity is None else granularity)
             for (n, p, _), g in zip(named, grans):
                 if n in bands and g % bands[n]:
                     raise ValueError(
@@ -376,7 +386,7 @@ def fully_shard(
         elif fp8_all_gather_filter is not None:
             raise ValueError("fp8_all_gather_filter chooses tensors for an FP8 gather; set fp8_all_gather_tile too")
         else:
-            grans = resolve_granularities([(n, p) for n, p, _ in named], granularity)
+            grans = resolve_granularities(held, granularity)
         # Every role's buffer (and the float8 bytes of an FP8 gather) keeps its shards and
         # tensor starts on align_bytes: the planner aligns both to this many elements.
         itemsizes = [named[0][1].element_size()] + ([1] if fp8_all_gather_tile is not None else [])
@@ -384,7 +394,8 @@ def fully_shard(
             dtypes = (mp_policy.param_dtype, mp_policy.reduce_dtype)
             itemsizes += [torch.empty((), dtype=d).element_size() for d in dtypes if d]
         align = max(1, align_bytes // min(itemsizes))
-        managed = [ManagedParam(n, owners, p.shape, p.requires_grad) for n, p, owners in named]
+        managed = [ManagedParam(n, owners, h.shape, p.requires_grad, layout)
+                   for (n, p, owners), (_, h), layout in zip(named, held, tp)]
         group = ParamGroup(
             managed, [p for _, p, _ in named], grans, pg,
             param_dtype=mp_policy.param_dtype if mp_policy else None,

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from .full_views import gather_group_full
 from .param_group import GroupState, ParamGroup, slot_of
 from .runtime import in_backward_pass
+from .tensor_parallel import refuse_tensor_parallel
 
 __all__ = ["gathered_parameters", "is_sharded_param"]
 
@@ -62,6 +63,8 @@ def gathered_parameters(params: Union[torch.Tensor, Iterable[torch.Tensor]],
     write ``modifier_rank``'s changes back into every rank's shard on exit (see
     [Note: gathered parameters]). ``modifier_rank`` is a rank of the groups' process group."""
     groups = _by_group([params] if isinstance(params, torch.Tensor) else params)
+    refuse_tensor_parallel([g for g, _ in groups], "gathered_parameters (DeepSpeed's GatheredParameters)",
+                           "read whole tensors with p.full_tensor(), write them with p.copy_(whole)")
     for group, items in groups:
         if modifier_rank is not None and not 0 <= modifier_rank < group.world_size:
             name = group.managed[items[0][0]].fqn

@@ -107,6 +107,7 @@ from .grad_shard import GradShard
 from .offload import HostCopies
 from .planner import ShardPlan
 from .ragged_tensor import like_param, local_piece
+from .tensor_parallel import local_gradient
 
 __all__ = ["GradReducer"]
 
@@ -207,10 +208,12 @@ class GradReducer:
                     written.add(i)
                 elif up.grad is not None:
                     view = self.full.full_view(i)
+                    # a DTensor gradient: tensor_parallel [Note: ragged inside the tensor-parallel piece]
+                    grad = local_gradient(up.grad, up)
                     if add:
-                        view.add_(up.grad)
+                        view.add_(grad)
                     else:
-                        view.copy_(up.grad)
+                        view.copy_(grad)
                     up.grad = None
                     written.add(i)
         if not add:

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import weakref
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -69,6 +70,7 @@ from .param_gather import make_param_gather
 from .planner import ShardPlan, TensorSpec, plan
 from .ragged_param import ManagedParam, RaggedParam, ShardedRange
 from .ragged_tensor import local_piece, ragged_spec, shard_mesh
+from .tensor_parallel import local_tensor
 from .unused_grads import GradUsage
 
 __all__ = ["slot_of", "ManagedParam", "ParamGroup", "GroupState", "ShardedRange", "BackwardProgress", "ForwardRecord",
@@ -138,7 +140,9 @@ class ParamGroup:
         self.device = originals[0].device
         self.param_dtype = param_dtype or self.orig_dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
-        specs = [TensorSpec(p.numel(), g, m.fqn) for m, p, g in zip(managed, originals, granularities)]
+        # a tensor-parallel parameter is planned, cut and gathered as its TP-local tensor:
+        # tensor_parallel [Note: ragged inside the tensor-parallel piece]
+        specs = [TensorSpec(math.prod(m.shape), g, m.fqn) for m, g in zip(managed, granularities)]
         self.plan: ShardPlan = plan(specs, self.world_size, align=align)
         self.stats = CommStats()
         self._fp8_tile = fp8_tile
@@ -149,7 +153,7 @@ class ParamGroup:
         self._build(self.device, originals)
         with torch.no_grad():
             for i, p in enumerate(originals):
-                self.master.copy_local_from_full(i, p)
+                self.master.copy_local_from_full(i, local_tensor(p))
         # vescale_zero.materialize [Note: deferred initialisation]: built from meta parameters,
         # the shards hold no values until materialize() or load_full_state_dict() fills them.
         self.needs_init = self.device.type == "meta"
@@ -194,9 +198,13 @@ class ParamGroup:
         self.params: List[RaggedParam] = []
         for i, (m, p) in enumerate(zip(self.managed, templates)):
             like = unsharded_templates[i] if unsharded_templates is not None else None
-            spec = ragged_spec(self.mesh, self.plan.placement(i), m.shape, self.orig_dtype)
-            self.params.append(RaggedParam(m, p, self.master.local_view(i), self.compute.full_view(i), spec,
-                                           unsharded_like=like))
+            placement, full = self.plan.placement(i), self.compute.full_view(i)
+            if m.tp is None:
+                spec = ragged_spec(self.mesh, placement, m.shape, self.orig_dtype)
+            else:
+                spec = ragged_spec(m.tp.mesh, placement, m.tp.shape, self.orig_dtype, m.tp.placements(placement))
+                full = m.tp.unsharded(full)
+            self.params.append(RaggedParam(m, p, self.master.local_view(i), full, spec, unsharded_like=like))
             _register_slot(self.params[-1].sharded, self, i)
         self._grad_indices = [i for i, m in enumerate(self.managed) if m.requires_grad]
         self._hooked: Set[int] = set()

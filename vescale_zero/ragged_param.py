@@ -30,18 +30,22 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from .param_attributes import copy_parameter_attributes
 from .placement import ShardedRange
 from .ragged_tensor import RaggedDTensor
+from .tensor_parallel import TensorParallelLayout
 
 __all__ = ["ManagedParam", "ShardedRange", "RaggedParam"]
 
 
 @dataclass(frozen=True)
 class ManagedParam:
-    """A parameter of the group: its name and every (module, attribute) that holds it."""
+    """A parameter of the group: its name and every (module, attribute) that holds it.
+    ``shape``: what the group holds of it -- for a tensor-parallel parameter (``tp``, see
+    tensor_parallel [Note: ragged inside the tensor-parallel piece]) its TP-local tensor's."""
 
     fqn: str
     owners: Tuple[Tuple[nn.Module, str], ...]
     shape: torch.Size
     requires_grad: bool
+    tp: Optional[TensorParallelLayout] = None
 
 
 def _new_param(data: torch.Tensor, like: nn.Parameter) -> nn.Parameter:
@@ -58,7 +62,8 @@ class RaggedParam:
         sharded_data: this rank's piece, a view into the group's master shard.
         spec: the layout of the sharded parameter (``ragged_tensor.ragged_spec``): it becomes a
             :class:`RaggedDTensor` whose local tensor is ``sharded_data``.
-        unsharded_data: the whole tensor, a view into the group's full compute buffer.
+        unsharded_data: the whole tensor, a view into the group's full compute buffer (for a
+            tensor-parallel parameter, a DTensor on its tp mesh whose local tensor is that view).
         unsharded_like: whose attributes the unsharded object copies (default ``original``).
     """
 

@@ -47,12 +47,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._ops._math_ops import _NormPartial
+from torch.distributed.tensor.placement_types import Placement
 from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_types
 from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach_types
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .comm_device import collective_device
 from .placement import RaggedShard, ShardedRange, flat_range_boxes
+from .tensor_parallel import reduction_dims, tp_local_box, tp_local_of_whole, whole_from_tp_local
 
 __all__ = ["RaggedDTensor", "ragged_spec", "shard_mesh", "local_piece", "is_ragged", "like_param", "local_rows"]
 
@@ -68,7 +70,9 @@ def shard_mesh(group: dist.ProcessGroup, device: torch.device) -> DeviceMesh:
     [Note: one mesh dimension] HSDP replicas hold equal shards, so a ragged tensor is
     described on its shard group alone: a norm reduces over the shard group (what
     ``vz.clip_grad_norm_`` does), and ``torch.distributed.checkpoint`` drops the replicas'
-    duplicate boxes (same offsets) when it plans a save. A meta-device group's mesh takes the
+    duplicate boxes (same offsets) when it plans a save. (Beside tensor parallelism the tp
+    dimensions join the shard one, the replicas still left out: tensor_parallel [Note: ragged
+    inside the tensor-parallel piece].) A meta-device group's mesh takes the
     backend's device type (it is rebuilt when the group leaves the meta device)."""
     device_type = device.type
     if device_type == "meta":
@@ -83,12 +87,16 @@ def shard_mesh(group: dist.ProcessGroup, device: torch.device) -> DeviceMesh:
     return hit[1]
 
 
-def ragged_spec(mesh: DeviceMesh, placement: RaggedShard, shape: Sequence[int], dtype: torch.dtype) -> DTensorSpec:
+def ragged_spec(mesh: DeviceMesh, placement: RaggedShard, shape: Sequence[int], dtype: torch.dtype,
+                placements: Optional[Sequence[Placement]] = None) -> DTensorSpec:
     """The spec of a tensor of global ``shape`` laid out by ``placement`` on the last dimension
-    of ``mesh`` (the shard dimension; an HSDP mesh's first dimension replicates)."""
+    of ``mesh`` (the shard dimension; an HSDP mesh's first dimension replicates), or by
+    ``placements``, one per dimension of ``mesh`` with ``placement`` among them (beside tensor
+    parallelism: tensor_parallel [Note: ragged inside the tensor-parallel piece])."""
     shape = torch.Size(shape)
-    placements = (Replicate(),) * (mesh.ndim - 1) + (placement,)
-    return DTensorSpec(mesh, placements, tensor_meta=TensorMeta(shape, _contiguous_stride(shape), dtype))
+    if placements is None:
+        placements = (Replicate(),) * (mesh.ndim - 1) + (placement,)
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, _contiguous_stride(shape), dtype))
 
 
 def _contiguous_stride(shape: Sequence[int]) -> Tuple[int, ...]:
@@ -130,8 +138,10 @@ def like_param(piece: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 
 class RaggedDTensor(DTensor):
-    """A DTensor whose last mesh dimension is :class:`RaggedShard` (see the module docstring).
-    Build one with :meth:`from_piece`; its local tensor is the 1-D piece itself.
+    """A DTensor with one mesh dimension placed :class:`RaggedShard` (see the module
+    docstring): the shard group's, alone, or beside tensor-parallel dimensions
+    (tensor_parallel [Note: ragged inside the tensor-parallel piece]; the ragged dimension is
+    found by its type). Build one with :meth:`from_piece`; its local tensor is the 1-D piece itself.
 
     [Note: gathered mode] Inside ``vz.gathered_parameters`` (DeepSpeed's ``GatheredParameters``
     contract) a sharded parameter stands for its whole tensor: ``.data`` is the full tensor
@@ -147,23 +157,40 @@ class RaggedDTensor(DTensor):
 
     # ---- layout ------------------------------------------------------------------
     @property
+    def ragged_dim(self) -> int:
+        """The mesh dimension placed :class:`RaggedShard` (the last one but beside tensor parallelism)."""
+        placements = self._spec.placements
+        if isinstance(placements[-1], RaggedShard):
+            return len(placements) - 1
+        return next(d for d, p in enumerate(placements) if isinstance(p, RaggedShard))
+
+    @property
     def ragged_placement(self) -> RaggedShard:
-        return self._spec.placements[-1]
+        return self._spec.placements[self.ragged_dim]
 
     @property
     def shard_group(self) -> dist.ProcessGroup:
-        return self._spec.mesh.get_group(self._spec.mesh.ndim - 1)
+        return self._spec.mesh.get_group(self.ragged_dim)
 
     @property
     def sharded_range(self) -> ShardedRange:
-        """This rank's piece as ``(start, end, global shape, granularity)``, from the placement."""
+        """This rank's piece as ``(start, end, global shape, granularity)``, from the placement:
+        what the structure-aware optimizers read, which need whole blocks of the global tensor,
+        so a tensor-parallel parameter (its blocks are blocks of its TP-local tensor) refuses."""
+        if self._spec.mesh.ndim > 1:
+            raise NotImplementedError(
+                f"this optimizer needs whole blocks or matrices of each parameter (sharded_range), but the "
+                f"tensor-parallel parameter of shape {tuple(self.shape)} placed {self._spec.placements} is "
+                "split over tensor-parallel ranks too; use a torch.optim optimizer for tensor-parallel models")
         start, end = self.local_range
         return ShardedRange(start, end, tuple(self.shape), self.ragged_placement.granularity)
 
     @property
     def local_range(self) -> Tuple[int, int]:
-        mesh = self._spec.mesh
-        return self.ragged_placement.local_range(mesh.get_local_rank(mesh.ndim - 1))
+        """``[start, end)`` of this rank's piece in the flat tensor the placement cuts: the
+        whole tensor, or beside tensor parallelism this rank's TP-local tensor."""
+        dim = self.ragged_dim
+        return self._spec.placements[dim].local_range(self._spec.mesh.get_local_rank(dim))
 
     def __repr__(self) -> str:  # type: ignore[override]
         start, end = self.local_range
@@ -172,7 +199,8 @@ class RaggedDTensor(DTensor):
 
     # ---- whole tensor ------------------------------------------------------------
     def full_tensor(self, *, grad_placements: Any = None) -> torch.Tensor:  # type: ignore[override]
-        """The whole tensor on every rank (one all-gather over the shard group; not differentiable)."""
+        """The whole tensor on every rank (one all-gather over the shard group, then over the
+        tensor-parallel dimensions if any; not differentiable)."""
         placement, group = self.ragged_placement, self.shard_group
         world = placement.world_size
         width = max(placement.local_numel(r) for r in range(world))
@@ -183,7 +211,7 @@ class RaggedDTensor(DTensor):
         recv = send.new_empty(width * world)
         dist.all_gather_into_tensor(recv, send, group=group)
         pieces = [recv[r * width: r * width + placement.local_numel(r)] for r in range(world)]
-        return torch.cat(pieces).view(self.shape).to(local.device)
+        return whole_from_tp_local(torch.cat(pieces), self._spec).to(local.device)
 
     def redistribute(self, device_mesh: Optional[DeviceMesh] = None, placements: Any = None, *,
                      async_op: bool = False, **kwargs: Any) -> DTensor:  # type: ignore[override]
@@ -261,8 +289,14 @@ class RaggedDTensor(DTensor):
 
     # ---- torch.distributed.checkpoint ------------------------------------------------
     def _boxes(self) -> list:
+        """This rank's piece as boxes in global coordinates (beside tensor parallelism: boxes of
+        the ragged range in the TP-local tensor, moved by that tensor's global offset)."""
         start, end = self.local_range
-        return flat_range_boxes(tuple(self.shape), start, end)
+        shape, offset = tp_local_box(self._spec)
+        boxes = flat_range_boxes(shape, start, end)
+        if any(offset):
+            boxes = [(tuple(o + d for o, d in zip(off, offset)), size, flat) for off, size, flat in boxes]
+        return boxes
 
     def __create_write_items__(self, fqn: str, object: Any) -> list:  # noqa: A002 - DCP's name
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -462,8 +496,11 @@ def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
 
 # ---- reductions: partial over the shard dimension ------------------------------------------
 def _partial_result(value: torch.Tensor, like: RaggedDTensor, partial: Any) -> DTensor:
+    """``value`` (this rank's part of a reduction of ``like``) as a DTensor partial over the
+    dimensions ``like``'s elements are spread over (its shard and tensor-parallel ones)."""
     mesh = like._spec.mesh
-    placements = (Replicate(),) * (mesh.ndim - 1) + (partial,)
+    spread = reduction_dims(like._spec)
+    placements = tuple(partial if d in spread else Replicate() for d in range(mesh.ndim))
     spec = DTensorSpec(mesh, placements, tensor_meta=TensorMeta(value.shape, value.stride(), value.dtype))
     return DTensor(value, spec, requires_grad=False)
 
@@ -535,7 +572,7 @@ def _copy(func: Any, args: tuple, kwargs: dict) -> Any:
             raise ValueError(f"copy_: source of shape {tuple(whole.shape)} into a sharded tensor of shape "
                              f"{tuple(dst.shape)}")
         start, end = dst.local_range
-        piece = whole.reshape(-1)[start:end]
+        piece = tp_local_of_whole(whole, dst._spec).reshape(-1)[start:end]
     dst._local_tensor.copy_(piece, non_blocking=non_blocking)
     return dst
 
@@ -550,7 +587,8 @@ def _equal(func: Any, args: tuple, kwargs: dict) -> bool:
     if not (isinstance(a, RaggedDTensor) and isinstance(b, RaggedDTensor)) or a._spec.placements != b._spec.placements:
         raise NotImplementedError(_unsupported(func))
     same = torch.tensor([1 if torch.equal(a._local_tensor, b._local_tensor) else 0], device=a._local_tensor.device)
-    dist.all_reduce(same, op=dist.ReduceOp.MIN, group=a.shard_group)
+    for dim in reduction_dims(a._spec):
+        dist.all_reduce(same, op=dist.ReduceOp.MIN, group=a._spec.mesh.get_group(dim))
     return bool(same.item())
 
 

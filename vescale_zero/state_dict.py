@@ -47,6 +47,7 @@ from .fully_shard import BUFFER_NEEDS_INIT, groups_of
 from .param_group import GroupState, ParamGroup
 from .placement import Box, flat_range_boxes
 from .ragged_tensor import like_param, local_piece
+from .tensor_parallel import USE_DCP, refuse_tensor_parallel, tp_local_of_whole, whole_from_tp_local
 
 __all__ = ["full_state_dict", "load_full_state_dict", "full_optimizer_state", "load_full_optimizer_state",
            "restored_step", "sharded_params_by_key", "ELEMENT_WISE_STATE", "flat_range_boxes", "Box", "LocalPieces"]
@@ -94,7 +95,9 @@ def _gather_group(group: ParamGroup, keep: bool, cpu_offload: bool, compute_dtyp
     """
     dtype = group.param_dtype if compute_dtype else group.master.local.dtype
     out: Dict[int, torch.Tensor] = {}
-    for param, full in zip(group.sharded_params, _full_views(group, group.master.local, scratch)):
+    for m, param, full in zip(group.managed, group.sharded_params, _full_views(group, group.master.local, scratch)):
+        if m.tp is not None:  # the TP-local tensor: gathered over tp too, by every rank (a collective)
+            full = whole_from_tp_local(full, param._spec)
         if keep:
             # with cpu_offload each tensor gets its own storage (serialisers refuse views of one buffer)
             out[id(param)] = full.to(device="cpu", dtype=dtype, copy=True) if cpu_offload else full.to(dtype)
@@ -187,11 +190,11 @@ def _load_problem(state_dict: Mapping[str, torch.Tensor], current: Mapping[str, 
         )
     for key, value in state_dict.items():
         hit = index.get(id(current[key])) if key in current else None
-        if hit is not None and tuple(value.shape) != tuple(hit[0].managed[hit[1]].shape):
+        shape = None if hit is None else tuple(hit[0].sharded_params[hit[1]].shape)  # global
+        if hit is not None and tuple(value.shape) != shape:
             return ValueError(
-                f"{key!r}: the state dict holds shape {tuple(value.shape)}, the model "
-                f"{tuple(hit[0].managed[hit[1]].shape)}; a full state dict must come from the same model (same "
-                "tensor/pipeline-parallel layout)"
+                f"{key!r}: the state dict holds shape {tuple(value.shape)}, the model {shape}; a full state dict "
+                "must come from the same model (same tensor/pipeline-parallel layout)"
             )
     return None
 
@@ -251,6 +254,8 @@ def load_full_state_dict(
         sharded, rest = _split(state_dict, current, index)
         with torch.no_grad():
             for (group, i), value in sharded.items():
+                if group.managed[i].tp is not None:  # this rank's TP-local part of the whole tensor
+                    value = tp_local_of_whole(value, group.sharded_params[i]._spec)
                 group.master.copy_local_from_full(i, value)
         loaded = set(sharded)
     # materialize [Note: deferred initialisation]: what is loaded is initialised
@@ -339,6 +344,7 @@ def full_optimizer_state(
     Raises ``ValueError`` for state that is not one value per element (8-bit blocks,
     Shampoo preconditioners, ...): such state has no full-tensor form.
     """
+    refuse_tensor_parallel(groups_of(module), "full_optimizer_state", USE_DCP)
     keys = {id(p): key for key, p in sharded_params_by_key(module).items()}
     out: Dict[str, Dict[str, torch.Tensor]] = {}
     steps = set()
@@ -390,6 +396,7 @@ def load_full_optimizer_state(
     module: each rank keeps the flat range it owns; no communication. With ``strict``, a
     parameter the optimizer trains but ``state`` lacks raises ``KeyError``; a tensor of the
     wrong shape always raises ``ValueError``."""
+    refuse_tensor_parallel(groups_of(module), "load_full_optimizer_state", USE_DCP)
     keys = {id(p): key for key, p in sharded_params_by_key(module).items()}
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     trained = set(group_of)

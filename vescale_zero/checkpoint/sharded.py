@@ -68,6 +68,7 @@ from ..comm_device import collective_device, current_device
 from ..fully_shard import RaggedFSDPModule, groups_of
 from ..ragged_tensor import like_param, local_piece, local_rows
 from ..state_dict import restored_step
+from ..tensor_parallel import USE_DCP, refuse_tensor_parallel
 from .format import (
     CHECKPOINT_DOMAIN,
     CheckpointError,
@@ -164,6 +165,7 @@ def save(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     Under HSDP only the first replica's shard group writes (see [Note: HSDP checkpoints]).
     With ``exclude_frozen`` the parameters that do not require grad are left out (see
     [Note: frozen parameters left out])."""
+    refuse_tensor_parallel(groups_of(model), "vescale_zero.checkpoint.save", USE_DCP)
     with current_device(model_device(model)):  # the object collectives' device on NCCL
         _save(path, model, optimizer, extra, exclude_frozen)
 
@@ -286,6 +288,7 @@ def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     the loaded shards; and the shards are written in place (their version counter moves),
     so a group computing in another precision casts them again.
     """
+    refuse_tensor_parallel(groups_of(model), "vescale_zero.checkpoint.load", USE_DCP)
     for group in groups_of(model):
         group.reshard()
     error: Optional[CheckpointError] = None
