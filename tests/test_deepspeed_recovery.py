@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -293,3 +294,119 @@ def test_a_stuck_rank_is_an_error_within_the_job_timeout():
     for stage, seen in survivors.items():
         assert seen["raised after"] is not None, (stage, "the step went through without its peer")
         assert JOB_TIMEOUT_S * 0.9 <= seen["raised after"] <= 2 * JOB_TIMEOUT_S, (stage, seen)
+
+
+# ---- offload_states / reload_states ------------------------------------------------------------
+
+FUSED_ADAM = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}}  # FusedAdam: stage 3 offloads no other
+
+
+def _storages(tensors):
+    """Weak references to the storages behind ``tensors`` (a DTensor's: its local tensor's), each
+    once: torch keeps one Python object per storage, so a reference dies with its storage."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for t in tensors:
+        if t is not None:
+            storage = (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()
+            out.setdefault(id(storage), weakref.ref(storage))
+    return list(out.values())
+
+
+def _bytes(storages):
+    """The bytes the storages that are still alive hold now."""
+    return sum(s.nbytes() for s in (ref() for ref in storages) if s is not None)
+
+
+def _state_tensors(engine, stage):
+    """Every tensor of the engine's state: weights, gradients, optimizer state."""
+    if stage == "ragged":
+        from vescale_zero.fully_shard import groups_of
+
+        groups = groups_of(engine.module)
+        tensors = [t for g in groups for t in (g.master.local, g.sharded_grad.live, g.grads.full.full)]
+        opt = engine.basic_optimizer
+    else:
+        opt = engine.optimizer
+        tensors = list(opt.fp32_partitioned_groups_flat) + [p.ds_tensor for p in engine.module.parameters()]
+        tensors.append(opt.grad_partitions_flat_buffer)
+        opt = opt.optimizer
+    return tensors + [v for state in opt.state.values() for v in state.values() if torch.is_tensor(v)]
+
+
+def _offload_round_trip(rank, world_size, stage, round_trip, frozen=False):
+    """3 steps of FusedAdam; with ``round_trip``, ``offload_states()`` then ``reload_states()``
+    half-way through step 2 (after its first micro-batch's backward: gradients held). The bytes
+    of the state's storages before, after the offload and after the reload. ``frozen``: the
+    model's gates stay frozen (DeepSpeed 0.19.8's stage-3 offload_states fails on frozen
+    parameters: "start + length exceeds dimension size" mapping its 16-bit partitions)."""
+    os.environ["LOCAL_RANK"] = str(rank)
+    deepspeed = _deepspeed()
+    cfg = ds_config(stage, world_size, optimizer=FUSED_ADAM, gradient_clipping=0.0)
+    model = AwkwardLM(seed=0)
+    for block in model.blocks:
+        block.gate.requires_grad_(not frozen)
+    engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    out = {"losses": []}
+    for step, batch in enumerate(make_batches(3, GLOBAL_BATCH)):
+        x, y = rank_slice(batch, rank, world_size)
+        for i in range(ACCUM):
+            loss = engine(x.chunk(ACCUM)[i], y.chunk(ACCUM)[i])
+            engine.backward(loss)
+            if round_trip and step == 1 and i == 0:
+                held = _storages(_state_tensors(engine, stage))
+                out["bytes"] = [_bytes(held)]
+                engine.offload_states()
+                out["bytes"].append(_bytes(held))  # what the storages that held the state before still hold
+                if stage == "ragged":
+                    try:
+                        engine(x, y)
+                        out["forward while offloaded"] = "ran"
+                    except RuntimeError as e:
+                        out["forward while offloaded"] = str(e)
+                engine.reload_states()
+                out["bytes"].append(_bytes(held))
+            engine.step()
+        out["losses"].append(loss.item())
+    out["params"] = _full_params(engine, stage)
+    return out
+
+
+@pytest.mark.slow
+def test_offload_states_round_trip_as_stage3():
+    """``engine.offload_states()`` (DeepSpeed's signature and defaults: every state kind, pinned,
+    blocking) half-way through a step, then ``reload_states()``: the bytes of the storages that
+    held the weights, gradients and optimizer state before are 0 after the offload, at "ragged"
+    as at stage 3 (before: ``offload_states`` was DeepSpeed's stage-0 path, which moves nothing);
+    the reload gives them back (ragged: the same storages, the same bytes), and training then
+    goes on bit for bit as the run without the round trip, at both stages; "ragged" stays within
+    the AdamW bound of stage 3. A forward while offloaded is refused, naming reload_states().
+    Both stages use DeepSpeed's FusedAdam (ZeRO-3 offloads no other optimizer's state; built on
+    first use, about 60 s), on the model with its gates trainable (stage 3 fails on frozen
+    parameters); "ragged" also round-trips the model with frozen gates."""
+    cases = {(stage, trip): (_offload_round_trip, (stage, trip)) for stage in (3, "ragged") for trip in (False, True)}
+    for trip in (False, True):
+        cases["ragged, frozen gates", trip] = (_offload_round_trip, ("ragged", trip, True))
+    runs = run_cases_on_ranks(cases, 2, timeout=900)
+    frozen = [assemble([r["params"] for r in runs["ragged, frozen gates", trip]]) for trip in (False, True)]
+    assert all(torch.equal(v, frozen[0][k]) for k, v in frozen[1].items())
+    assert all(r["bytes"][1] == 0 for r in runs["ragged, frozen gates", True])
+    for stage in (3, "ragged"):
+        plain, trip = runs[stage, False], runs[stage, True]
+        for rank in range(2):
+            before, after, reloaded = trip[rank]["bytes"]
+            assert before > 0 and after == 0, (stage, rank, trip[rank]["bytes"])
+            assert trip[rank]["losses"] == plain[rank]["losses"], (stage, rank)
+        if stage == "ragged":
+            assert all(r["bytes"][2] == r["bytes"][0] for r in trip), [r["bytes"] for r in trip]  # the same storages
+            refusals = [r["forward while offloaded"] for r in trip]
+            assert all("reload_states()" in refusal for refusal in refusals), refusals
+            ours, without = assemble([r["params"] for r in trip]), assemble([r["params"] for r in plain])
+        else:
+            ours, without = trip[0]["params"], plain[0]["params"]
+        assert all(torch.equal(v, without[k]) for k, v in ours.items()), stage
+    ragged, zero3 = assemble([r["params"] for r in runs["ragged", True]]), runs[3, True][0]["params"]
+    for key, value in ragged.items():
+        torch.testing.assert_close(value, zero3[key], rtol=0, atol=adam_divergence_bound(1e-2, 3),
+                                   msg=lambda m, key=key: f"{key}: {m}")
