@@ -235,6 +235,9 @@ def test_resume_from_stage3_and_universal_checkpoints(tmp_path):
     results = run_cases_on_ranks({"resume": (_resume, (tmp_path,))}, 2, timeout=900)["resume"]
     saved = results[0]["saved lr"]
     assert 0 < saved < RESUME_LR, saved
+    print(f"saved lr {saved}; after load_checkpoint: " + ", ".join(f"{k} {results[0][k]['lr']}" for k in (
+        "ragged from stage 3", "ragged from universal", "stage 3 from universal")))
+    print(results[0]["ds_to_universal"])
     reference = results[0]["stage 3"]["params"]
     bound = adam_divergence_bound(RESUME_LR, 2)
     frozen = {n for n, p in AwkwardLM().named_parameters() if not p.requires_grad}
@@ -292,6 +295,7 @@ def test_a_stuck_rank_is_an_error_within_the_job_timeout():
                 for stage in (3, "ragged")}
         survivors = {stage: run.result()[0] for stage, run in runs.items()}
     for stage, seen in survivors.items():
+        print(f"stage {stage}: the survivor raised after {seen['raised after']} s: {seen['error']}")
         assert seen["raised after"] is not None, (stage, "the step went through without its peer")
         assert JOB_TIMEOUT_S * 0.9 <= seen["raised after"] <= 2 * JOB_TIMEOUT_S, (stage, seen)
 
@@ -396,6 +400,8 @@ def test_offload_states_round_trip_as_stage3():
         plain, trip = runs[stage, False], runs[stage, True]
         for rank in range(2):
             before, after, reloaded = trip[rank]["bytes"]
+            print(f"stage {stage}, rank {rank}: state bytes {before} before offload_states, {after} after, "
+                  f"{reloaded} in the same storages after reload_states")
             assert before > 0 and after == 0, (stage, rank, trip[rank]["bytes"])
             assert trip[rank]["losses"] == plain[rank]["losses"], (stage, rank)
         if stage == "ragged":
