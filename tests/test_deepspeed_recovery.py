@@ -283,17 +283,44 @@ def _stuck_mid_step(rank, world_size, stage):
     return {"raised after": None, "error": None}
 
 
+def _stuck_fully_shard(rank, world_size):
+    """The same with ``fully_shard`` over a group made by ``dist.new_group()`` (torch's 30-minute
+    default): the last rank sleeps in its second step's forward."""
+    import torch.distributed as dist
+
+    import vescale_zero as vz
+
+    group = dist.new_group(list(range(world_size)))
+    model = vz.fully_shard_layers(AwkwardLM(seed=0), mesh=group)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batches = make_batches(2, GLOBAL_BATCH)
+    start = None
+    try:
+        for step, batch in enumerate(batches):
+            if step == 1:
+                if rank == world_size - 1:
+                    time.sleep(3600)  # alive, answering nothing
+                start = time.monotonic()
+            model(*rank_slice(batch, rank, world_size)).backward()
+            opt.step()
+            opt.zero_grad()
+    except Exception as e:  # noqa: BLE001 - what the survivor sees is the result
+        return {"raised after": time.monotonic() - start, "error": f"{type(e).__name__}: {e}"[:400]}
+    return {"raised after": None, "error": None}
+
+
 @pytest.mark.slow
 def test_a_stuck_rank_is_an_error_within_the_job_timeout():
     """Case 7: ``deepspeed.init_distributed(timeout=10 s)``, 2 ranks, rank 1 stuck mid-step: the
     survivor raises within 2x the timeout at stage 3 and at "ragged" (before: "ragged"'s
-    survivor waited on DeepSpeed's data-parallel group, made with torch's 30-minute default).
-    Both stages run at once (two spawns side by side: each waits out the timeout). About 35 s."""
-    with ThreadPoolExecutor(2) as pool:
-        runs = {stage: pool.submit(run_with_a_stuck_rank, _stuck_mid_step, 2, 1, stage,
-                                   collective_timeout=JOB_TIMEOUT_S, timeout=6 * JOB_TIMEOUT_S + 60)
-                for stage in (3, "ragged")}
-        survivors = {stage: run.result()[0] for stage, run in runs.items()}
+    survivor waited on DeepSpeed's data-parallel group, made with torch's 30-minute default),
+    and so does a ``fully_shard`` loop over a group of ``dist.new_group()`` (the same default).
+    The three run at once (spawns side by side: each waits out the timeout). About 35 s."""
+    jobs = {3: (_stuck_mid_step, 3), "ragged": (_stuck_mid_step, "ragged"), "fully_shard": (_stuck_fully_shard,)}
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        runs = {name: pool.submit(run_with_a_stuck_rank, fn, 2, 1, *args, collective_timeout=JOB_TIMEOUT_S,
+                                  timeout=6 * JOB_TIMEOUT_S + 60) for name, (fn, *args) in jobs.items()}
+        survivors = {name: run.result()[0] for name, run in runs.items()}
     for stage, seen in survivors.items():
         print(f"stage {stage}: the survivor raised after {seen['raised after']} s: {seen['error']}")
         assert seen["raised after"] is not None, (stage, "the step went through without its peer")

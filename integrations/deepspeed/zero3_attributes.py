@@ -35,7 +35,10 @@ from torch import nn
 
 from vescale_zero.fully_shard import groups_of
 
-__all__ = ["answer_zero3_attributes"]
+__all__ = ["answer_zero3_attributes", "ANSWERED"]
+
+ANSWERED = ("ds_status", "ds_shape", "ds_numel")
+"""The ZeRO-3 attributes a ragged parameter carries (see the note above)."""
 
 
 def answer_zero3_attributes(module: nn.Module) -> None:
