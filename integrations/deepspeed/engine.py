@@ -349,7 +349,7 @@ class RaggedEngineMixin:
         skip = scaler is not None and self._unscale_and_check_overflow(scaler.loss_scale)
         if not skip:
             norm = vz.sharded_grad_norm(self.module)
-            skip = not math.isfinite(norm.item())  # the step's one host read: skipping is a host decision
+            skip = not math.isfinite(norm.item())  # a host read, as ZeRO-3's: skipping is a host decision
         if scaler is not None:
             scaler.update_scale(skip)
         if skip:
