@@ -25,7 +25,7 @@ setup(
         "safetensors": ["safetensors"],
         "test": ["pytest>=8", "hypothesis>=6", "pytest-timeout", "deepspeed>=0.16", "megatron-core>=0.16.1,<0.18",
                  "matplotlib", "safetensors", "transformers>=5", "accelerate>=1", "ruff>=0.6",
-                 "bitsandbytes>=0.50,<0.51", "trl>=1.16"],
+                 "bitsandbytes>=0.50,<0.51", "trl>=1.16", "peft>=0.21"],
     },
     entry_points={"console_scripts": ["vescale-zero=vescale_zero.cli:main"]},
 )

@@ -1,6 +1,7 @@
 """Every host attribute the adapters replace (monkey-patches of DeepSpeed, accelerate,
-transformers and Megatron internals), the host version each was checked against, and the
-signature of the host function it relies on: the one list (``HOST_PATCHES``).
+transformers and Megatron internals; TRL and PEFT are read, not patched), the host version each
+was checked against, and the signature of the host function it relies on: the one list
+(``HOST_PATCHES``).
 
 [Note: host patches] A patch site says in one line, right above the assignment::
 
@@ -28,8 +29,14 @@ HOST_VERSIONS: Dict[str, str] = {
     "transformers": "5.24.0",
     "megatron-core": "0.16.1",
     "Megatron-LM": "core_v0.16.1",  # not on the package index: read from its source at that tag
+    "trl": "1.16.0",  # nothing patched: its reads of ZeRO-3 internals surveyed at this version (see below)
+    "peft": "0.21.2",  # nothing patched: likewise
 }
-"""The host distributions (as pip names them) and the versions every patch was checked against."""
+"""The host distributions (as pip names them) and the versions every patch was checked against.
+TRL and PEFT are patched nowhere; every read they make of ZeRO-3's internals was surveyed at the
+versions here and is answered for ragged parameters: integrations/deepspeed/zero3_attributes.py
+[Note: ZeRO-3 attributes on ragged parameters], accelerate_stage.py [Note: the stage accelerate
+compares], ``integrations/deepspeed/__init__.py`` [Note: a model built partitioned for ragged]."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,8 @@ HOST_PATCHES: Dict[str, HostPatch] = {p.patched: p for p in (
     HostPatch("deepspeed.zero.GatheredParameters", "deepspeed", "deepspeed.zero.GatheredParameters", _GATHERED),
     HostPatch("deepspeed.runtime.engine.DeepSpeedEngine._do_sanity_check", "deepspeed",
               "deepspeed.runtime.engine.DeepSpeedEngine._do_sanity_check", "(self)"),
+    HostPatch("deepspeed.runtime.zero.partition_parameters.Init._convert_to_deepspeed_param", "deepspeed",
+              "deepspeed.runtime.zero.partition_parameters.Init._convert_to_deepspeed_param", "(self, param)"),
     # DeepSpeed's accessors (their code routed in place) and zero_to_fp32's reader:
     # integrations/deepspeed/safe_accessors.py, zero_to_fp32.py
     *(HostPatch(f"deepspeed.utils.tensor_fragment.{name}", "deepspeed", f"deepspeed.utils.tensor_fragment.{name}",
@@ -110,6 +119,8 @@ HOST_PATCHES: Dict[str, HostPatch] = {p.patched: p for p in (
     # accelerate and transformers: integrations/deepspeed/accelerate_stage.py, saving.py
     HostPatch("accelerate.utils.DeepSpeedPlugin.zero_stage", "accelerate",
               "accelerate.utils.DeepSpeedPlugin.zero_stage", None),  # a field set on plugin instances: no signature
+    HostPatch("accelerate.utils.DeepSpeedPlugin.__post_init__", "accelerate",
+              "accelerate.utils.DeepSpeedPlugin.__post_init__", "(self)"),
     HostPatch("accelerate.utils.deepspeed.HfDeepSpeedConfig.is_zero3", "accelerate",
               "accelerate.utils.deepspeed.HfDeepSpeedConfig.is_zero3", "(self)"),
     HostPatch("accelerate.Accelerator.get_state_dict", "accelerate", "accelerate.Accelerator.get_state_dict",

@@ -7,7 +7,8 @@ after another in one such spawn (spawning and importing cost ~5-10 s a time), an
 the case that failed. A rank that raises fails the test with its
 traceback; ranks that are still running after ``timeout`` seconds are killed, so a
 mismatched collective fails instead of hanging. ``run_with_a_killed_rank`` runs ranks
-one of which is to die of SIGKILL (crash-safety tests).
+one of which is to die of SIGKILL (crash-safety tests), ``run_with_a_stuck_rank`` ranks one
+of which stops answering while alive (timeout tests).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_cases_on_ranks", "run_on_ranks", "run_with_a_killed_rank"]
+__all__ = ["run_cases_on_ranks", "run_on_ranks", "run_with_a_killed_rank", "run_with_a_stuck_rank"]
 
 
 def _free_port() -> int:
@@ -152,7 +153,22 @@ def run_with_a_killed_rank(fn: Callable, world_size: int, victim: int, *args: An
     (``fn`` arranges that); returns ``{rank: result}`` of the survivors. Fails unless the
     victim died of SIGKILL and every survivor returned (or raised: its traceback fails the
     test) within ``timeout``; survivors' collectives give up after ``collective_timeout``."""
+    return _run_with_a_victim(fn, world_size, victim, args, collective_timeout, timeout, stuck=False)
+
+
+def run_with_a_stuck_rank(fn: Callable, world_size: int, victim: int, *args: Any, collective_timeout: float = 30.0,
+                          timeout: float = 240.0) -> Dict[int, Any]:
+    """Like :func:`run_with_a_killed_rank` for a run in which rank ``victim`` stops answering
+    but stays alive (``fn`` makes it sleep past ``timeout``): returns ``{rank: result}`` of the
+    survivors, once each has returned. Fails unless every survivor returned within ``timeout``
+    while the victim was still alive (then it is killed)."""
+    return _run_with_a_victim(fn, world_size, victim, args, collective_timeout, timeout, stuck=True)
+
+
+def _run_with_a_victim(fn: Callable, world_size: int, victim: int, args: tuple, collective_timeout: float,
+                       timeout: float, stuck: bool) -> Dict[int, Any]:
     ctx = mp.get_context("spawn")
+    survivors = [r for r in range(world_size) if r != victim]
     with tempfile.TemporaryDirectory() as out_dir:
         port = _free_port()
         procs = [ctx.Process(target=_entry_to_die, args=(r, world_size, port, out_dir, collective_timeout, fn, args))
@@ -160,16 +176,22 @@ def run_with_a_killed_rank(fn: Callable, world_size: int, victim: int, *args: An
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
+        for r in survivors if stuck else range(world_size):
+            procs[r].join(max(0.1, deadline - time.monotonic()))
+        hung = [r for r in (survivors if stuck else range(world_size)) if procs[r].is_alive()]
+        victim_alive = procs[victim].is_alive()
         for p in procs:
-            p.join(max(0.1, deadline - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for r in hung:
-            procs[r].kill()
+            if p.is_alive():
+                p.kill()
+                p.join()
         if hung:
-            raise TimeoutError(f"ranks {hung} still running after {timeout:.0f}s: a survivor hangs on its dead peer")
-        if procs[victim].exitcode != -signal.SIGKILL:
+            raise TimeoutError(f"ranks {hung} still running after {timeout:.0f}s: a survivor hangs on its "
+                               f"{'stuck' if stuck else 'dead'} peer (rank {victim})")
+        if stuck and not victim_alive:
+            raise AssertionError(f"rank {victim} was to stay alive (stuck) until its peers returned; it exited with "
+                                 f"code {procs[victim].exitcode}")
+        if not stuck and procs[victim].exitcode != -signal.SIGKILL:
             raise AssertionError(f"rank {victim} was to die of SIGKILL; its exit code is {procs[victim].exitcode}")
-        survivors = [r for r in range(world_size) if r != victim]
         results, errors = _read_reports(out_dir, survivors, {r: procs[r].exitcode for r in survivors})
         if errors:
             raise AssertionError("\n".join(errors))

@@ -168,7 +168,7 @@ def _ragged_parses(cfg):
 
 
 def _ragged_refuses(cfg, *fragments):
-    """Both ragged parses refuse ``cfg`` with a ValueError containing every fragment."""
+    """Both ragged parses refuse ``cfg`` with a ValueError containing every fragment; its message."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
     from vescale_zero.integrations.deepspeed import split_ragged_config
@@ -178,6 +178,7 @@ def _ragged_refuses(cfg, *fragments):
             parse(cfg)
         for fragment in fragments:
             assert fragment in str(e.value), (parse.__name__, fragment, str(e.value))
+    return str(e.value)
 
 
 @pytest.mark.parametrize("section", ["bf16", "fp16"])
@@ -208,6 +209,30 @@ def test_zero3_keys_are_validated_as_deepspeed_validates_them():
             DeepSpeedConfig(zero3)
         _ragged_refuses(ragged, f"zero_optimization (stage 'ragged'): {key} {value!r}", "DeepSpeed refuses",
                         "remove the key")
+
+
+BAD_VALUES = {  # each of our keys, and the ZeRO-3 / offload keys "ragged" reads, with a value it refuses
+    "granularity": [1], "sharded_modules": "GPTBlock", "reshard_after_forward": "maybe", "prefetch": "maybe",
+    "reduce_dtype": "fp8", "fp8_all_gather_tile": 0, "shard_group_size": 0,
+    "overlap_comm": "maybe", "offload_optimizer": {"device": "gpu"}, "offload_param": {"device": "gpu"},
+    "reduce_bucket_size": -5,
+}
+
+
+@pytest.mark.parametrize("key", sorted(BAD_VALUES))
+def test_every_key_refuses_a_bad_value_in_one_line(key):
+    """Issue 38: a refused value of any key of the ragged section is one line naming the key, the
+    value and what the key accepts (``shard_group_size: 0`` and ``prefetch: "maybe"`` gave
+    pydantic's four-line report, the key on its second line)."""
+    _deepspeed()
+    from vescale_zero.integrations.deepspeed.config import ACCEPTED
+
+    value = BAD_VALUES[key]
+    _, ragged = _both({key: value})
+    shown = next(iter(value.values())) if isinstance(value, dict) else value
+    accepted = ACCEPTED.get(key, "")
+    message = _ragged_refuses(ragged, key, repr(shown), accepted)
+    assert "\n" not in message, message
 
 
 def test_overlap_comm_is_read_as_deepspeed_reads_it():

@@ -216,8 +216,12 @@ def _checks(rank, world_size, everything):
     print(f"rank {rank}/{world_size}: transient peak of deepspeed.initialize {tracker.peak()} bytes")
     out["largest_group_bytes"] = max(g.plan.global_size * 4 for g in groups_of(ragged.module))
     out["model_bytes"] = sum(p.numel() * 4 for p in _gpt().parameters())
+    from vescale_zero.integrations.deepspeed.zero3_attributes import ANSWERED  # for TRL and PEFT
+
+    ours = {id(p) for p in ragged.module.parameters()}  # they answer ANSWERED; the released ones keep nothing
     out["zero3_left"] = sorted({k for p in list(ragged.module.parameters()) + zero3_params for k in vars(p)
-                                if k.startswith(("ds_", "_ds_")) or k in ("all_gather", "partition")})
+                                if (k.startswith(("ds_", "_ds_")) or k in ("all_gather", "partition"))
+                                and not (k in ANSWERED and id(p) in ours)})
     out["zero3_storage_left"] = sum(p.untyped_storage().nbytes() for p in zero3_params)
     out["ragged_built"] = local_pieces(ragged.module)
     out["ragged_losses"], out["ragged_grads"] = _train(ragged, rank, world_size, _ragged_grads)

@@ -20,6 +20,7 @@ import math
 import os
 import re
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Dict, Iterator, List, Optional
 
 import pytest
@@ -39,6 +40,10 @@ SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
 # No linear biases: the key bias of attention gets a zero gradient in exact arithmetic
 # (softmax ignores a shift shared by all keys), so its gradient is rounding noise that
 # Adam scales up to full-size steps, in any two runs that sum in a different order.
+
+
+JOB_TIMEOUT = timedelta(minutes=7)
+"""The default group's timeout in ``_train_both``: shorter than the 30 minutes Megatron's groups get."""
 
 
 def _example():
@@ -137,12 +142,17 @@ def _first_grads_within(ours: Dict[str, torch.Tensor], ref: Dict[str, torch.Tens
 
 
 def _train_both(rank: int, world_size: int, argv: List[str]) -> Dict:
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
     from tests.megatron_shim import MegatronFP32Step, install_cuda_shim
+    from vescale_zero.job_timeout import group_timeout
 
     install_cuda_shim()
     from megatron.core import parallel_state
 
+    _set_pg_timeout(JOB_TIMEOUT)  # as init_process_group(timeout=JOB_TIMEOUT); Megatron's groups get its 30 minutes
     with _megatron_job(argv) as (pg, args):
+        megatrons = group_timeout(parallel_state.get_data_parallel_group(with_context_parallel=True))
         # reference: megatron-core DDP + Megatron's FP32 step
         args.use_vescale_fsdp = False
         pg.seed(args)
@@ -162,6 +172,7 @@ def _train_both(rank: int, world_size: int, argv: List[str]) -> Dict:
         zero_copy = _zero_copy_violations(model, optimizer)
         rows_cut = _rows_cut(model)
         return {
+            "dp group timeouts": (megatrons, group_timeout(model.dp_cp_group)),  # [Note: the job's timeout]
             "keys": (sorted(reference), sorted(k for k, v in ours.items() if torch.is_tensor(v))),
             "errors": {k: _relative_error(ours[k], reference[k]) for k in reference if k in ours},
             "abs errors": {k: _abs_error(ours[k], reference[k]) for k in reference if k in ours},
@@ -225,6 +236,8 @@ def _check(results: List[Dict], exact: bool, steps: int = 3) -> None:
     for rank, res in enumerate(results):
         ref_keys, our_keys = res["keys"]
         assert ref_keys == our_keys, f"rank {rank}: state dict keys differ"
+        megatrons, ours = res["dp group timeouts"]  # a stuck peer is an error after the job's timeout
+        assert megatrons > JOB_TIMEOUT and ours == JOB_TIMEOUT, (rank, megatrons, ours)
         assert not res["first grads"], res["first grads"]
         ref_losses, losses = res["losses"]
         assert len(losses) == len(ref_losses)

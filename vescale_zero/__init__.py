@@ -1,7 +1,7 @@
 """vescale-zero: RaggedShard FSDP with a structure-aware planner and zero-copy DBuffer."""
 
 from . import checkpoint  # the subpackage: vz.checkpoint.save(...)
-from .clip_grad import clip_grad_norm_, sharded_grad_norm
+from .clip_grad import clip_grad_norm_, clip_grads_with_norm_, sharded_grad_norm
 from .dbuffer import DBuffer
 from .fill import fill_group_by_group
 from .fully_shard import (
@@ -16,6 +16,7 @@ from .fully_shard import (
 from .gathered import gathered_parameters
 from .granularity import preset_granularity, resolve_granularities
 from .materialize import materialize
+from .nonfinite import NonFiniteStepSkipper, skip_nonfinite_steps
 from .placement import RaggedShard
 from .planner import ShardPlan, TensorSpec, plan
 from .ragged_tensor import RaggedDTensor, local_piece
@@ -45,7 +46,10 @@ __all__ = [
     "plan",
     "DBuffer",
     "clip_grad_norm_",
+    "clip_grads_with_norm_",
     "sharded_grad_norm",
+    "skip_nonfinite_steps",
+    "NonFiniteStepSkipper",
     "sharding_report",
     "reset_comm_stats",
     "ShardingReport",

@@ -33,7 +33,7 @@ from .fully_shard import groups_of
 from .ragged_tensor import local_piece
 from .tensor_parallel import reduction_dims
 
-__all__ = ["clip_grad_norm_", "grad_norm_over_groups", "sharded_grad_norm"]
+__all__ = ["clip_grad_norm_", "clip_grads_with_norm_", "grad_norm_over_groups", "sharded_grad_norm"]
 
 
 Groups = Tuple[dist.ProcessGroup, ...]
@@ -112,7 +112,15 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: Union[float, 
     Same rule as ``torch.nn.utils.clip_grad_norm_``; returns the total norm before clipping.
     """
     total = sharded_grad_norm(module, norm_type)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    clip_grads_with_norm_(module, max_norm, total)
+    return total
+
+
+def clip_grads_with_norm_(module: nn.Module, max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale all of ``module``'s gradients by ``max_norm / total_norm`` (at most 1): the second half
+    of :func:`clip_grad_norm_` for a caller that took the norm already (torch's
+    ``clip_grads_with_norm_``)."""
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     for group in groups_of(module):
         buffer = group.sharded_grad.live  # None: no gradient of the group is in it
         lo = hi = 0
@@ -126,4 +134,3 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: Union[float, 
     _, replicated, _ = _split(module)
     for g in replicated:
         g.detach().mul_(coef.to(g.dtype))
-    return total

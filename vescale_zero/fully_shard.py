@@ -26,6 +26,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from .eager_hooks import outside_compile
 from .fp8_gather import FP8Filter, default_fp8_filter, tile_band_granularity
 from .granularity import GranularityPolicy, resolve_granularities
+from .job_timeout import carry_job_timeout
 from .layer_discovery import find_layer_classes
 from .local_optim_steps import install_local_optimizer_steps
 from .offload import resolve_offload_policy
@@ -360,6 +361,7 @@ def fully_shard(
     # its shards later: materialize [Note: deferred initialisation].
     device = next(iter(devices)) if len(devices) == 1 else None
     pg, replicate_pg = _mesh_groups(mesh, None if device is not None and device.type == "meta" else device)
+    carry_job_timeout(pg, replicate_pg)  # a stuck peer is an error after the job's timeout: [Note: the job's timeout]
     # DTensor parameters (parallelize_module): tensor_parallel [Note: ragged inside the tensor-parallel piece]
     tp = tensor_parallel_layouts([(n, p) for n, p, _ in named], mesh, {
         "fp8_all_gather_tile": fp8_all_gather_tile is not None, "offload_policy": offload is not None,

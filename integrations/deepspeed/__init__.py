@@ -31,13 +31,14 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 import deepspeed
 
-from .accelerate_stage import present_ragged_as_zero3_to_transformers
+from .accelerate_stage import present_ragged_as_zero3_to_transformers, present_ragged_plugins_as_zero3
 from .config import RAGGED_STAGE, RaggedOptions, apply_top_level_keys, parse_precision, parse_ragged_section
 from .engine import RaggedDeepSpeedEngine, RaggedPipelineEngine, RaggedPrecision
 from .offload import stage0_offload_keys
 from .parser import RaggedZeroConfig, install, is_ragged_config
 from .recovery_scripts import install_zero_to_fp32
 from .safe_accessors import install_safe_accessors
+from .zero_init import partitioned_for_ragged
 
 __all__ = ["RaggedDeepSpeedEngine", "RaggedPipelineEngine", "RaggedOptions", "RaggedZeroConfig", "is_ragged_config",
            "split_ragged_config", "initialize"]
@@ -69,6 +70,25 @@ def split_ragged_config(config: Dict[str, Any]) -> Tuple[Dict[str, Any], RaggedO
     return ds, options, RaggedPrecision(dtype, fp16)
 
 
+def _as_ragged(zero: Dict[str, Any]) -> Dict[str, Any]:
+    """[Note: a model built partitioned for ragged]
+    A model that ``zero.Init`` partitioned under a ragged config (``from_pretrained`` while the
+    Trainer's ragged config is alive) can only run sharded: DeepSpeed's engine at stage 0-2 would
+    compute with its empty partitions ("'weight' must be 2-D"). TRL's ``prepare_deepspeed`` builds
+    the frozen reference model (DPO, GRPO and RLOO with a KL term, KTO) that way: it reads
+    ``zero_optimization.stage``, sees "ragged" != 3 and hands ``deepspeed.initialize`` the training
+    config with stage 0 (optimizer and scheduler dropped, and ``offload_optimizer``). That model
+    gets what stage 3 gives it there: a sharded engine, here the ragged one, with the section as
+    given and stage "ragged" (``offload_param`` alone, the masters in host memory at stage 3,
+    reads as ``offload_optimizer`` here, which places the same shards). A model built any other
+    way goes to DeepSpeed untouched."""
+    section = {**zero, "stage": RAGGED_STAGE}
+    param = section.pop("offload_param", None)
+    if isinstance(param, dict) and "offload_optimizer" not in section:
+        section["offload_optimizer"] = {k: v for k, v in param.items() if k in ("device", "pin_memory")}
+    return section
+
+
 @contextlib.contextmanager
 def _engine_class(name: str, cls: type) -> Iterator[None]:
     saved = getattr(deepspeed, name)
@@ -91,7 +111,9 @@ def initialize(*args: Any, **kwargs: Any):
     config = _load(ns.deepspeed_config if from_args else raw)
     zero = (config or {}).get("zero_optimization") or {}
     if zero.get("stage") != RAGGED_STAGE:
-        return _original_initialize(**kwargs)
+        if not (zero.get("stage", 0) in (0, 1, 2) and partitioned_for_ragged(kwargs.get("model"))):
+            return _original_initialize(**kwargs)
+        config = dict(config, zero_optimization=_as_ragged(zero))  # [Note: a model built partitioned for ragged]
     ds_config, options, precision = split_ragged_config(config)
     if from_args:
         ns = copy.copy(ns)
@@ -112,3 +134,4 @@ install()
 install_safe_accessors()  # deepspeed.utils.safe_get_* / safe_set_* on ragged parameters (see .safe_accessors)
 install_zero_to_fp32()  # get_fp32_state_dict_from_zero_checkpoint reads ragged checkpoints (see .recovery_scripts)
 present_ragged_as_zero3_to_transformers()  # from_pretrained builds under zero.Init (see .accelerate_stage)
+present_ragged_plugins_as_zero3()  # TRL / transformers compare the plugin's zero_stage with 3 (see .accelerate_stage)

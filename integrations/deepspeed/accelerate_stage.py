@@ -9,14 +9,22 @@ accelerate copies ``zero_optimization.stage`` from the config into
     Accelerator.no_sync (every non-boundary  zero_stage < 2:     the ZeRO-2/3 branch: no context; the engine
       micro-batch of accelerator.accumulate)   engine.no_sync()    keeps gradients local until the boundary
                                                                  that accelerate sets before each backward
-    Trainer.__init__ (auto_find_batch_size)  zero_stage == 3:    not reached: it runs before any engine
-                                               refused            exists, so "ragged" is not refused there
+    Trainer.__init__ (auto_find_batch_size)  zero_stage == 3:    refused, as at stage 3 (a retry would shard
+                                               refused            the sharded model again)
+    TRL trainers' __init__ (SFT, DPO, GRPO,  zero_stage == 3:    the ZeRO-3 branch: adapters in the base
+      RLOO, KTO, reward, distillation)         PEFT adapters'     model's dtype (one fully_shard group holds
+                                               dtype, reentrant   both, and a group has one dtype);
+                                               checkpointing      reentrant recompute (ours runs either)
+    TRL's DistributedBackend, SyncRef-       zero_stage == 3:    the ZeRO-3 branch: GatheredParameters, which
+      ModelCallback, online DPO                gather             gathers ragged parameters
 
 The ragged engine shards parameters and gradients as ZeRO-3 does, and decides when to
 reduce-scatter as DeepSpeed's engine decides when to reduce: by
 ``is_gradient_accumulation_boundary()``, which accelerate's engine wrapper sets from
 ``sync_gradients`` before every ``engine.backward`` (Trainer never enters ``no_sync`` with
-DeepSpeed). So the plugin's ``zero_stage`` reads 3 and accelerate takes its ZeRO-3 branch.
+DeepSpeed). So the plugin's ``zero_stage`` reads 3 from the plugin's creation on
+(``TrainingArguments``, ``Accelerator``: :func:`present_ragged_plugins_as_zero3`), and again
+when the engine is built for plugins made before this module was imported.
 
 [Note: the stage transformers compares]
 ``HfDeepSpeedConfig.is_zero3()`` (accelerate's class; transformers' ``HfDeepSpeedConfig``
@@ -46,7 +54,7 @@ from typing import Any, Callable
 from .config import RAGGED_STAGE
 
 __all__ = ["ZERO_STAGE_SEEN_BY_ACCELERATE", "present_ragged_stage_to_accelerate",
-           "present_ragged_as_zero3_to_transformers"]
+           "present_ragged_as_zero3_to_transformers", "present_ragged_plugins_as_zero3"]
 
 ZERO_STAGE_SEEN_BY_ACCELERATE = 3
 """``DeepSpeedPlugin.zero_stage`` of a ragged config (see the note above)."""
@@ -76,6 +84,30 @@ def _ragged_is_zero3(is_zero3: Callable[[Any], bool]) -> Callable[[Any], bool]:
 
     wrapper.__vescale_ragged__ = True
     return wrapper
+
+
+def _plugin_reads_3(post_init: Callable[[Any], None]) -> Callable[[Any], None]:
+    @functools.wraps(post_init)
+    def wrapper(self: Any) -> None:
+        post_init(self)
+        if self.zero_stage == RAGGED_STAGE:
+            self.zero_stage = ZERO_STAGE_SEEN_BY_ACCELERATE
+
+    wrapper.__vescale_ragged__ = True
+    return wrapper
+
+
+def present_ragged_plugins_as_zero3() -> None:
+    """Every accelerate ``DeepSpeedPlugin`` made from a ragged config reads ``zero_stage`` 3 from
+    its creation (see [Note: the stage accelerate compares]); idempotent, and nothing happens
+    without accelerate."""
+    if importlib.util.find_spec("accelerate") is None:
+        return
+    from accelerate.utils import DeepSpeedPlugin
+
+    if not getattr(DeepSpeedPlugin.__post_init__, "__vescale_ragged__", False):
+        # host patch accelerate.utils.DeepSpeedPlugin.__post_init__: checked against accelerate 1.15.0
+        DeepSpeedPlugin.__post_init__ = _plugin_reads_3(DeepSpeedPlugin.__post_init__)
 
 
 def present_ragged_as_zero3_to_transformers() -> None:

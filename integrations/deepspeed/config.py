@@ -64,8 +64,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .offload import OFFLOAD_KEYS, OffloadOptions, read_offload, warn_ignored
 
-__all__ = ["RaggedOptions", "NvmeOptimizerOffload", "nvme_offload_of", "parse_ragged_section", "parse_precision",
-           "apply_top_level_keys", "RAGGED_STAGE"]
+__all__ = ["RaggedOptions", "ACCEPTED", "NvmeOptimizerOffload", "nvme_offload_of", "parse_ragged_section",
+           "parse_precision", "apply_top_level_keys", "RAGGED_STAGE"]
 
 RAGGED_STAGE = "ragged"
 
@@ -260,7 +260,33 @@ def parse_ragged_section(section: Dict[str, Any]) -> Tuple[RaggedOptions, List[s
     try:
         return RaggedOptions(**options), [f"zero_optimization.{k}" for k in noted + ignored]
     except ValidationError as e:
-        raise ValueError(f"zero_optimization (stage 'ragged'): {e}") from None
+        raise ValueError(_our_problems(e)) from None
+
+
+ACCEPTED = {
+    "granularity": "'element', 'row', '<N>rows', a positive int (elements per block), or {parameter name: one of "
+                   "those}",
+    "sharded_modules": "a list of module class names, e.g. [\"LlamaDecoderLayer\"]",
+    "reshard_after_forward": "true or false",
+    "prefetch": "true or false",
+    "reduce_dtype": "fp32, bf16 or fp16 (or float32, bfloat16, float16)",
+    "fp8_all_gather_tile": "a positive int (the tile side, e.g. 128), or null",
+    "shard_group_size": "a positive int that divides the data-parallel world size, or null",
+}
+"""What each of our keys accepts, for the one-line error naming a refused value."""
+
+
+def _our_problems(error: ValidationError) -> str:
+    """[Note: one line per refused key] Values of our keys that :class:`RaggedOptions` refuses:
+    one line (several keys joined by "; "), each naming the key, the value given and what the
+    key accepts -- never pydantic's multi-line report (whose reasons, one per branch of a union,
+    say less than the list of what is accepted)."""
+    refused = {}
+    for err in error.errors():
+        key = str(err["loc"][0]) if err["loc"] else "?"
+        refused.setdefault(key, err.get("input"))
+    return "; ".join(f"zero_optimization.{key} {value!r} is not accepted: {key} takes "
+                     f"{ACCEPTED.get(key, 'see RaggedOptions')}" for key, value in refused.items())
 
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}

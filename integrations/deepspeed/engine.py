@@ -28,8 +28,9 @@ counters, LR schedulers, logging) is DeepSpeed's own.
 from __future__ import annotations
 
 import inspect
+import math
 import os
-from typing import Any, Optional, Union
+from typing import Any, Container, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler, LossScalerBase
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.precision_config import DeepSpeedFP16Config
+from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 from deepspeed.utils import groups
 from deepspeed.utils.torch import is_functorch_transforming
 from torch.autograd import Variable
@@ -48,8 +50,11 @@ from vescale_zero import checkpoint
 from vescale_zero.checkpoint.convert import is_deepspeed_checkpoint
 from vescale_zero.comm_device import collective_device
 from vescale_zero.fully_shard import HSDP_DIM_NAMES, groups_of
+from vescale_zero.group_progress import GroupState
 from vescale_zero.loss_scaling import unscale_and_find_inf
 from vescale_zero.optim import AdamW8bit, Muon, Shampoo
+from vescale_zero.ragged_tensor import local_piece
+from vescale_zero.state_offload import StateOffloader
 
 from .accelerate_stage import present_ragged_stage_to_accelerate
 from .config import RaggedOptions
@@ -57,9 +62,10 @@ from .module_hooks import RaggedModuleHooks
 from .nvme_offload import offload_optimizer_to_nvme
 from .offload import offload_policy
 from .optimizer_state import as_the_optimizer_keeps_it
-from .recovery_scripts import write_recovery_scripts
+from .recovery_scripts import write_recovery_scripts, write_universal_notice
 from .safe_accessors import attach_optimizer
 from .saving import consolidated_state_dict, install_save_hooks
+from .zero3_attributes import answer_zero3_attributes
 from .zero_init import fill_from_zero3, zero3_to_meta
 
 __all__ = ["RaggedEngineMixin", "RaggedDeepSpeedEngine", "RaggedPipelineEngine", "RaggedPrecision"]
@@ -118,6 +124,7 @@ class RaggedEngineMixin:
             )
         if zero3:
             fill_from_zero3(self.module, zero3)
+        answer_zero3_attributes(self.module)  # TRL / PEFT read them: [Note: ZeRO-3 attributes on ragged parameters]
         self.module.set_prefetch(opts.prefetch)
         self.module.set_unused_grads("zero")  # as ZeRO-3: a parameter no rank used still gets stepped
         install_save_hooks()  # accelerate's / transformers' saves get the full model (see .saving)
@@ -266,6 +273,7 @@ class RaggedEngineMixin:
 
     # ---- backward / step -------------------------------------------------------------
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._state_offloader = StateOffloader()  # before DeepSpeed's __init__, which may run a forward
         super().__init__(*args, **kwargs)
         if not self._is_pipeline():
             self._support_torch_style_backward = True  # [Note: backward without engine.backward]
@@ -322,32 +330,48 @@ class RaggedEngineMixin:
         """Gradients were reduce-scattered into the shards by the runtime's hooks."""
 
     def clip_fp32_gradients(self) -> None:
-        self._global_grad_norm = vz.clip_grad_norm_(self.module, self.gradient_clipping())
+        """Clip by the norm :meth:`_take_model_step` took for this step (no second all-reduce)."""
+        vz.clip_grads_with_norm_(self.module, self.gradient_clipping(), self._global_grad_norm)
 
     def _take_model_step(self, lr_kwargs: Any) -> None:
         """[Note: the reported gradient norm] ``get_global_grad_norm()`` after every step is
         what ZeRO-3 reports: the global norm of the (unscaled) gradients the step used, also
         without clipping (ZeRO-3 computes it every step; DeepSpeed at stage 0 only when it
-        clips), and ``inf`` on an fp16 step skipped for an overflow."""
+        clips), and ``inf`` on a skipped step.
+
+        [Note: a step with non-finite gradients is skipped] As ZeRO-3 in every precision: when
+        that norm is not finite (a NaN / Inf gradient on any rank: the norm is all-reduced, so
+        every rank decides alike, with no collective of its own), or in fp16 the loss scaler
+        found an overflow, the step is skipped -- weights and optimizer state untouched, the
+        gradients dropped, the LR scheduler not stepped, ``skipped_steps`` counted,
+        ``was_step_applied()`` False; fp16's loss scale is updated either way."""
         scaler = self._ragged_scaler
+        skip = scaler is not None and self._unscale_and_check_overflow(scaler.loss_scale)
+        if not skip:
+            norm = vz.sharded_grad_norm(self.module)
+            skip = not math.isfinite(norm.item())  # a host read, as ZeRO-3's: skipping is a host decision
         if scaler is not None:
-            overflow = self._unscale_and_check_overflow(scaler.loss_scale)
-            scaler.update_scale(overflow)
-            if overflow:  # every rank saw the same flag: every rank skips
-                self._global_grad_norm = float("inf")
-                self.zero_grad()
-                self.skipped_steps += 1
-                self.global_steps += 1
-                if self.managed_gradient_accumulation():
-                    self.global_samples += self.train_batch_size()
-                else:  # a caller-owned step counts the micro-batches it accumulated, as DeepSpeed's
-                    per_micro_batch = self.train_batch_size() // self.gradient_accumulation_steps()
-                    self.global_samples += per_micro_batch * self._unmanaged_backward_count
-                    self._unmanaged_backward_count = 0
-                return
-        if self.gradient_clipping() <= 0:  # else clip_fp32_gradients sets it
-            self._global_grad_norm = vz.sharded_grad_norm(self.module)
+            scaler.update_scale(skip)
+        if skip:
+            self._skip_step()
+            return
+        self._global_grad_norm = norm  # clip_fp32_gradients clips by it (when gradient_clipping > 0)
         super()._take_model_step(lr_kwargs)
+
+    def _skip_step(self) -> None:
+        """Count a skipped step as DeepSpeed's engine counts one (see [Note: a step with non-finite
+        gradients is skipped]); every rank takes this path together."""
+        self._global_grad_norm = float("inf")
+        self.zero_grad()
+        self._step_applied = False
+        self.skipped_steps += 1
+        self.global_steps += 1
+        if self.managed_gradient_accumulation():
+            self.global_samples += self.train_batch_size()
+        else:  # a caller-owned step counts the micro-batches it accumulated, as DeepSpeed's
+            per_micro_batch = self.train_batch_size() // self.gradient_accumulation_steps()
+            self.global_samples += per_micro_batch * self._unmanaged_backward_count
+            self._unmanaged_backward_count = 0
 
     def _unscale_and_check_overflow(self, scale: float) -> bool:
         groups = groups_of(self.module)
@@ -357,6 +381,72 @@ class RaggedEngineMixin:
         # The step's one host read: skipping is a host decision, as in DeepSpeed's own fp16
         # optimizers (one overflow flag per step); the scale is a Python float, no read.
         return bool(flag.item())
+
+    # ---- offload_states / reload_states (RL loops around generation) --------------------
+    def offload_states(self, include: Optional[Container[OffloadStateTypeEnum]] = None,
+                       device: OffloadDeviceEnum = OffloadDeviceEnum.cpu, pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        """DeepSpeed's ``engine.offload_states`` (0.19.8's signature and defaults): move the
+        states named in ``include`` (default all) to host memory, as ZeRO-3 does.
+
+        [Note: offload_states under ragged] What each of DeepSpeed's state kinds is here (moved
+        in place: vescale_zero.state_offload [Note: offloading states in place])::
+
+            OffloadStateTypeEnum     ZeRO-3's                          ragged's
+            hp_params                fp32 partitions                   every group's master shard
+            lp_params                16-bit partitions                 nothing kept between steps: the
+                                                                       16-bit copy exists gathered only
+                                                                       (every group is resharded first,
+                                                                       as ZeRO-3 empties its cache)
+            lp_grads                 gradient partitions               every group's gradient shard
+            contiguous_grad_buffer   reduce buckets                    the reduce-scatter input, if held
+                                                                       (gradients accumulated unsynced)
+            optim_states             Adam's state                      the optimizer's state tensors
+
+        As DeepSpeed, ``offload_optimizer`` (the masters, gradients and optimizer state already in
+        host memory) leaves hp_params and optim_states out; ``device`` "none" does nothing and
+        "nvme" is refused. Unlike ZeRO-3 any optimizer's state moves (ZeRO-3: FusedAdam only).
+        A forward before :meth:`reload_states` is refused."""
+        include = self._refine_include_states(include)
+        if device == OffloadDeviceEnum.none:
+            return
+        if device == OffloadDeviceEnum.nvme:
+            raise ValueError("NVMe offload is not supported for offloading states (as at stage 3); use device cpu")
+        for group in groups_of(self.module):
+            if group.state is not GroupState.SHARDED:
+                group.reshard()
+        for kind in include:
+            self._state_offloader.offload(OffloadStateTypeEnum(kind).value, self._states_of(OffloadStateTypeEnum(kind)),
+                                          pin_memory=pin_memory, non_blocking=non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """DeepSpeed's ``engine.reload_states``: every offloaded state back on the device, the same
+        tensors holding the same bytes ([Note: offload_states under ragged])."""
+        self._state_offloader.reload(non_blocking=non_blocking)
+
+    def _states_of(self, kind: OffloadStateTypeEnum) -> List[torch.Tensor]:
+        """The tensors of ``kind`` that live on the compute device ([Note: offload_states under ragged])."""
+        return [t for group in groups_of(self.module) for t in self._group_states(group, kind)
+                if t is not None and local_piece(t).device == group.device]
+
+    def _group_states(self, group: Any, kind: OffloadStateTypeEnum) -> List[Optional[torch.Tensor]]:
+        if kind == OffloadStateTypeEnum.hp_params:
+            return [group.master.local]
+        if kind == OffloadStateTypeEnum.lp_grads:
+            return [group.sharded_grad.live] + [group.sharded_params[i].grad for i in group.grad_indices]
+        if kind == OffloadStateTypeEnum.contiguous_grad_buffer:
+            return [group.grads.full.full]
+        if kind == OffloadStateTypeEnum.optim_states and self.basic_optimizer is not None:
+            state = self.basic_optimizer.state
+            return [v for p in group.sharded_params for v in state.get(p, {}).values() if torch.is_tensor(v)]
+        return []
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        offloaded = self._state_offloader.offloaded
+        if offloaded:
+            raise RuntimeError(f"the engine's states {offloaded} are offloaded (engine.offload_states()): call "
+                               "engine.reload_states() before the next forward")
+        return super().forward(*args, **kwargs)
 
     # ---- checkpoints -----------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
@@ -378,6 +468,7 @@ class RaggedEngineMixin:
                         exclude_frozen=exclude_frozen_parameters)
         if dist.get_rank() == 0:
             write_recovery_scripts(save_dir)
+            write_universal_notice(os.path.join(save_dir, tag))  # [Note: ds_to_universal on a ragged checkpoint]
         if save_latest and dist.get_rank() == 0:
             checkpoint.write_latest(save_dir, tag)
         dist.barrier()
@@ -387,8 +478,18 @@ class RaggedEngineMixin:
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn: Any = None):
         """Load shards written by :meth:`save_checkpoint` (any world size), or migrate a
-        DeepSpeed (ZeRO 0-3) checkpoint's weights; ``(path, client_state)``."""
-        tag = str(tag if tag is not None else checkpoint.read_latest(load_dir))
+        DeepSpeed checkpoint (ZeRO 0-3, or universal); ``(path, client_state)``.
+
+        [Note: load_universal under ragged] ``"checkpoint": {"load_universal": true}`` makes
+        DeepSpeed's engine read the tag from ``latest_universal`` and load the universal
+        checkpoint there (``ds_to_universal``'s output, which loads at any world size). Here too:
+        the tag comes from ``latest_universal``, and a universal checkpoint is migrated like any
+        DeepSpeed checkpoint ([Note: migration]). Every checkpoint loads at any world size under
+        ragged, so whatever the tag names (ours, ZeRO, universal) is loaded."""
+        if tag is None:
+            tag = self._latest_universal(load_dir) if self.load_universal_checkpoint() else checkpoint.read_latest(
+                load_dir)
+        tag = str(tag)
         path = os.path.join(load_dir, tag)
         if is_deepspeed_checkpoint(path):
             return self._migrate_deepspeed_checkpoint(load_dir, tag, load_module_strict, load_optimizer_states,
@@ -406,6 +507,17 @@ class RaggedEngineMixin:
             for key, value in extra["counters"].items():
                 setattr(self, key, value)
         return path, extra["client_state"]
+
+    @staticmethod
+    def _latest_universal(load_dir: str) -> str:
+        file = os.path.join(load_dir, "latest_universal")
+        tag = open(file).read().strip() if os.path.isfile(file) else ""
+        if not tag:
+            raise ValueError(
+                f"checkpoint.load_universal is set, but {file} is missing or empty: write the universal checkpoint's "
+                "directory name into it (ds_to_universal does not), or pass tag=, or remove load_universal to load "
+                "the tag in 'latest' (stage 'ragged' loads any checkpoint at any world size)")
+        return tag
 
     def _migrate_deepspeed_checkpoint(self, load_dir: str, tag: str, strict: bool, load_optimizer_states: bool,
                                       load_lr_scheduler_states: bool, load_module_only: bool):
@@ -426,7 +538,10 @@ class RaggedEngineMixin:
         flag = [error]
         dist.broadcast_object_list(flag, src=0)
         if flag[0] is not None:
-            raise ValueError(f"{os.path.join(load_dir, tag)}: {flag[0]}")
+            where = os.path.join(load_dir, tag)
+            message = flag[0] if flag[0].startswith(where) else f"{where}: {flag[0]}"  # the path once
+            raise ValueError(message.replace(  # the CLI's flag, said as load_checkpoint takes it
+                "convert with --weights-only", "load the weights alone with load_optimizer_states=False"))
         extra = checkpoint.load(target, self.module, None if weights_only else self.optimizer)
         if not weights_only:
             as_the_optimizer_keeps_it(self.optimizer)  # [Note: optimizer state after a load]

@@ -48,7 +48,7 @@ from pydantic import Field, ValidationError
 
 from .config import RAGGED_STAGE, RaggedOptions, apply_top_level_keys, parse_precision, parse_ragged_section
 from .offload import stage0_offload_keys
-from .zero_init import GatheredParameters, check_zero_init_options
+from .zero_init import GatheredParameters, check_zero_init_options, mark_ragged_partitions
 
 __all__ = ["RaggedZeroConfig", "is_ragged_config", "install"]
 
@@ -102,6 +102,7 @@ def _zero_init(self: partition_parameters.Init, *args: Any, **kwargs: Any) -> No
         check_zero_init_options(given)
         if given["dtype"] is None:  # our shards are the master weights: bf16 / fp16 are compute dtypes
             given["config_dict_or_path"], given["config"] = _without_precision(parsed._param_dict), None
+        mark_ragged_partitions(self)
         return _original_init(*bound.args, **bound.kwargs)
     _original_init(self, *args, **kwargs)
 

@@ -10,6 +10,15 @@ Python. For a ragged checkpoint:
   imports the ``zero_to_fp32.py`` beside it;
 * :func:`install_zero_to_fp32` routes the reading step of the imported
   ``deepspeed.utils.zero_to_fp32``, so its functions read ragged checkpoints in this process.
+
+[Note: ds_to_universal on a ragged checkpoint]
+DeepSpeed's ``ds_to_universal`` (run as a script, so nothing of ours is loaded in its process)
+turns a ZeRO checkpoint into one that loads at any world size. A ragged checkpoint needs no such
+conversion -- it reshards itself -- and has none of the files the script reads. The first one it
+reads is ``*_optim_states.pt`` (with ``torch.load(weights_only=False)``, to learn the ZeRO stage),
+so each tag directory of a ragged engine holds :data:`NOTICE`, whose unpickling raises
+``vescale_zero.checkpoint.CheckpointError`` with the explanation, one line: the script stops with
+it instead of "can't find *_optim_states.pt files". Nothing else reads that file.
 """
 
 from __future__ import annotations
@@ -19,9 +28,34 @@ import os
 import shutil
 import stat
 
+import torch
+
+from vescale_zero.checkpoint.format import refuse
+
 from . import zero_to_fp32
 
-__all__ = ["write_recovery_scripts", "install_zero_to_fp32"]
+__all__ = ["write_recovery_scripts", "install_zero_to_fp32", "write_universal_notice", "NOTICE"]
+
+NOTICE = "ragged_checkpoint_reshards_itself_not_zero_optim_states.pt"
+"""The notice file of every ragged tag directory ([Note: ds_to_universal on a ragged checkpoint])."""
+
+
+class _Notice:
+    """Pickled as a call of ``vescale_zero.checkpoint.format.refuse(message)``."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def __reduce__(self):
+        return refuse, (self.message,)
+
+
+def write_universal_notice(tag_dir: str) -> None:
+    """Write :data:`NOTICE` into ``tag_dir`` (rank 0): see [Note: ds_to_universal on a ragged checkpoint]."""
+    message = (f"{tag_dir} is a vescale-zero \"stage\": \"ragged\" checkpoint, which needs no universal conversion: "
+               "it reshards itself (engine.load_checkpoint under stage 'ragged' loads it at any world size); for "
+               "the full fp32 weights run the zero_to_fp32.py beside it, or `vescale-zero consolidate`")
+    torch.save(_Notice(message), os.path.join(tag_dir, NOTICE))
 
 
 def _executable(path: str) -> None:

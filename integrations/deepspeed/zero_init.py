@@ -9,7 +9,11 @@ dtypes the engine applies). ``deepspeed.initialize`` then converts, without ever
 the whole model on a rank:
 
   1. :func:`zero3_to_meta`: each ZeRO-3 parameter in the module is replaced by a meta
-     parameter of its full shape (tied ones stay tied), remembering its source;
+     parameter of its full shape (tied ones stay tied), remembering its source; so is every
+     parameter added after ``zero.Init`` built the model (PEFT's adapters, in the order the
+     Hugging Face docs give for ZeRO-3: ``get_peft_model`` on a model ``from_pretrained`` built
+     partitioned), which DeepSpeed's engine has already broadcast from rank 0, as ZeRO-3
+     partitions such parameters from rank 0's values;
   2. the engine applies ``fully_shard`` to the meta model (planned, no storage);
   3. :func:`fill_from_zero3` fills our shards group by group (``vescale_zero.fill``): one
      group's ZeRO-3 parameters are gathered by DeepSpeed's own all-gather, this rank's
@@ -39,7 +43,8 @@ from vescale_zero.fully_shard import sharded_counterpart
 from vescale_zero.gathered import gathered_parameters
 from vescale_zero.param_attributes import copy_parameter_attributes
 
-__all__ = ["check_zero_init_options", "zero3_to_meta", "fill_from_zero3", "GatheredParameters", "Zero3Sources"]
+__all__ = ["check_zero_init_options", "zero3_to_meta", "fill_from_zero3", "GatheredParameters", "Zero3Sources",
+           "RAGGED_PARTITION", "mark_ragged_partitions", "partitioned_for_ragged"]
 
 Zero3Sources = Dict[Tuple[int, str], nn.Parameter]
 """(id(module), attribute) -> the ZeRO-3 parameter that module attribute held."""
@@ -79,13 +84,40 @@ def _is_zero3(param: object) -> bool:
     return isinstance(param, torch.Tensor) and hasattr(param, "ds_id")
 
 
+RAGGED_PARTITION = "_ds_partitioned_for_ragged"
+"""Set on each parameter a ``zero.Init`` under a ragged config partitions (a ZeRO-3 attribute by
+its prefix: dropped with the others when the parameter is converted)."""
+
+
+def mark_ragged_partitions(init: partition_parameters.Init) -> None:
+    """Make ``init`` (a ``zero.Init`` under a ragged config, before its ``__init__`` runs, which may
+    already convert a ``module=``) mark every parameter it partitions with :data:`RAGGED_PARTITION`."""
+    convert = init._convert_to_deepspeed_param
+
+    def convert_and_mark(param: nn.Parameter) -> None:
+        convert(param)
+        setattr(param, RAGGED_PARTITION, True)
+
+    # host patch deepspeed.runtime.zero.partition_parameters.Init._convert_to_deepspeed_param: checked against deepspeed 0.19.8  # noqa: E501
+    init._convert_to_deepspeed_param = convert_and_mark  # on this instance only
+
+
+def partitioned_for_ragged(model: Any) -> bool:
+    """Whether ``model`` holds parameters a ``zero.Init`` under a ragged config partitioned."""
+    return isinstance(model, nn.Module) and any(hasattr(p, RAGGED_PARTITION) for p in model.parameters())
+
+
 def zero3_to_meta(module: nn.Module) -> Zero3Sources:
-    """Step 1 of [Note: zero.Init under ragged]; ``{}`` (nothing changed) if no ZeRO-3 parameter."""
+    """Step 1 of [Note: zero.Init under ragged]; ``{}`` (nothing changed) if no ZeRO-3 parameter.
+    Parameters that are not ZeRO-3's (added after ``zero.Init``) go to meta too, their source
+    being the parameter itself: one group may hold both (a LoRA adapter beside its base layer)."""
+    if not any(_is_zero3(p) for p in module.parameters()):
+        return {}
     sources: Zero3Sources = {}
     metas: Dict[int, nn.Parameter] = {}
     for mod in module.modules():
         for attr, p in mod._parameters.items():
-            if not _is_zero3(p):
+            if p is None or p.device.type == "meta":
                 continue
             if id(p) not in metas:
                 metas[id(p)] = _meta_like(p)
@@ -98,8 +130,8 @@ def zero3_to_meta(module: nn.Module) -> Zero3Sources:
 
 def _meta_like(param: nn.Parameter) -> nn.Parameter:
     """A meta parameter of ``param``'s full shape, with its attributes except ZeRO-3's."""
-    meta = nn.Parameter(torch.empty(param.ds_shape, dtype=param.dtype, device="meta"),
-                        requires_grad=param.requires_grad)
+    shape = param.ds_shape if _is_zero3(param) else param.shape
+    meta = nn.Parameter(torch.empty(shape, dtype=param.dtype, device="meta"), requires_grad=param.requires_grad)
     return copy_parameter_attributes(param, meta, skip=set(_zero3_attributes(param)))
 
 
@@ -115,7 +147,8 @@ _ZERO3_NAMES = frozenset({"is_external_param", "nvme_swapper", "ds_summary", "it
 
 
 def _release(param: nn.Parameter, sharded: nn.Parameter) -> None:
-    """Drop ``param``'s ZeRO-3 shard and attributes; it now stands for ``sharded`` (optimizer remap)."""
+    """Drop ``param``'s ZeRO-3 shard (or its whole tensor) and ZeRO-3 attributes; it now stands
+    for ``sharded`` (optimizer remap)."""
     for name in _zero3_attributes(param):
         delattr(param, name)
     param.data = torch.empty(0, dtype=param.dtype, device=param.device)
@@ -125,15 +158,17 @@ def _release(param: nn.Parameter, sharded: nn.Parameter) -> None:
 def fill_from_zero3(module: nn.Module, sources: Zero3Sources) -> None:
     """Step 3 of [Note: zero.Init under ragged]: ``module`` was sharded on meta after
     :func:`zero3_to_meta` returned ``sources``. Collective over the ZeRO-3 partition group."""
-    device = next(iter(sources.values())).ds_tensor.device
+    device = next(p for p in sources.values() if _is_zero3(p)).ds_tensor.device
+    released = set()
 
     @contextlib.contextmanager
     def open_group(owners: List[Owner]) -> Iterator[Sequence[torch.Tensor]]:
         params = [sources[id(mod), attr] for mod, attr in owners]
-        with partition_parameters.GatheredParameters(params):
+        with partition_parameters.GatheredParameters([p for p in params if _is_zero3(p)]):
             yield [p.data for p in params]
         for (mod, attr), p in zip(owners, params):
-            if hasattr(p, "ds_id"):  # a tied parameter is released once
+            if id(p) not in released:  # a tied parameter is released once
+                released.add(id(p))
                 _release(p, sharded_counterpart(mod._parameters[attr]))
 
     fill_group_by_group(module, open_group, device)

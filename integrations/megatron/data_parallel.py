@@ -71,6 +71,7 @@ from vescale_zero.comm_device import collective_device
 from vescale_zero.eager_hooks import outside_compile
 from vescale_zero.fully_shard import groups_of
 from vescale_zero.granularity import GranularityPolicy
+from vescale_zero.job_timeout import carry_job_timeout
 from vescale_zero.param_attributes import copy_parameter_attributes
 from vescale_zero.param_group import ParamGroup
 from vescale_zero.param_swap import put_parameters, replace_parameters
@@ -199,6 +200,8 @@ class VeScaleFSDP(_BaseDataParallel):
         self.ddp_config = ddp_config
         self.options = options or VeScaleFSDPOptions()
         groups = ddp_process_groups(pg_collection, config, ddp_config)
+        # every group used here stops waiting on a stuck peer after the job's timeout: [Note: the job's timeout]
+        carry_job_timeout(*(g for g in groups.values() if isinstance(g, dist.ProcessGroup)))
         self.dp_cp_group = groups["dp_cp_group"]
         self.expt_dp_group = groups["expt_dp_group"]
         self.tp_group = groups["tp_group"]

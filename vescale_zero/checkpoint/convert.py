@@ -22,8 +22,9 @@ parameters of the loading model (its buffers) are found by name among the pieces
   bare model state dict; optimizer state nested or flattened). DCP's own reader gathers
   every tensor whole in this process (as ``dcp_to_torch_save`` does).
 * DeepSpeed (stage 0-3, any world size): fp32 weights from DeepSpeed's ``zero_to_fp32``;
-  Adam's moments (and step) from DeepSpeed's universal-checkpoint conversion
-  (``ds_to_universal``); the engine's counters and client state as ``extra``.
+  Adam's moments (and step) and the optimizer's hyper-parameters from DeepSpeed's
+  universal-checkpoint conversion (``ds_to_universal``); the engine's counters and client state
+  as ``extra``. A universal checkpoint (``ds_to_universal``'s output) is read directly.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ import torch
 
 from .format import CheckpointError, is_dcp_checkpoint, latest_tag, read_dcp, write_whole
 
-__all__ = ["from_fsdp2", "from_deepspeed", "is_deepspeed_checkpoint", "deepspeed_model_states"]
+__all__ = ["from_fsdp2", "from_deepspeed", "is_deepspeed_checkpoint", "is_deepspeed_universal",
+           "deepspeed_model_states"]
 
 _DS_MODEL_STATES = "mp_rank_00_model_states.pt"
 
@@ -186,11 +188,71 @@ def _no_latest(load_dir: str) -> str:
             f"{_DS_MODEL_STATES} (give the save_dir passed to engine.save_checkpoint)")
 
 
+def is_deepspeed_universal(path: str) -> bool:
+    """Whether ``path`` is a DeepSpeed universal checkpoint (``ds_to_universal``'s output folder:
+    the model-states files and ``zero/<parameter>/fp32.pt``, ``exp_avg.pt``, ...)."""
+    return is_deepspeed_checkpoint(path) and os.path.isdir(os.path.join(path, "zero"))
+
+
+def _universal_param_groups(universal: str) -> Optional[List[Dict[str, Any]]]:
+    """The optimizer's hyper-parameters per param group (``lr`` as the LR scheduler last set it)
+    from a universal checkpoint's ``zero/optimizer_state.pt``, which ``ds_to_universal`` writes for
+    ZeRO stages 1-3 (whose model-states file holds no optimizer)."""
+    file = os.path.join(universal, "zero", "optimizer_state.pt")
+    if not os.path.exists(file):
+        return None
+    saved = torch.load(file, map_location="cpu", weights_only=False)
+    return [{k: v for k, v in g.items() if k != "params"} for g in saved.get("param_groups") or []] or None
+
+
+def _universal_weights(universal: str, states: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+    """Every parameter's fp32 weight (``zero/<name>/fp32.pt``, shaped as the model-states file
+    records it) and the buffers of the model-states file."""
+    zero = os.path.join(universal, "zero")
+    shapes: Dict[str, Tuple[int, ...]] = {}
+    recorded = states.get("param_shapes") or []
+    for group in recorded if isinstance(recorded, list) else [recorded]:
+        shapes.update({name: tuple(shape) for name, shape in group.items()})
+    tensors = {}
+    for name in sorted(os.listdir(zero)):
+        file = os.path.join(zero, name, "fp32.pt")
+        if os.path.isfile(file):
+            saved = torch.load(file, map_location="cpu", weights_only=False)
+            full = saved["param"] if isinstance(saved, dict) else saved
+            tensors[name] = full.reshape(shapes.get(name, tuple(full.shape))).float()
+    tensors.update(_universal_frozen(universal))
+    tensors.update({k: v for k, v in (states.get("module") or {}).items()
+                    if k not in tensors and torch.is_tensor(v) and v.numel() > 0})
+    for alias, source in (states.get("shared_params") or {}).items():  # tied weights, as zero_to_fp32 adds them
+        if source in tensors:
+            tensors[alias] = tensors[source]
+    return tensors
+
+
+def _universal_frozen(universal: str) -> Dict[str, torch.Tensor]:
+    """The frozen parameters (no optimizer state, so no ``zero/`` folder) from the model-states
+    files ``ds_to_universal`` copies: whole in each file (stages 1-2), or one partition per rank
+    (stage 3: ``zero_pp_rank_<r>_...``), put together in rank order as zero_to_fp32 does."""
+    files = [n for n in os.listdir(universal) if n.endswith("model_states.pt")]
+    files.sort(key=lambda n: int(n.split("_")[3]) if n.startswith("zero_pp_rank_") else -1)
+    states = [torch.load(os.path.join(universal, n), map_location="cpu", weights_only=False) for n in files]
+    out = {}
+    for name, shape in (states[0].get("frozen_param_shapes") or {}).items() if states else ():
+        numel = math.prod(shape)
+        pieces = [s["frozen_param_fragments"][name].reshape(-1) for s in states]
+        whole = pieces[0] if pieces[0].numel() == numel else torch.cat(pieces)[:numel]
+        out[name] = whole.reshape(shape).float()
+    return out
+
+
 def from_deepspeed(load_dir: str, tag: Optional[str], dst: str, weights_only: bool = False) -> None:
-    """Convert DeepSpeed checkpoint ``load_dir/tag`` (``tag`` from ``latest`` if ``None``).
+    """Convert DeepSpeed checkpoint ``load_dir/tag`` (``tag`` from ``latest`` if ``None``): a
+    checkpoint of DeepSpeed's engine (stage 0-3, any world size) or a universal one
+    (``ds_to_universal``'s output).
 
     ``extra`` holds ``{"deepspeed": {lr_scheduler, global_steps, global_samples,
-    skipped_steps}, "client_state": ...}``.
+    skipped_steps}, "client_state": ...}``. The optimizer's hyper-parameters come along (its
+    ``lr`` as the LR scheduler set it, so the first resumed step runs at the saved run's rate).
     """
     if tag is None:
         tag = latest_tag(load_dir)
@@ -201,6 +263,14 @@ def from_deepspeed(load_dir: str, tag: Optional[str], dst: str, weights_only: bo
     if states_file is None:
         raise CheckpointError(f"{path} is not a DeepSpeed checkpoint (no {_DS_MODEL_STATES})")
     states = torch.load(states_file, map_location="cpu", weights_only=False)
+    state, groups = None, None
+    if is_deepspeed_universal(path):
+        tensors = _universal_weights(path, states)
+        if not weights_only:
+            state = _universal_adam_state(path, {n: tuple(t.shape) for n, t in tensors.items()})
+            groups = _universal_param_groups(path)
+        _write_from_deepspeed(dst, tensors, state, groups, states)
+        return
     zero_files = ("zero_pp_rank_", "bf16_zero_pp_rank_")
     if any(n.endswith("optim_states.pt") and n.startswith(zero_files) for n in os.listdir(path)):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -212,12 +282,14 @@ def from_deepspeed(load_dir: str, tag: Optional[str], dst: str, weights_only: bo
                         if k not in tensors and torch.is_tensor(v) and v.numel() > 0})
     else:
         tensors = dict(states["module"])
-    state, groups = None, None
     if not weights_only:
         universal = tempfile.mkdtemp(prefix=f"{tag}_universal-{uuid.uuid4().hex[:8]}-", dir=load_dir)
         try:
             _deepspeed_universal(load_dir, tag, os.path.join(universal, "u"))
             state = _universal_adam_state(os.path.join(universal, "u"), {n: tuple(t.shape) for n, t in tensors.items()})
+            groups = ([{k: v for k, v in g.items() if k != "params"}
+                       for g in (states.get("optimizer") or {}).get("param_groups", [])]  # stage 0: the optimizer's
+                      or _universal_param_groups(os.path.join(universal, "u")))  # ZeRO: its optimizer files'
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001 - DeepSpeed's converter raises many kinds
@@ -225,8 +297,11 @@ def from_deepspeed(load_dir: str, tag: Optional[str], dst: str, weights_only: bo
                                   f"({type(e).__name__}: {e}); convert with --weights-only") from e
         finally:
             shutil.rmtree(universal, ignore_errors=True)
-        groups = [{k: v for k, v in g.items() if k != "params"}
-                  for g in (states.get("optimizer") or {}).get("param_groups", [])] or None
+    _write_from_deepspeed(dst, tensors, state, groups, states)
+
+
+def _write_from_deepspeed(dst: str, tensors: Dict[str, torch.Tensor], state: Optional[Dict[str, Dict[str, Any]]],
+                          groups: Optional[List[Dict[str, Any]]], states: Dict[str, Any]) -> None:
     engine = {k: states.get(k) for k in ("lr_scheduler", "global_steps", "global_samples", "skipped_steps")}
     client = {k: v for k, v in states.items() if k not in DS_ENGINE_KEYS}
     write_whole(dst, tensors, state, groups, extra={"converted_from": "deepspeed", "deepspeed": engine,

@@ -209,6 +209,13 @@ def write_latest(directory: str, tag: str) -> None:
     fsync_dir(directory)
 
 
+def refuse(message: str) -> None:
+    """Raise :class:`CheckpointError` with ``message``: what a notice file left for another
+    framework's reader calls when that reader unpickles it (the reader then shows why it cannot
+    read this checkpoint, and what to do instead)."""
+    raise CheckpointError(message)
+
+
 # ---- reading -------------------------------------------------------------------------------
 
 
