@@ -48,7 +48,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import FSDPModule, UnshardHandle, register_fsdp_forward_method
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -57,9 +58,10 @@ import vescale_zero as vz
 from tests.distributed import run_cases_on_ranks
 from tests.models import SEQ, AwkwardLM, make_batches, rank_slice
 from tests.numerics import gamma
+from tests.test_torch_loops import _record_gathers
 from tests.test_torch_utilities import ATOL, GLOBAL_BATCH, RTOL, _close, _sgd, _sgd_loop, _single_thread, _values
-from vescale_zero.fully_shard import resolve_reshard_after_forward
-from vescale_zero.param_group import GroupState, ParamGroup
+from vescale_zero.fully_shard import groups_of, resolve_reshard_after_forward
+from vescale_zero.param_group import GroupState
 
 KINDS = ("ours", "fsdp2", "ref")
 
@@ -344,12 +346,14 @@ class CountingReduceScatter(ReduceScatter):
     """gloo reduces with SUM only: AVG is a SUM then a division (synchronous)."""
 
     calls = 0
+    ops: list = []
 
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         CountingReduceScatter.calls += 1
+        CountingReduceScatter.ops.append(str(op))
         world = dist.get_world_size(group)
         chunks = input_tensor.clone().view(world, -1)
         dist.all_reduce(chunks, group=group)
@@ -412,6 +416,13 @@ def methods_case(rank, world):
         m.set_modules_to_forward_prefetch([blocks[0]])
 
     out["prefetch"] = _three(rank, world, setup=prefetch)
+    model = _build("ours", setup=prefetch)
+    records, restore = _record_gathers([b.vescale_group for b in model.blocks] + [model.vescale_group])
+    try:  # the first iteration knows no order: only the explicit lists prefetch in it
+        model(*rank_slice(make_batches(1, GLOBAL_BATCH)[0], rank, world)).backward()
+    finally:
+        restore()
+    out["prefetch gathers"] = records
     out["prefetch refused"] = _outcome(lambda: _build("ours").blocks[0].set_modules_to_forward_prefetch(
         [torch.nn.Linear(2, 2)]))[:2]
 
@@ -441,11 +452,27 @@ def methods_case(rank, world):
             m.set_separate_reduce_scatter_group()
 
     out["sums"] = _three(rank, world, setup=sums)
+    CountingReduceScatter.ops = []
     model = _build("ours", setup=sums)
+    for m in [model, *model.blocks]:
+        m.set_custom_reduce_scatter(CountingReduceScatter())
+    model(*rank_slice(make_batches(1, GLOBAL_BATCH)[0], rank, world)).backward()
+    out["sum ops"] = sorted(set(CountingReduceScatter.ops))
     group = model.blocks[0].vescale_group
     out["separate group"] = group.grads.reduce_group is not group.process_group
     out["max buffers refused"] = [_outcome(lambda v=v: model.set_reduce_scatter_max_input_buffers(v))[:2]
                                   for v in (True, 0)]
+
+    # HSDP (replicas x a shard group of 1): the first micro-batch reduce-scatters without the all-reduce
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    first_without = lambda m, i: m.set_requires_all_reduce(i == 1)  # noqa: E731
+    out["all-reduce"] = {kind: _accumulate(_build(kind, mesh=mesh), rank, world, first_without)
+                         for kind in ("ours", "fsdp2")}
+    out["all-reduce"]["ref"] = out["accumulate"]["ref"]
+    model = _build("ours", mesh=mesh)
+    _accumulate(model, rank, world, first_without)
+    out["all-reduces per group and step"] = sum(g.stats.all_reduces for g in groups_of(model)) / (
+        2 * len(groups_of(model)))
 
     # the deprecated name warns and means set_gradient_divide_factor
     with warnings.catch_warnings(record=True) as caught:
@@ -494,12 +521,17 @@ def methods_case(rank, world):
         batches = make_batches(2, GLOBAL_BATCH)
         if kind == "ref":
             _single_thread(lambda m=m, b=batches: _sgd_loop(m, b, rank, world, False, _sgd))
-        else:
-            gathers = _count_gathers(m.embed.vescale_group if kind == "ours" else None)
-            with gathers:
+        elif kind == "ours":
+            groups = groups_of(m)
+            records, restore = _record_gathers(groups)
+            try:
                 _sgd_loop(m, batches, rank, world, True, _sgd)
-            if kind == "ours":
-                out["embedding gathers"] = gathers.count
+            finally:
+                restore()
+            embed = groups.index(m.embed.vescale_group)
+            out["embedding gathers"] = [in_backward for g, _, in_backward in records if g == embed]
+        else:
+            _sgd_loop(m, batches, rank, world, True, _sgd)
         out["unshard in backward"][kind] = _values(m)
 
     # recovery after a forward that raised
@@ -534,32 +566,9 @@ def methods_case(rank, world):
         "raf not bool": _outcome(lambda: model.set_reshard_after_forward(2)),
         "fsdp2 raf not bool": _outcome(lambda: _build("fsdp2").set_reshard_after_forward(2)),
         "private async": _outcome(lambda: model._set_unshard_async_op(True)),
+        "share_comm_ctx": _outcome(lambda: share_comm_ctx(list(model.blocks))),
     }
     return out
-
-
-class _count_gathers:
-    """Within: the all-gathers ``group`` runs (``None``: nothing counted)."""
-
-    def __init__(self, group):
-        self.group, self.count, self._real = group, [], None
-
-    def __enter__(self):
-        if self.group is not None:
-            self._real = real = ParamGroup.unshard
-            group, count = self.group, self.count
-
-            def spy(g, async_op=False):
-                if g is group and g.state is GroupState.SHARDED:
-                    count.append(torch._C._current_graph_task_id() != -1)  # in backward
-                return real(g, async_op)
-
-            ParamGroup.unshard = spy
-        return self
-
-    def __exit__(self, *exc):
-        if self._real is not None:
-            ParamGroup.unshard = self._real
 
 
 def _cases(folder) -> dict:
@@ -720,10 +729,16 @@ def test_8_fsdp_module_methods(results):
     for r in results["methods"]:
         _three_close(r["accumulate"], "no sync / no reshard / not last, then all on")
         _three_close(r["prefetch"], "set_modules_to_forward/backward_prefetch")
+        # (group, prefetched, in backward): blocks 0, 1, root 2; root -> 0 -> 1 in forward, 1 -> 0 in backward
+        assert r["prefetch gathers"] == [(2, False, False), (0, True, False), (1, True, False), (0, True, True)], \
+            r["prefetch gathers"]
         assert r["prefetch refused"][0] == "error", r["prefetch refused"]
         assert r["comm calls ours"][0] > 0 and r["comm calls ours"][1] > 0, r["comm calls ours"]
         _three_close(r["comms"], "custom all-gather / reduce-scatter, all-reduce hook on the root")
         _three_close(r["sums"], "force SUM, divide factor, 2 reduce-scatters in flight, own group")
+        assert r["sum ops"] == [str(dist.ReduceOp.SUM)], r["sum ops"]
+        _three_close(r["all-reduce"], "HSDP: set_requires_all_reduce(False) on the first micro-batch")
+        assert r["all-reduces per group and step"] == 1, r["all-reduces per group and step"]
         assert r["separate group"]
         assert [e[:2] for e in r["max buffers refused"]] == [("error", "TypeError"), ("error", "ValueError")]
         categories, root_factor, block_factor = r["deprecated"]
@@ -741,6 +756,6 @@ def test_8_fsdp_module_methods(results):
         refusals = r["refusals"]
         for key in ("symm_mem", "pg_alloc"):
             assert refusals[key][:2] == ("error", "NotImplementedError") and "not supported" in refusals[key][2]
-        assert refusals["pg_alloc off"][0] == "ok" and refusals["private async"][0] == "ok"
+        assert refusals["pg_alloc off"][0] == refusals["private async"][0] == refusals["share_comm_ctx"][0] == "ok"
         assert refusals["raf not bool"][:2] == refusals["fsdp2 raf not bool"][:2] == ("error", "ValueError")
     assert world in (2, 3)

@@ -447,7 +447,6 @@ class RootContext:
             group.settle_host_copies()
         drop_unused(usage)
 
-
     def reset_iteration(self) -> None:
         """[Note: resetting an iteration] After a forward or backward raised (FSDP2's
         ``reset_iter_state``): every collective in flight is waited for, every group resharded,
@@ -470,6 +469,11 @@ class RootContext:
 
 class FSDPState:
     """The hooks of one ``fully_shard`` module (see [Note: the iteration])."""
+
+    # torch's share_comm_ctx (pipeline chunks sharing FSDP2's streams) finds nothing to share:
+    # our collectives are issued on the current stream
+    _comm_ctx: Any = None
+    _fsdp_param_groups: tuple = ()
 
     def __init__(
         self,
