@@ -222,11 +222,12 @@ def round_trip_case(rank, world):
         for name, p in model.named_parameters():
             mesh, whole = p.device_mesh, ref[name].detach()
             back = DTensor.from_local(p.to_local(), mesh, p.placements, shape=p.shape, stride=p.stride())
+            checks = [back.full_tensor()]  # issue 39's item 4: SIGSEGV on every rank before
             replicated = p.redistribute(mesh, [Replicate()])
             row_sharded = p.redistribute(mesh, [Shard(0)])
             home = [row_sharded.redistribute(mesh, p.placements), replicated.redistribute(mesh, p.placements),
                     dtensor.distribute_tensor(whole, mesh, p.placements)]  # FSDP2's recipe to load weights
-            checks = [back.full_tensor(), replicated.to_local(), row_sharded.full_tensor()]
+            checks += [replicated.to_local(), row_sharded.full_tensor()]
             worst = max([worst] + [(c - whole).abs().max().item() for c in checks])
             same_piece = all(torch.equal(h.to_local(), p.to_local()) and h.placements == p.placements for h in home)
             pieces[name] = (row_sharded.to_local().clone(), same_piece)
