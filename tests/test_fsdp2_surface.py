@@ -232,6 +232,8 @@ def round_trip_case(rank, world):
             same_piece = all(torch.equal(h.to_local(), p.to_local()) and h.placements == p.placements for h in home)
             pieces[name] = (row_sharded.to_local().clone(), same_piece)
         out[kind] = {"worst": worst, "pieces": pieces}
+    pl = _build("ours").norm.weight.placements[0]  # torch calls its C++ base's methods (SIGSEGV before)
+    out["placement"] = (pl.is_shard(), pl.is_replicate(), pl == Replicate(), Replicate() == pl)
     return out
 
 
@@ -662,6 +664,7 @@ def test_4_from_local_redistribute_and_distribute_tensor_round_trips(results):
             assert r[kind]["worst"] == 0.0, (kind, r[kind]["worst"])
             for name, (_, same) in r[kind]["pieces"].items():
                 assert same, f"{kind} {name}: a redistribute back or distribute_tensor gave another piece"
+        assert r["placement"] == (False, False, False, False), r["placement"]
         for name, (row_piece, _) in r["ours"]["pieces"].items():  # Shard(0) as FSDP2 lays it out
             assert torch.equal(row_piece, r["fsdp2"]["pieces"][name][0]), name
 
