@@ -276,7 +276,7 @@ def host_buffers(model: nn.Module, opt, engine) -> List[torch.Tensor]:
     state. Empty for a system that offloads nothing."""
     from torch.distributed.fsdp import FSDPModule
 
-    from vescale_zero.fully_shard import groups_of
+    from vescale_zero.fully_shard import RaggedFSDPModule, groups_of
 
     inner = getattr(opt, "optimizer", opt)
 
@@ -289,7 +289,8 @@ def host_buffers(model: nn.Module, opt, engine) -> List[torch.Tensor]:
             grad = group.sharded_grad.live
             out += [group.master.local] + ([grad] if grad is not None else []) + state_of(group.sharded_params)
     for module in model.modules():
-        param_group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        fsdp2 = isinstance(module, FSDPModule) and not isinstance(module, RaggedFSDPModule)  # ours are FSDPModules too
+        param_group = module._get_fsdp_state()._fsdp_param_group if fsdp2 else None
         for fsdp_param in (param_group.fsdp_params if param_group is not None else []):
             if fsdp_param.offload_to_cpu:
                 p = fsdp_param.sharded_param

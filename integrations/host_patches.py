@@ -1,13 +1,14 @@
 """Every host attribute the adapters replace (monkey-patches of DeepSpeed, accelerate,
-transformers and Megatron internals; TRL and PEFT are read, not patched), the host version each
-was checked against, and the signature of the host function it relies on: the one list
-(``HOST_PATCHES``).
+transformers and Megatron internals, and the torch functions ``vescale_zero.dtensor_interop``
+routes; TRL and PEFT are read, not patched), the host version each was checked against, and the
+signature of the host function it relies on: the one list (``HOST_PATCHES``).
 
 [Note: host patches] A patch site says in one line, right above the assignment::
 
     # host patch deepspeed.initialize: checked against deepspeed 0.19.8
 
-naming its entry here; ``tests/test_host_patches.py`` checks that every site names an entry
+naming its entry here (under ``integrations/`` or ``vescale_zero/``); ``tests/test_host_patches.py``
+checks that every site names an entry
 with the same version, that every entry has a site, and -- in a fresh interpreter, where no
 patch is applied yet -- that each installed host function still has the signature recorded
 here (parameter names, kinds and defaults; annotations left out), failing with the function,
@@ -24,6 +25,7 @@ from typing import Dict, Optional
 __all__ = ["HOST_PATCHES", "HOST_VERSIONS", "HostPatch"]
 
 HOST_VERSIONS: Dict[str, str] = {
+    "torch": "2.13.0",
     "deepspeed": "0.19.8",
     "accelerate": "1.15.0",
     "transformers": "5.24.0",
@@ -90,7 +92,22 @@ _DS_ACCESSORS = {  # deepspeed.utils.tensor_fragment: the accessors routed for r
     "safe_update_full_grad_vectorized": "(param_list, update_func)",
 }
 
+_DTENSOR = "torch.distributed.tensor"
+_FROM_LOCAL = "(local_tensor, device_mesh=None, placements=None, *, run_check=False, shape=None, stride=None, " \
+              "grad_placements=None)"
+_REDISTRIBUTE = "(self, device_mesh=None, placements=None, *, async_op=False, forward_dtype=None, backward_dtype=None)"
+_DISTRIBUTE = "(tensor, device_mesh=None, placements=None, *, src_data_rank=0)"
+
 HOST_PATCHES: Dict[str, HostPatch] = {p.patched: p for p in (
+    # torch: vescale_zero/dtensor_interop.py ([Note: torch's DTensor functions meet RaggedShard])
+    HostPatch(f"{_DTENSOR}.DTensor.from_local", "torch", f"{_DTENSOR}.DTensor.from_local", _FROM_LOCAL),
+    HostPatch(f"{_DTENSOR}.DTensor.redistribute", "torch", f"{_DTENSOR}.DTensor.redistribute", _REDISTRIBUTE),
+    HostPatch(f"{_DTENSOR}.distribute_tensor", "torch", f"{_DTENSOR}.distribute_tensor", _DISTRIBUTE),
+    HostPatch(f"{_DTENSOR}._api.distribute_tensor", "torch", f"{_DTENSOR}._api.distribute_tensor", _DISTRIBUTE),
+    HostPatch("torch.distributed._state_dict_utils.distribute_tensor", "torch",
+              "torch.distributed._state_dict_utils.distribute_tensor", _DISTRIBUTE),
+    HostPatch("torch.distributed._state_dict_utils._distribute_tensors", "torch",
+              "torch.distributed._state_dict_utils._distribute_tensors", "(local_state_dict, keys, device, pg=None)"),
     # DeepSpeed: integrations/deepspeed/__init__.py, parser.py
     HostPatch("deepspeed.initialize", "deepspeed", "deepspeed.initialize", _DS_INIT),
     HostPatch("deepspeed.DeepSpeedEngine", "deepspeed", "deepspeed.DeepSpeedEngine", _DS_ENGINE),

@@ -6,13 +6,15 @@ the list of per-rank return values. ``run_cases_on_ranks`` runs several named ca
 after another in one such spawn (spawning and importing cost ~5-10 s a time), and names
 the case that failed. A rank that raises fails the test with its
 traceback; ranks that are still running after ``timeout`` seconds are killed, so a
-mismatched collective fails instead of hanging. ``run_with_a_killed_rank`` runs ranks
-one of which is to die of SIGKILL (crash-safety tests), ``run_with_a_stuck_rank`` ranks one
-of which stops answering while alive (timeout tests).
+mismatched collective fails instead of hanging; a rank that dies (a signal: SIGSEGV in a
+native library) fails it at once, naming the case it was in, with its Python stack on stderr.
+``run_with_a_killed_rank`` runs ranks one of which is to die of SIGKILL (crash-safety tests),
+``run_with_a_stuck_rank`` ranks one of which stops answering while alive (timeout tests).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import os
 import pickle
@@ -38,7 +40,9 @@ def _free_port() -> int:
 
 
 def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      **{_CASE_FILE: os.path.join(out_dir, f"{rank}.case")})
+    faulthandler.enable()  # a rank killed by a signal prints its Python stack
     torch.set_num_threads(1)
     result: Any
     try:
@@ -89,9 +93,14 @@ class CaseFailed(RuntimeError):
     """Raised on a rank by :func:`run_cases_on_ranks` for the case whose function raised."""
 
 
+_CASE_FILE = "VZ_TEST_CASE_FILE"  # where a rank writes the case it runs (read if it dies)
+
+
 def _run_cases(rank: int, world_size: int, cases: Dict[str, Tuple[Callable, tuple]]) -> Dict[str, Any]:
     out = {}
     for name, (fn, args) in cases.items():
+        with open(os.environ[_CASE_FILE], "w") as f:
+            f.write(name)
         try:
             out[name] = fn(rank, world_size, *args)
         except BaseException as e:  # noqa: BLE001 - re-raised naming the case
@@ -121,6 +130,10 @@ def _read_reports(
         path = os.path.join(out_dir, f"{rank}.pkl")
         if not os.path.exists(path):
             code = f" (exit code {exit_codes[rank]})" if exit_codes else ""
+            case = os.path.join(out_dir, f"{rank}.case")
+            if os.path.exists(case):
+                with open(case) as f:
+                    code += f" in case {f.read()!r}"
             errors.append(f"rank {rank} exited without a result{code}")
             continue
         with open(path, "rb") as f:

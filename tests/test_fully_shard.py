@@ -204,14 +204,14 @@ def _zero_copy(rank, world_size, mp):
     model = _shard(AwkwardLM(seed=0), "row", mp_policy)
     groups = [m.vescale_group for m in (model.blocks[0], model.blocks[1], model)]
 
-    def spy_ag(output, shard, group, stats=None, async_op=False):
+    def spy_ag(output, shard, group, stats=None, async_op=False, *rest):
         # Pointers are recorded while the collective runs: a freed buffer's data_ptr() is 0.
         g = next(g for g in groups if _storage(g.compute.full) == _storage(output))
         itemsize = output.element_size()
         views = [(up.data_ptr(), output.data_ptr() + off * itemsize)
                  for up, off in zip(g.unsharded_params, g.plan.offsets)]
         calls.append(("ag", g, output.data_ptr(), shard.data_ptr(), async_op, views))
-        return real_ag(output, shard, group, stats, async_op)
+        return real_ag(output, shard, group, stats, async_op, *rest)
 
     def spy_rs(shard, full, *a, **k):
         g = next(g for g in groups if _storage(full) == _storage(g.grads.full.full))

@@ -96,10 +96,12 @@ def test_patched_host_functions_keep_the_signatures_the_patches_were_written_for
 
 
 def test_every_patch_site_names_its_registry_entry_and_version():
-    """Each ``# host patch KEY: checked against HOST VERSION`` line under integrations/ names an
-    entry of HOST_PATCHES and its host's version there; every entry has such a line."""
+    """Each ``# host patch KEY: checked against HOST VERSION`` line under integrations/ or
+    vescale_zero/ names an entry of HOST_PATCHES and its host's version there; every entry has
+    such a line."""
     seen, problems = set(), []
-    for folder, _, files in os.walk(os.path.join(ROOT, "integrations")):
+    walks = [os.walk(os.path.join(ROOT, top)) for top in ("integrations", "vescale_zero")]
+    for folder, _, files in (entry for walk in walks for entry in walk):
         for name in files:
             if not name.endswith(".py") or name == "host_patches.py":
                 continue

@@ -247,7 +247,7 @@ def _all_checks(rank, world, tmp):
     states = []
     for m in (mesh, None):
         model = _shard(m)
-        model.set_gradient_divide_factor(DIVIDE)
+        model.set_gradient_divide_factor(DIVIDE, recurse=True)  # every group (FSDP2: the module's own)
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
         states.append(_train_fsdp(model, opt, rank, clip=False)[0])
     out["divide_vs_flat"] = _close(states[0], states[1], 1e-6)

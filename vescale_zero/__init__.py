@@ -3,6 +3,7 @@
 from . import checkpoint  # the subpackage: vz.checkpoint.save(...)
 from .clip_grad import clip_grad_norm_, clip_grads_with_norm_, sharded_grad_norm
 from .dbuffer import DBuffer
+from .dtensor_interop import install_dtensor_interop
 from .fill import fill_group_by_group
 from .fully_shard import (
     CPUOffloadPolicy,
@@ -24,6 +25,8 @@ from .report import ShardingReport, reset_comm_stats, sharding_report
 from .state_dict import full_state_dict, load_full_state_dict
 
 __version__ = "0.1.0"
+
+install_dtensor_interop()  # [Note: torch's DTensor functions meet RaggedShard]
 
 __all__ = [
     "fully_shard",

@@ -22,6 +22,7 @@ reduced over each of those groups in turn; a parameter replicated over tp is cou
 
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -66,11 +67,28 @@ def _split(module: nn.Module) -> Tuple[Dict[tuple, Tuple[Groups, List[torch.Tens
 
 
 def _local_norm_term(grads: List[torch.Tensor], norm_type: float, device) -> torch.Tensor:
+    """This rank's part of the norm: the max (inf) or min (-inf) of its pieces' ``|g|``, else
+    the sum of their ``|g|^p``; an empty piece adds nothing (runtime's identity: 0, or +inf for -inf)."""
+    grads = [g for g in grads if g.numel()]
+    if math.isinf(norm_type):
+        identity = torch.full((), 0.0 if norm_type > 0 else math.inf, dtype=torch.float32, device=device)
+        if not grads:
+            return identity
+        extreme = torch.amax if norm_type > 0 else torch.amin
+        return extreme(torch.stack([extreme(g.detach().abs()).float() for g in grads]))
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
-    if norm_type == float("inf"):
-        return torch.stack([g.detach().abs().max() if g.numel() else g.new_zeros(()) for g in grads]).max().float()
     return sum(torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) ** norm_type for g in grads)
+
+
+def _checked_norm_type(norm_type: Union[float, int]) -> float:
+    norm_type = float(norm_type)
+    if norm_type == 0:
+        raise ValueError(
+            "norm_type 0 is not supported by vescale_zero's clip_grad_norm_ / sharded_grad_norm (torch's total "
+            "'0-norm' counts the gradients with a non-zero element, per tensor); call "
+            "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type=0) on the sharded parameters")
+    return norm_type
 
 
 @torch.no_grad()
@@ -79,21 +97,26 @@ def grad_norm_over_groups(pieces: Sequence[Tuple[Union[None, dist.ProcessGroup, 
     """The ``norm_type``-norm of gradients held as disjoint pieces: each entry is ``(process
     group, this rank's pieces)``, whose local ``|g|^p`` sum (max for the inf-norm) is reduced
     over that group (a tuple of groups: over each in turn); ``None`` as the group: pieces
-    counted once, on this rank alone (replicated gradients). Every rank passes its groups in the same order (see [Note:
-    several process groups]). A 0-dim fp32 tensor on ``device`` (default: the first
-    piece's, else the CPU); nothing is read on the host."""
-    norm_type = float(norm_type)
-    inf = norm_type == float("inf")
+    counted once, on this rank alone (replicated gradients). Every rank passes its groups in the
+    same order (see [Note: several process groups]). Any ``p`` but 0 (inf, -inf, negative and
+    fractional ones), as ``torch.nn.utils.clip_grad_norm_`` defines it. A 0-dim fp32 tensor on
+    ``device`` (default: the first piece's, else the CPU); nothing is read on the host."""
+    norm_type = _checked_norm_type(norm_type)
+    inf = math.isinf(norm_type)
     if device is None:
         device = next((g.device for _, grads in pieces for g in grads), torch.device("cpu"))
-    total = torch.zeros((), dtype=torch.float32, device=device)
+    total = torch.full((), math.inf if norm_type == -math.inf else 0.0, dtype=torch.float32, device=device)
     for pg, grads in pieces:
         pgs = pg if isinstance(pg, tuple) else (() if pg is None else (pg,))
         where = collective_device(pgs[0], device) if pgs else device
         term = _local_norm_term(grads, norm_type, where)
+        op = (dist.ReduceOp.MAX if norm_type > 0 else dist.ReduceOp.MIN) if inf else dist.ReduceOp.SUM
         for each in pgs:
-            dist.all_reduce(term, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=each)
-        total = torch.maximum(total, term.to(device)) if inf else total + term.to(device)
+            dist.all_reduce(term, op=op, group=each)
+        if inf:
+            total = (torch.maximum if norm_type > 0 else torch.minimum)(total, term.to(device))
+        else:
+            total = total + term.to(device)
     return total if inf else total ** (1.0 / norm_type)
 
 

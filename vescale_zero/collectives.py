@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommStats", "all_gather", "reduce_scatter", "all_reduce", "AllToAllReduceScatter",
+__all__ = ["CommStats", "all_gather", "reduce_scatter", "all_reduce", "AllToAllReduceScatter", "CompletedWork",
            "set_reduce_scatter_impl", "get_reduce_scatter_impl", "REDUCE_SCATTER_IMPLS"]
 
 REDUCE_SCATTER_IMPLS = ("auto", "native", "all_to_all")
@@ -74,17 +74,32 @@ class CommStats:
         self.all_reduce_bytes = self.all_reduces = 0
 
 
+class CompletedWork:
+    """The work of a collective that had finished when it returned (a custom one that ran
+    synchronously): ``wait()`` and ``is_completed()`` answer at once."""
+
+    def wait(self, timeout: Optional[object] = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
 def all_gather(
     output: torch.Tensor,
     shard: torch.Tensor,
     group: Optional[dist.ProcessGroup],
     stats: Optional[CommStats] = None,
     async_op: bool = False,
+    comm: Optional[Callable] = None,
 ):
-    """``output[k*S:(k+1)*S] = shard`` of rank k, for every k; one collective."""
+    """``output[k*S:(k+1)*S] = shard`` of rank k, for every k; one collective (``comm``: FSDP2's
+    custom ``AllGather``, called with these buffers, runs it)."""
     if stats is not None:
         stats.all_gather_bytes += output.numel() * output.element_size()
         stats.all_gathers += 1
+    if comm is not None:
+        return comm(output_tensor=output, input_tensor=shard, group=group, async_op=async_op)
     return _all_gather_single(output, shard, group=group, async_op=async_op)
 
 
@@ -131,11 +146,17 @@ def reduce_scatter(
     op: dist.ReduceOp = dist.ReduceOp.AVG,
     stats: Optional[CommStats] = None,
     async_op: bool = False,
+    comm: Optional[Callable] = None,
 ):
-    """``shard = op over ranks of full[k*S:(k+1)*S]`` on rank k; one collective."""
+    """``shard = op over ranks of full[k*S:(k+1)*S]`` on rank k; one collective (``comm``: FSDP2's
+    custom ``ReduceScatter``, called with these buffers, runs it; asynchronous, a work is returned
+    even if it ran synchronously)."""
     if stats is not None:
         stats.reduce_scatter_bytes += full.numel() * full.element_size()
         stats.reduce_scatters += 1
+    if comm is not None:
+        work = comm(output_tensor=shard, input_tensor=full, group=group, op=op, async_op=async_op)
+        return (work or CompletedWork()) if async_op else None
     if _native_reduce_scatter(group, op):
         return _reduce_scatter_single(shard, full, op=op, group=group, async_op=async_op)
     world = dist.get_world_size(group)

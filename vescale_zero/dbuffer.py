@@ -28,7 +28,7 @@ sees one block of one size per group and role, freed and reused in a fixed order
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -171,12 +171,13 @@ class DBuffer:
         source: Optional[torch.Tensor] = None,
         stats: Optional[CommStats] = None,
         async_op: bool = False,
+        comm: Optional[Callable] = None,
     ):
         """One all-gather of ``source`` (default: ``local``; may be :meth:`own_slot`) into
-        ``full`` (allocated here)."""
+        ``full`` (allocated here); ``comm``: a custom all-gather runs it."""
         self.allocate()
         shard = self.local if source is None else source
-        return all_gather(self._wire, shard, group, stats, async_op)
+        return all_gather(self._wire, shard, group, stats, async_op, comm)
 
     def reduce_scatter(
         self,
@@ -186,9 +187,11 @@ class DBuffer:
         op: dist.ReduceOp = dist.ReduceOp.AVG,
         stats: Optional[CommStats] = None,
         async_op: bool = False,
+        comm: Optional[Callable] = None,
     ):
-        """One reduce-scatter of ``full`` into ``into`` (default: ``local``)."""
+        """One reduce-scatter of ``full`` into ``into`` (default: ``local``); ``comm``: a custom
+        reduce-scatter runs it."""
         if not self.is_allocated:
             raise RuntimeError("reduce_scatter on a DBuffer whose full buffer is freed")
         out = self.local if into is None else into
-        return reduce_scatter(out, self._wire, group, op, stats, async_op)
+        return reduce_scatter(out, self._wire, group, op, stats, async_op, comm)

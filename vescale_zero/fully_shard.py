@@ -15,6 +15,7 @@ iteration], [Note: recompute], [Note: one order of reduce-scatters]); a group's 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, List, Optional, Union
 
 import torch
@@ -25,18 +26,18 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from .eager_hooks import outside_compile
 from .fp8_gather import FP8Filter, default_fp8_filter, tile_band_granularity
+from .fsdp_module import BUFFER_NEEDS_INIT, RaggedFSDPModule
 from .granularity import GranularityPolicy, resolve_granularities
 from .job_timeout import carry_job_timeout
 from .layer_discovery import find_layer_classes
 from .local_optim_steps import install_local_optimizer_steps
 from .offload import resolve_offload_policy
 from .param_group import GroupState, ManagedParam, ParamGroup
-from .runtime import STATE_ATTR, FSDPState, RootContext, in_backward_pass
+from .runtime import STATE_ATTR, FSDPState, in_backward_pass
 from .tensor_parallel import local_tensor, tensor_parallel_layouts
-from .unused_grads import UNUSED_GRAD_POLICIES
 
-__all__ = ["fully_shard", "fully_shard_layers", "RaggedFSDPModule", "MixedPrecisionPolicy", "CPUOffloadPolicy",
-           "OffloadPolicy", "DEFAULT_ALIGN_BYTES",
+__all__ = ["fully_shard", "fully_shard_layers", "resolve_reshard_after_forward", "RaggedFSDPModule",
+           "MixedPrecisionPolicy", "CPUOffloadPolicy", "OffloadPolicy", "DEFAULT_ALIGN_BYTES",
            "groups_of", "sharded_counterpart", "BUFFER_NEEDS_INIT", "HSDP_DIM_NAMES"]
 
 DEFAULT_ALIGN_BYTES = 16
@@ -45,152 +46,6 @@ DEFAULT_ALIGN_BYTES = 16
 _STATE = STATE_ATTR
 _SHARDED_AS = "_vescale_sharded_as"  # on an original parameter: the sharded parameter replacing it
 _CLAIMED = "_vescale_fsdp_group_of"  # set on every parameter object a group manages
-BUFFER_NEEDS_INIT = "_vescale_needs_init"
-"""Set on a buffer ``to_empty`` emptied while moving a meta group; materialize and loading clear it."""
-
-
-class RaggedFSDPModule:
-    """Mixed into the class of every module ``fully_shard`` was applied to."""
-
-    @property
-    def vescale_group(self) -> Optional[ParamGroup]:
-        """This module's parameter group (``None`` if every parameter is in a sub-module's)."""
-        return getattr(self, _STATE).group
-
-    def unshard(self, async_op: bool = False) -> None:
-        """Gather this module's group and install the full parameters."""
-        group = self.vescale_group
-        if group is not None:
-            group.unshard(async_op=async_op)
-            group.wait_for_unshard()
-            group.to_unsharded_params()
-
-    def reshard(self) -> None:
-        group = self.vescale_group
-        if group is not None:
-            group.reshard()
-
-    def hold_full_parameters(self) -> None:
-        """Gather every group under this root once and keep the full parameters installed, the
-        hooks paused, until :meth:`release_full_parameters`: forwards without grad (generation)
-        then gather nothing (runtime [Note: full parameters held])."""
-        self._root_context().hold_full_parameters()
-
-    def release_full_parameters(self) -> None:
-        """Reshard every group and resume the hooks (no-op unless held)."""
-        self._root_context().release_full_parameters()
-
-    def _root_context(self) -> RootContext:
-        state = getattr(self, _STATE)
-        ctx = state.lazy_init()
-        if ctx.root is not state:
-            raise RuntimeError(f"{type(self).__name__} is not the root fully_shard module of its model (the "
-                               f"outermost one, {type(ctx.root.module).__name__}): call this on the root")
-        return ctx
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """``False``: accumulate full gradients locally; the next synced backward reduces them."""
-        modules = self.modules() if recurse else [self]
-        for m in modules:
-            st = getattr(m, _STATE, None)
-            if st is not None and st.group is not None:
-                st.group.requires_grad_sync = requires_gradient_sync
-
-    def reduce_accumulated_grads(self) -> None:
-        """Collective; call on the root, after backward. Reduce-scatter, group by group, the
-        gradients that backwards without gradient sync accumulated since the last reduction, and
-        wait: the sharded ``.grad`` are set when it returns, as after a synced backward
-        (runtime [Note: reducing after backward])."""
-        state = getattr(self, _STATE)
-        (state.context or state.lazy_init()).reduce_accumulated()
-
-    def set_prefetch(self, enabled: bool, *, recurse: bool = True) -> None:
-        """Gather the next group (forward) / previous group (backward) asynchronously."""
-        for m in self.modules() if recurse else [self]:
-            st = getattr(m, _STATE, None)
-            if st is not None:
-                st.prefetch = enabled
-
-    def set_gradient_divide_factor(self, factor: Optional[float], *, recurse: bool = True) -> None:
-        """Reduce gradients as SUM / ``factor`` over each group's mesh instead of the mean
-        (FSDP2's name). ``None`` restores the mean."""
-        if factor is not None and not factor > 0:
-            raise ValueError(f"gradient divide factor must be a positive number or None, got {factor!r}")
-        for m in self.modules() if recurse else [self]:
-            st = getattr(m, _STATE, None)
-            if st is not None and st.group is not None:
-                st.group.gradient_divide_factor = factor
-
-    def set_unused_grads(self, policy: str, *, recurse: bool = True) -> None:
-        """What a parameter gets that no rank used since the last synced backward (unused_grads
-        [Note: unused everywhere]): ``"none"`` (default) leaves its sharded ``.grad`` None,
-        as DDP and FSDP2 do, so optimizers skip it; ``"zero"`` gives it a zero gradient, as
-        ZeRO-3 and Megatron's DDP do, so optimizers step it (weight decay included)."""
-        if policy not in UNUSED_GRAD_POLICIES:
-            raise ValueError(f"unused-gradient policy must be 'none' (DDP, FSDP2) or 'zero' (ZeRO-3, Megatron), "
-                             f"got {policy!r}")
-        for m in self.modules() if recurse else [self]:
-            st = getattr(m, _STATE, None)
-            if st is not None and st.group is not None:
-                st.group.usage.policy = policy
-
-    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> nn.Module:
-        """``nn.Module._apply`` (``to``, ``to_empty``, ``float()``...) on a sharded module.
-
-        [Note: casting and moving sharded parameters] The group's parameters are views of its
-        buffers, which the gathers read: ``fn`` is not applied to them (torch would swap in new
-        tensors the group never sees) but tried on an empty tensor of the group's dtype and
-        device. A change of either is refused with the supported way; a group built on the meta
-        device moves (``model.to_empty(device=d)`` gives it its persistent shards on ``d``,
-        uninitialised, as ``to_empty`` leaves every tensor), never a full parameter. Buffers and
-        parameters outside the group get ``fn`` as usual."""
-        group = self.vescale_group
-        if group is None:
-            return super()._apply(fn, *args, **kwargs)
-        with torch.no_grad():
-            probe = fn(torch.empty(0, dtype=group.orig_dtype, device=group.device))
-        moved = probe.device != group.device
-        if probe.dtype != group.orig_dtype or (moved and group.device.type != "meta"):
-            change = (f"to {probe.dtype}" if probe.dtype != group.orig_dtype else f"to {probe.device}")
-            raise ValueError(
-                f"cannot change the sharded parameters of this {type(self).__name__} {change} after fully_shard (they "
-                f"are {group.orig_dtype} on {group.device}, views of its group's buffers). To compute in another "
-                "dtype pass fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=...)); to keep the master "
-                "weights in it, or to use another device, cast / move the model before fully_shard"
-            )
-        held = [(owner, attr, owner._parameters[attr]) for m in group.managed for owner, attr in m.owners
-                if owner._parameters.get(attr) is not None]
-        for owner, attr, _ in held:
-            owner._parameters[attr] = None  # skipped by _apply, keeps its place in the module's order
-        try:
-            module = super()._apply(fn, *args, **kwargs)
-        finally:
-            for owner, attr, param in held:
-                owner._parameters[attr] = param
-        if moved:
-            group.leave_meta(probe.device)
-            for buffer in self.buffers():  # empty now: vescale_zero.materialize must fill them
-                setattr(buffer, BUFFER_NEEDS_INIT, True)
-        return module
-
-    def __deepcopy__(self, memo: Dict[int, Any]) -> nn.Module:
-        """Refused: a copy would share or duplicate this rank's shards and hold the process
-        groups (PyTorch FSDP2 refuses too)."""
-        raise RuntimeError(
-            f"copy.deepcopy of a fully_shard module ({type(self).__name__}) is not supported: its parameters are "
-            "this rank's shards of collective buffers and it holds process groups, neither of which can be copied "
-            "(torch.optim.swa_utils.AveragedModel and EMA helpers deepcopy the model too). Make the copy before "
-            "fully_shard (and shard the copy as well if it must be sharded), or build an unsharded copy from "
-            "vz.full_state_dict(model) (on every rank; it returns the full tensors) with load_state_dict."
-        )
-
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
-        for m in self.modules() if recurse else [self]:
-            st = getattr(m, _STATE, None)
-            if st is not None:
-                st.reshard_after_forward = reshard_after_forward
-
-
 _CLASS_CACHE: Dict[type, type] = {}
 
 
@@ -286,11 +141,38 @@ def _collect_params(module: nn.Module):
     return [(names[id(p)], p, tuple(owners[id(p)])) for p in order]
 
 
+def resolve_reshard_after_forward(value: Union[bool, int, None], shard_size: int) -> Optional[bool]:
+    """``reshard_after_forward`` as FSDP2 accepts it, for a shard group of ``shard_size`` ranks:
+    ``None`` (FSDP2's default: ``True``, ``False`` for the root), a bool, or the number of ranks
+    to reshard to after forward -- a divisor of ``shard_size``: ``shard_size`` is ``True``, 1 is
+    ``False`` (FSDP2 warns that it is not ``True``). A divisor in between (FSDP2 keeps a
+    ``1/n`` shard after forward and gathers over ``n`` ranks in backward) is refused: not
+    implemented here. What FSDP2 refuses (another type, a non-divisor) is refused."""
+    if value is None or isinstance(value, bool):
+        return value
+    if not isinstance(value, int):
+        raise ValueError(f"reshard_after_forward must be a bool, None or an int (the number of ranks to reshard to), "
+                         f"got {type(value).__name__} {value!r}")
+    if not 1 <= value <= shard_size or shard_size % value:
+        raise ValueError(f"reshard_after_forward={value}: an int must divide the shard group's size {shard_size} "
+                         f"(1 = keep the full parameters, {shard_size} = reshard to all ranks)")
+    if value == 1:
+        warnings.warn("reshard_after_forward=1 (int) reshards to a group of 1 rank: the full parameters are kept "
+                      "after forward, as reshard_after_forward=False (pass True to free them)", stacklevel=3)
+        return False
+    if value == shard_size:
+        return True
+    raise NotImplementedError(
+        f"reshard_after_forward={value}: resharding to {value} of the {shard_size} shard ranks after forward (FSDP2's "
+        "intermediate reshard) is not implemented by vescale_zero's fully_shard; pass True (reshard to all "
+        f"{shard_size} ranks: least memory) or False (keep the full parameters until backward: no all-gather in it)")
+
+
 def fully_shard(
     module: nn.Module,
     *,
     mesh: Union[DeviceMesh, dist.ProcessGroup, None] = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: Union[bool, int, None] = None,
     mp_policy: Optional[MixedPrecisionPolicy] = None,
     granularity: GranularityPolicy = None,
     align_bytes: int = DEFAULT_ALIGN_BYTES,
@@ -312,11 +194,15 @@ def fully_shard(
             Parameters that ``parallelize_module`` made DTensors need the data-parallel slice of
             the same world mesh (``world["dp"]``, HSDP ``world["replicate", "shard"]``): see
             :mod:`vescale_zero.tensor_parallel`.
-        reshard_after_forward: free the full parameters after forward (re-gathered in
-            backward); ``False`` keeps them until backward ends. The root keeps its group
-            gathered after a forward with grad, for backward. Outside forward and backward
-            the modules always hold the sharded parameters, and a forward with grad disabled
-            leaves nothing gathered (runtime [Note: nothing stays gathered after forward]).
+        reshard_after_forward: FSDP2's argument, with its meaning: ``True`` frees the full
+            parameters after forward (re-gathered in backward); ``False`` keeps them until
+            backward ends; ``None`` (default) is ``True``, but ``False`` for the root, which
+            backward needs first. An int is the number of ranks to reshard to: the shard
+            group's size means ``True``, 1 means ``False``; one in between is refused (not
+            implemented), as is what FSDP2 refuses (see :func:`resolve_reshard_after_forward`).
+            Outside forward and backward the modules always hold the sharded parameters, and a
+            forward with grad disabled leaves nothing gathered (runtime [Note: nothing stays
+            gathered after forward]).
         mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy``: ``param_dtype`` for
             compute and gathers, ``reduce_dtype`` for the gradient reduce-scatter; the
             sharded (master) parameters keep the module's dtype.
@@ -349,7 +235,7 @@ def fully_shard(
             f"fully_shard was already applied to this {type(module).__name__}; apply it once per module "
             "(each call makes one group of the parameters not yet in a group)"
         )
-    if isinstance(module, FSDPModule):
+    if isinstance(module, FSDPModule):  # FSDP2's (ours are FSDPModules too: refused above)
         raise ValueError(
             "module is already sharded by torch.distributed.fsdp.fully_shard; shard each module with one FSDP only"
         )
@@ -367,6 +253,7 @@ def fully_shard(
         "fp8_all_gather_tile": fp8_all_gather_tile is not None, "offload_policy": offload is not None,
         "the meta device (deferred initialisation)": device is not None and device.type == "meta"})
     held = [(n, local_tensor(p)) for n, p, _ in named]  # what the group holds of each: granularity, shapes
+    reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward, dist.get_world_size(pg))
 
     group = None
     if named:
@@ -479,7 +366,8 @@ def fully_shard_layers(model: nn.Module, layer_classes: Optional[List[str]] = No
         layer_classes: class names of the modules that form one group each. Default: the
             model's layers (layer_discovery [Note: finding the layers]: the classes held in
             ``nn.ModuleList``s, else the outermost classes repeated among siblings).
-        kwargs: passed to every ``fully_shard`` call.
+        kwargs: passed to every ``fully_shard`` call; ``reshard_after_forward`` to the
+            layers' only (the root keeps FSDP2's default: gathered for backward).
     """
     if layer_classes is None:
         layer_classes = find_layer_classes(model)
@@ -496,4 +384,5 @@ def fully_shard_layers(model: nn.Module, layer_classes: Optional[List[str]] = No
     for module in reversed(list(model.modules())):  # innermost first, like FSDP2's recipe
         if module is not model and type(module).__name__ in wanted and not isinstance(module, RaggedFSDPModule):
             fully_shard(module, **kwargs)
+    kwargs.pop("reshard_after_forward", None)
     return fully_shard(model, **kwargs)

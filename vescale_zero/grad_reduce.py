@@ -150,10 +150,39 @@ class GradReducer:
             self.sharded = GradShard(plan, rank, shard_dtype, offload.device, pin_memory=offload.pins(device))
         self.requires_grad_sync = True
         self.divide_factor: Optional[float] = None  # None: AVG over the group
+        # FSDP2's settings, [Note: HSDP] and [Note: what runs after the reduce-scatter]
+        self.requires_all_reduce = True
+        self.force_sum = False
+        self.all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None
+        self.all_reduce_hook_stream: Optional[torch.Stream] = None
+        self.comm: Optional[Callable] = None  # a custom reduce-scatter (FSDP2's ReduceScatter) runs it
+        self.reduce_group: dist.ProcessGroup = process_group  # set_separate_reduce_scatter_group
+        self._partial: Optional[torch.Tensor] = None  # HSDP without all-reduce: the reduced shards' sum
         self._pending: Optional[Tuple] = None
         self._holds_accumulated = False  # ``full`` holds gradients of backwards without sync
         # [Note: gradients written into full during backward]: param -> its .grad is already in full
         self.written_into_full: Optional[Callable[[nn.Parameter], bool]] = None
+
+    _SETTINGS = ("divide_factor", "requires_grad_sync", "requires_all_reduce", "force_sum", "all_reduce_hook",
+                 "all_reduce_hook_stream", "comm")
+
+    def keep_settings_of(self, other: "GradReducer") -> None:
+        """Take ``other``'s user settings (a group rebuilt when it leaves the meta device); the
+        shard group is the same, so is a separate reduce-scatter group made for it."""
+        for name in self._SETTINGS:
+            setattr(self, name, getattr(other, name))
+        self.reduce_group = other.reduce_group
+
+    def discard(self) -> None:
+        """runtime [Note: resetting an iteration]: wait for a reduce-scatter in flight and drop
+        its result, the gradients accumulated without sync and HSDP's partial sum; the sharded
+        ``.grad`` stay."""
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
+        self.full.free()
+        self._holds_accumulated = False
+        self._partial = None
 
     def open_full(self) -> None:
         """``full`` as the accumulator of this backward ([Note: gradients written into full during
@@ -245,7 +274,12 @@ class GradReducer:
         self._holds_accumulated = False  # ``full`` is the collective's input now; finish frees it
         source = self.full
         op = dist.ReduceOp.AVG
-        if self.divide_factor is not None:
+        post_divide: Optional[float] = None  # [Note: what runs after the reduce-scatter]
+        if self.force_sum:
+            op = dist.ReduceOp.SUM
+            post_divide = self.divide_factor or float(dist.get_world_size(self.process_group) * (
+                dist.get_world_size(self.replicate_group) if self.replicate_group is not None else 1))
+        elif self.divide_factor is not None:
             # [Note: divide factor] SUM of gradients pre-divided by the factor: the mean
             # over a larger population than this group (Megatron's expert parameters are
             # reduced over the expert-data-parallel group but averaged over data-parallel),
@@ -260,20 +294,31 @@ class GradReducer:
         # shards live with their .grad]); ``_pending`` holds it until finish hands out the views.
         out = self.sharded.allocate() if direct else torch.empty(
             self.plan.shard_size, dtype=self.reduce_dtype, device=self.full.device)
-        work = source.reduce_scatter(self.process_group, into=out, op=op, stats=self.stats, async_op=True)
-        self._pending = (work, source, out, accumulate, op == dist.ReduceOp.AVG)
+        work = source.reduce_scatter(self.reduce_group, into=out, op=op, stats=self.stats, async_op=True,
+                                     comm=self.comm)
+        self._pending = (work, source, out, accumulate, op == dist.ReduceOp.AVG, post_divide)
 
     def finish(self, params: Sequence[Tuple[int, nn.Parameter]]) -> None:
         """Wait for the reduce-scatter; give each ``(index, sharded param)`` its ``.grad``."""
         if self._pending is None:
             return
-        work, source, out, accumulate, average = self._pending
+        work, source, out, accumulate, average, post_divide = self._pending
         self._pending = None
         work.wait()
         source.free()
-        if self.replicate_group is not None:  # [Note: HSDP]
-            with torch.no_grad():
+        with torch.no_grad():  # [Note: what runs after the reduce-scatter]
+            if self.replicate_group is not None:  # [Note: HSDP]
+                if not self.requires_all_reduce:
+                    self._partial = out.clone() if self._partial is None else self._partial.add_(out)
+                    return
+                if self._partial is not None:
+                    out.add_(self._partial)
+                    self._partial = None
                 all_reduce(out, self.replicate_group, average, self.stats)
+            if self.all_reduce_hook is not None:
+                self._run_hook(out)
+            if post_divide is not None and post_divide != 1:
+                out.div_(post_divide)
         if self.host_copies is not None:
             out = self._to_host(out, accumulate)
         shard = out if out is self.sharded.live else self.sharded.allocate(zero=accumulate)
@@ -289,6 +334,17 @@ class GradReducer:
             for i, sp in params:
                 if sp.grad is None:
                     sp.grad = like_param(self.sharded.view_of(shard, i), sp)
+
+    def _run_hook(self, reduced: torch.Tensor) -> None:
+        stream = self.all_reduce_hook_stream
+        if stream is None:
+            self.all_reduce_hook(reduced)
+            return
+        current = torch.accelerator.current_stream(reduced.device)
+        stream.wait_stream(current)
+        with stream:
+            self.all_reduce_hook(reduced)
+        current.wait_stream(stream)
 
     def _to_host(self, reduced: torch.Tensor, accumulate: bool) -> torch.Tensor:
         """An offloaded group's reduced shard (on the device) in host memory, cast to the shard

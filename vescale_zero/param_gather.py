@@ -24,7 +24,7 @@ PyTorch FSDP2 pays the same.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,7 @@ class ParamGather:
     def __init__(self, master: DBuffer, compute: DBuffer, process_group: dist.ProcessGroup, stats: CommStats) -> None:
         self.master, self.compute = master, compute
         self.process_group, self.stats = process_group, stats
+        self.comm: Optional[Callable] = None  # FSDP2's custom AllGather (set_custom_all_gather) runs the collective
         self._works: List = []
 
     def start(self, async_op: bool) -> None:
@@ -62,7 +63,8 @@ class ParamGather:
         self.compute.free()
 
     def _gather(self, source: Optional[torch.Tensor], async_op: bool) -> None:
-        work = self.compute.all_gather(self.process_group, source=source, stats=self.stats, async_op=async_op)
+        work = self.compute.all_gather(self.process_group, source=source, stats=self.stats, async_op=async_op,
+                                       comm=self.comm)
         if work is not None:
             self._works.append(work)
 
@@ -123,7 +125,7 @@ class FP8TileGather(ParamGather):
             local = local.to(device, non_blocking=True)
         with torch.no_grad():
             self.layout.pack_local(rank, local, own)
-        work = all_gather(self._bytes, own, self.process_group, self.stats, async_op)
+        work = all_gather(self._bytes, own, self.process_group, self.stats, async_op, self.comm)
         if work is not None:
             self._works.append(work)
         self.compute.allocate()

@@ -167,6 +167,8 @@ class ParamGroup:
         self.on_grad: Optional[Callable[[], None]] = None  # set by the runtime: each gradient's arrival
         self.forwards = ForwardRecord()  # the forwards it ran in, and their input triggers
         self.usage = GradUsage()  # unused_grads [Note: unused everywhere]
+        self.unshard_in_backward = True  # set_unshard_in_backward(False): backward reads no parameter value
+        self.max_reduce_scatters_in_flight = 1  # runtime [Note: bounded gradient memory]
         self.to_sharded_params()
 
     def _build(self, device: torch.device, templates: Sequence[nn.Parameter],
@@ -248,11 +250,12 @@ class ParamGroup:
             raise RuntimeError(f"this fully_shard group is already on {self.device}, not on the meta device")
         if torch.device(device).type == "meta":
             raise ValueError("leave_meta needs a real device (e.g. 'cuda' or 'cpu'), got the meta device")
-        # The reducer is rebuilt too: keep what was set on the group before (a gradient
-        # divide factor set between fully_shard and materialize must survive).
-        kept = (self.grads.divide_factor, self.grads.requires_grad_sync)
+        # The reducer and the gather are rebuilt too: keep what was set on the group before (a
+        # gradient divide factor set between fully_shard and materialize must survive).
+        grads, gather = self.grads, self.gather
         self._build(device, self.sharded_params, self.unsharded_params)
-        self.grads.divide_factor, self.grads.requires_grad_sync = kept
+        self.grads.keep_settings_of(grads)
+        self.gather.comm = gather.comm
         self.to_sharded_params()
 
     # ---- parameter objects and buffers -----------------------------------------------
@@ -353,11 +356,12 @@ class ParamGroup:
             expose(self.params[i].unsharded, self.grads.full.full_view(i))
 
     def begin_backward(self) -> bool:
-        """Pre-backward: the full parameters are installed (a recompute reads them). True the
-        first time in this backward."""
-        self.unshard()
-        self.wait_for_unshard()
-        self.to_unsharded_params()
+        """Pre-backward: the full parameters are installed (a recompute reads them), unless
+        ``unshard_in_backward`` is off. True the first time in this backward."""
+        if self.unshard_in_backward or self.state is not GroupState.SHARDED:
+            self.unshard()
+            self.wait_for_unshard()
+            self.to_unsharded_params()
         progress = self.progress
         progress.in_backward = True
         if progress.started:
@@ -455,6 +459,17 @@ class ParamGroup:
         micro-batches' forwards first) keep their records."""
         self.progress = BackwardProgress()
         self.forwards.end_backward(forward_id)
+
+    def reset_iteration(self) -> None:
+        """runtime [Note: resetting an iteration]: the collectives in flight waited for, the group
+        resharded, what the failed iteration reduced or accumulated dropped."""
+        self.gather.finish()
+        self.reshard()
+        self.grads.discard()
+        for p in self.params:
+            p.unsharded.grad = None
+        self.progress = BackwardProgress()
+        self.forwards = ForwardRecord()
 
     def zero_grad(self) -> None:
         """Drop every gradient of the group: locally accumulated full gradients (from

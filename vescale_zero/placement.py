@@ -35,6 +35,10 @@ class RaggedShard(Placement):
     blocks_per_rank: Tuple[int, ...]
 
     def __post_init__(self) -> None:
+        # [Note: the C++ placement base] torch's Placement is a C++ class: its __init__ must run
+        # (a dataclass's does not call it), or every method torch calls on the placement --
+        # is_shard(), ==, redistribute's checks -- reads an uninitialised object (SIGSEGV).
+        Placement.__init__(self)
         if self.granularity < 1:
             raise ValueError(f"RaggedShard granularity must be >= 1, got {self.granularity}")
         if any(b < 0 for b in self.blocks_per_rank):

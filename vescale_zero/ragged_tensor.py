@@ -33,6 +33,20 @@ subclass answers the ops itself (``__torch_dispatch__``), in three kinds:
 ``full_tensor()`` / ``redistribute(placements=[Replicate()])`` gather the whole tensor;
 ``torch.distributed.checkpoint`` writes and reads each rank's range as at most
 ``2 * ndim - 1`` boxes (``state_dict.flat_range_boxes``) that are views of the local piece.
+torch's own DTensor functions that meet a RaggedShard placement (``DTensor.from_local``,
+``distribute_tensor``, a redistribute *to* a ragged layout, full state-dict loads) are routed
+here by :mod:`vescale_zero.dtensor_interop`.
+
+[Note: pickling a ragged tensor]
+torch 2.13 gives a DTensor the storage offset of its local tensor, and pickles a wrapper
+whose offset is not zero as if it had storage of its own ("Attempted to access the data
+pointer on an invalid python storage"); a ragged tensor's piece is a view at an offset of its
+group's shard. So a ragged tensor pickles as its piece (a view: ``torch.save`` stores the
+shard's storage once for all the pieces of a state dict) and its spec, and is rebuilt from
+them (:func:`_rebuild_ragged`, allow-listed for ``torch.load(weights_only=True)`` as torch
+allow-lists DTensor): a sharded state dict saved per rank loads back, at the same world size,
+with ``load_state_dict``. The mesh inside the spec is found again by its process group's name,
+as a DTensor's is.
 """
 
 from __future__ import annotations
@@ -44,7 +58,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.distributed.tensor.placement_types import Placement
@@ -56,7 +70,8 @@ from .comm_device import collective_device
 from .placement import RaggedShard, ShardedRange, flat_range_boxes
 from .tensor_parallel import reduction_dims, tp_local_box, tp_local_of_whole, whole_from_tp_local
 
-__all__ = ["RaggedDTensor", "ragged_spec", "shard_mesh", "local_piece", "is_ragged", "like_param", "local_rows"]
+__all__ = ["RaggedDTensor", "ragged_spec", "shard_mesh", "local_piece", "is_ragged", "like_param", "local_rows",
+           "ragged_from_full", "ragged_placement_of"]
 
 aten = torch.ops.aten
 
@@ -116,6 +131,37 @@ def _with_dtype(spec: DTensorSpec, dtype: torch.dtype) -> DTensorSpec:
 
 def is_ragged(t: Any) -> bool:
     return isinstance(t, RaggedDTensor)
+
+
+def ragged_placement_of(placements: Any) -> Optional[RaggedShard]:
+    """The RaggedShard among ``placements`` (``None`` if there is none); refuses one that is
+    not on the last mesh dimension or beside anything but ``Replicate()`` ([Note: one mesh
+    dimension])."""
+    placements = tuple(placements or ())
+    ragged = [p for p in placements if isinstance(p, RaggedShard)]
+    if not ragged:
+        return None
+    if not isinstance(placements[-1], RaggedShard) or not all(isinstance(p, Replicate) for p in placements[:-1]):
+        raise NotImplementedError(
+            f"placements {placements}: a RaggedShard must be on the last mesh dimension, with Replicate() on the "
+            "others (the layout of a vescale_zero sharded parameter: its placements)"
+        )
+    return placements[-1]
+
+
+def ragged_from_full(full: torch.Tensor, mesh: DeviceMesh, placements: Any) -> "RaggedDTensor":
+    """A ragged tensor laid out by ``placements`` holding ``full``'s values: this rank's range of
+    the whole tensor ``full`` (a copy, on ``full``'s device; no communication)."""
+    placement = ragged_placement_of(placements)
+    if placement is None:
+        raise ValueError(f"placements {tuple(placements)} hold no RaggedShard")
+    if full.numel() != placement.numel or placement.world_size != mesh.size(mesh.ndim - 1):
+        raise ValueError(
+            f"a tensor of shape {tuple(full.shape)} ({full.numel()} elements) cannot be laid out by {placement} "
+            f"({placement.numel} elements over {placement.world_size} ranks) on a mesh of shape {tuple(mesh.shape)}")
+    start, end = placement.local_range(mesh.get_local_rank(mesh.ndim - 1))
+    piece = full.detach().reshape(-1)[start:end].clone()
+    return RaggedDTensor(piece, ragged_spec(mesh, placement, full.shape, full.dtype), requires_grad=False)
 
 
 def local_piece(t: torch.Tensor) -> torch.Tensor:
@@ -215,20 +261,36 @@ class RaggedDTensor(DTensor):
 
     def redistribute(self, device_mesh: Optional[DeviceMesh] = None, placements: Any = None, *,
                      async_op: bool = False, **kwargs: Any) -> DTensor:  # type: ignore[override]
+        """To ``Replicate()`` / ``Shard(d)`` placements (a DTensor as ``distribute_tensor`` gives it)
+        or another ragged layout, on the same mesh: every rank gathers the whole tensor once
+        (:meth:`full_tensor`) and keeps its part of it. Not differentiable; ``Partial`` is refused."""
         mesh = device_mesh or self._spec.mesh
-        placements = tuple(placements or ())
+        if placements is None:
+            raise ValueError("redistribute of a ragged-sharded tensor needs placements, e.g. [Replicate()] or "
+                             "[Shard(0)]")
+        placements = tuple(placements)
         if placements == tuple(self._spec.placements) and mesh == self._spec.mesh:
             return self
-        if placements and all(isinstance(p, Replicate) for p in placements) and mesh == self._spec.mesh:
-            return DTensor.from_local(self.full_tensor(), mesh, placements, run_check=False)
-        raise NotImplementedError(
-            f"a ragged-sharded tensor redistributes only to Replicate() (its full tensor), not to {placements}: "
-            "call .full_tensor(), or .to_local() for this rank's flat piece"
-        )
+        if mesh != self._spec.mesh or len(placements) != mesh.ndim or any(p.is_partial() for p in placements):
+            raise NotImplementedError(
+                f"a ragged-sharded tensor redistributes on its own mesh {tuple(self._spec.mesh.shape)} to Replicate(), "
+                f"Shard(d) or RaggedShard placements, one per mesh dimension, not to {placements} on a mesh of shape "
+                f"{tuple(mesh.shape)}: call .full_tensor() for the whole tensor, or .to_local() for this rank's piece"
+            )
+        full = self.full_tensor()
+        if ragged_placement_of(placements) is not None:
+            return ragged_from_full(full, mesh, placements)
+        # every rank holds the whole tensor: each keeps its part, with no further communication
+        return distribute_tensor(full, mesh, placements, src_data_rank=None)
 
     def to_local(self, *, grad_placements: Any = None) -> torch.Tensor:  # type: ignore[override]
         """This rank's flat piece: a view of the group's shard (writes land in it)."""
         return self._local_tensor
+
+    def __reduce_ex__(self, protocol: Any) -> tuple:
+        """[Note: pickling a ragged tensor]: the piece (a view) and the spec."""
+        return (_rebuild_ragged, (self._local_tensor.detach(), self._spec, self.requires_grad,
+                                  bool(getattr(self, "_is_param", False))))
 
     def __deepcopy__(self, memo: dict) -> "RaggedDTensor":
         """A copy of this rank's piece in the same layout (``copy.deepcopy`` of a state dict);
@@ -337,6 +399,13 @@ class RaggedDTensor(DTensor):
 
 
 _NOT_GATHERED = object()
+
+
+def _rebuild_ragged(piece: torch.Tensor, spec: DTensorSpec, requires_grad: bool, is_param: bool) -> torch.Tensor:
+    """The ragged tensor (an ``nn.Parameter`` if it was one) that ``__reduce_ex__`` pickled:
+    [Note: pickling a ragged tensor]."""
+    t = RaggedDTensor(piece, _with_dtype(spec, piece.dtype), requires_grad=requires_grad and not is_param)
+    return torch.nn.Parameter(t, requires_grad=requires_grad) if is_param else t
 
 
 def _route(func: Any) -> Callable:
@@ -523,8 +592,23 @@ def _vector_norm(func: Any, args: tuple, kwargs: dict) -> Any:
     dim = args[2] if len(args) > 2 else kwargs.get("dim", None)
     if not isinstance(x, RaggedDTensor) or dim not in (None, (), []):
         raise NotImplementedError(_unsupported(func))
-    local = func(*[_unwrap(a) for a in args], **{k: _unwrap(v) for k, v in kwargs.items()})
-    return _reduced(_partial_result(local, x, _norm_partial(_norm_type(ord_))))
+    p = _norm_type(ord_)
+    local_args = [_unwrap(a) for a in args]
+    empty = not local_args[0].numel()
+    if empty:  # [Note: empty pieces in norms]
+        local_args[0] = local_args[0].new_zeros(1)
+    local = func(*local_args, **{k: _unwrap(v) for k, v in kwargs.items()})
+    if empty:
+        local = torch.full_like(local, _norm_identity(p))
+    return _reduced(_partial_result(local, x, _norm_partial(p)))
+
+
+def _norm_identity(p: float) -> float:
+    """[Note: empty pieces in norms] The norm of an empty piece, as the reduction across ranks
+    needs it: 0 for ``p >= 0`` (the max of the pieces' inf-norms, the sum of their ``|x|^p``, of
+    their non-zero counts), +inf for ``p < 0`` (the min of the -inf norms; a negative ``p``'s
+    sum of ``|x|^p`` then gets ``inf ** p = 0``)."""
+    return math.inf if p < 0 else 0.0
 
 
 def _norm_partial(p: float) -> Any:
@@ -536,10 +620,23 @@ def _norm_partial(p: float) -> Any:
 
 
 def _foreach_norm(func: Any, args: tuple, local_args: list, local_kwargs: dict) -> Any:
+    """[Note: empty pieces in norms] A rank may own nothing of a tensor, and torch refuses some
+    norms of an empty tensor (inf, -inf) that the other ranks compute; one rank raising while the
+    others go on to the reduction leaves them waiting. So every rank computes on real tensors:
+    an empty piece is replaced by one zero (its arguments are checked as everywhere else: an
+    error is raised on every rank alike) and its norm set to the reduction's identity."""
     tensors = args[0]
     ord_ = local_args[1] if len(local_args) > 1 else local_kwargs.get("ord", 2)
-    out = func(*local_args, **local_kwargs)
-    return [_partial_result(o, t, _norm_partial(_norm_type(ord_))) if isinstance(t, RaggedDTensor) else o
+    p = _norm_type(ord_)
+    pieces = list(local_args[0])
+    empty = [i for i, (t, whole) in enumerate(zip(pieces, tensors))
+             if isinstance(whole, RaggedDTensor) and not t.numel()]
+    for i in empty:
+        pieces[i] = pieces[i].new_zeros(1)
+    out = list(func(pieces, *local_args[1:], **local_kwargs))
+    for i in empty:
+        out[i] = torch.full_like(out[i], _norm_identity(p))
+    return [_partial_result(o, t, _norm_partial(p)) if isinstance(t, RaggedDTensor) else o
             for o, t in zip(out, tensors)]
 
 
@@ -616,3 +713,6 @@ for _types in (_optim_foreach_types, _util_foreach_types):
 
 _FUSED_OPTIMIZERS = {aten._fused_adam_, aten._fused_adamw_, aten._fused_sgd_, aten._fused_adagrad_}
 _ROUTES: Dict[Any, Callable] = {}  # op overload -> its handler (_route)
+
+# [Note: pickling a ragged tensor]: torch.load(weights_only=True) rebuilds them, as it does DTensors.
+torch.serialization.add_safe_globals([RaggedDTensor, RaggedShard, _rebuild_ragged])

@@ -275,6 +275,9 @@ class RootContext:
         self.forward_id += 1
         self.in_forward, self.forward_grad = True, grad_enabled
         for state in self.states:
+            event, state.post_optim_event = state.post_optim_event, None
+            if event is not None:
+                event.wait()  # set_post_optim_event: the gathers below come after the optimizer step
             group = state.group
             if group is not None and group.state is not GroupState.SHARDED and group.gathered_for is not None:
                 group.reshard()  # left gathered by an earlier forward that no backward followed
@@ -326,6 +329,8 @@ class RootContext:
                 continue
             if state.ran_in != fid or (not grad_enabled and state.grad_in != fid):
                 group.reshard()  # prefetched for nothing, or no backward can follow
+            elif state is self.root and state.reshard_after_forward:
+                group.reshard()  # the root, set to reshard explicitly: backward gathers it again
             else:
                 group.to_sharded_params()  # stays gathered for backward; the modules show the shards
         self.kept, self.in_forward = None, False
@@ -378,7 +383,7 @@ class RootContext:
             if not group.progress.ready:
                 return
             if group.requires_grad_sync:
-                self._finish_in_flight()
+                self._finish_in_flight(group.max_reduce_scatters_in_flight)
             if group.issue_reduce_scatter():
                 self.reducing.append(group)
 
@@ -388,13 +393,15 @@ class RootContext:
         while self.reducing and self.reducing[0].grads.arrived:
             self.reducing.pop(0).finish_grad_sync()
 
-    def _finish_in_flight(self) -> None:
+    def _finish_in_flight(self, limit: int = 1) -> None:
         """[Note: bounded gradient memory] One reduce-scatter in flight: before a group copies
         its gradients into its collective's input, the older reduce-scatter is waited for and
         its input freed (it ran during this group's backward), so backward holds one group's
         gradients and one input buffer at most, as PyTorch FSDP2 does by default; one that
-        arrived before is finished at once (:meth:`reap`), which FSDP2 does not do."""
-        while self.reducing:
+        arrived before is finished at once (:meth:`reap`), which FSDP2 does not do. A group set
+        to allow ``limit`` in flight (``set_reduce_scatter_max_input_buffers``) waits only for
+        the oldest beyond ``limit - 1``."""
+        while len(self.reducing) >= limit:
             self.reducing.pop(0).finish_grad_sync()
 
     @outside_compile
@@ -440,27 +447,68 @@ class RootContext:
             group.settle_host_copies()
         drop_unused(usage)
 
+    def reset_iteration(self) -> None:
+        """[Note: resetting an iteration] After a forward or backward raised (FSDP2's
+        ``reset_iter_state``): every collective in flight is waited for, every group resharded,
+        what the failed iteration reduced or accumulated dropped (its reduce-scatters in flight,
+        its gradients accumulated without sync, HSDP's partial sums, the unsharded ``.grad``),
+        and the iteration's bookkeeping cleared; sharded ``.grad`` of earlier iterations stay.
+        Gradient accumulation over micro-batches must start again. Full parameters held are
+        released. Local: every rank must call it (each waits for its own collectives)."""
+        self.reducing.clear()
+        for state in self.states:
+            group = state.group
+            if group is not None:
+                group.reset_iteration()
+        self.in_forward = self.in_backward = self.held = False
+        self.backward_of, self.kept = None, None
+        self.order, self.previous_order = _Order(), _Order()
+        self.departed = True
+        self.post_orders.clear()
+
 
 class FSDPState:
     """The hooks of one ``fully_shard`` module (see [Note: the iteration])."""
+
+    # torch's share_comm_ctx (pipeline chunks sharing FSDP2's streams) finds nothing to share:
+    # our collectives are issued on the current stream
+    _comm_ctx: Any = None
+    _fsdp_param_groups: tuple = ()
 
     def __init__(
         self,
         module: nn.Module,
         group: Optional[ParamGroup],
         process_group: dist.ProcessGroup,
-        reshard_after_forward: bool,
+        reshard_after_forward: Optional[bool],
         mp_policy: Optional[MixedPrecisionPolicy],
     ) -> None:
         self.module = module
         self.group = group
         self.process_group = process_group
-        self.reshard_after_forward = reshard_after_forward
+        self._reshard_after_forward = reshard_after_forward  # None: FSDP2's default (see the property)
         self.mp_policy = mp_policy
         self.prefetch = True
+        # explicit prefetch lists (set_modules_to_forward/backward_prefetch), instead of the orders
+        self.forward_prefetch: Optional[List["FSDPState"]] = None
+        self.backward_prefetch: Optional[List["FSDPState"]] = None
+        self.post_optim_event: Optional[Any] = None  # the next root forward waits for it (set_post_optim_event)
+        self.reshard_after_backward = True  # hints: fsdp_module [Note: FSDPModule methods]
+        self.is_last_backward = True
         self.context: Optional[RootContext] = None
         self.ran_in = 0  # the last root forward whose pre-hook ran this module (not a recompute)
         self.grad_in = 0  # ... with grad enabled
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """FSDP2's default (``None``): reshard after forward, except the root, which backward needs first."""
+        if self._reshard_after_forward is None:
+            return not (self.context is not None and self.context.root is self)
+        return self._reshard_after_forward
+
+    @reshard_after_forward.setter
+    def reshard_after_forward(self, value: bool) -> None:
+        self._reshard_after_forward = value
 
     # ---- lazy root discovery ---------------------------------------------------------
     def lazy_init(self) -> RootContext:
@@ -511,10 +559,11 @@ class FSDPState:
                 trigger = group.input_trigger(None if recompute else ctx.forward_id)
                 args, kwargs = _arm_input_trigger(trigger, args, kwargs)
         if first_call and self.prefetch:
-            nxt = ctx.next_in_forward(self)
-            if nxt is not None and nxt.group is not None:
-                nxt.group.unshard(async_op=True)
-                nxt.group.gathered_for = ctx.forward_id
+            explicit = self.forward_prefetch
+            for nxt in explicit if explicit is not None else [ctx.next_in_forward(self)]:
+                if nxt is not None and nxt.group is not None:
+                    nxt.group.unshard(async_op=True)
+                    nxt.group.gathered_for = ctx.forward_id
         return args, kwargs
 
     @outside_compile
@@ -536,6 +585,10 @@ class FSDPState:
                 hook = functools.partial(self._pre_backward, fid)
                 torch.autograd.graph.register_multi_grad_hook(targets, hook, mode="any")
         return self._cast_output(output)
+
+    # torch's register_fsdp_forward_method runs these around the method it registers
+    _pre_forward = pre_forward
+    _post_forward = post_forward
 
     def _cast_output(self, output: Any) -> Any:
         mp = self.mp_policy
@@ -559,6 +612,8 @@ class FSDPState:
             ctx.backward_of = forward_id
             torch.autograd.Variable._execution_engine.queue_callback(ctx.final_callback)
         if self.group is not None and self.group.begin_backward() and self.prefetch:
-            prev = ctx.next_in_backward(self)
-            if prev is not None and prev.group is not None and not prev.group.progress.issued:
-                prev.group.unshard(async_op=True)  # a no-op unless it is sharded
+            explicit = self.backward_prefetch
+            for prev in explicit if explicit is not None else [ctx.next_in_backward(self)]:
+                if prev is not None and prev.group is not None and not prev.group.progress.issued \
+                        and prev.group.unshard_in_backward:
+                    prev.group.unshard(async_op=True)  # a no-op unless it is sharded

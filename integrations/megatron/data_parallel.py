@@ -290,7 +290,9 @@ class VeScaleFSDP(_BaseDataParallel):
 
         def shard(sub: nn.Module, group, factor: Optional[float]) -> None:
             policy = opts.optimizer_offload.policy() if id(sub) in offloaded else None
-            vz.fully_shard(sub, mesh=group, offload_policy=policy, **common)
+            # the root keeps FSDP2's default (gathered for backward); reshard_after_forward is the layers'
+            kwargs = dict(common, reshard_after_forward=None) if sub is module else common
+            vz.fully_shard(sub, mesh=group, offload_policy=policy, **kwargs)
             if factor is not None:
                 sub.set_gradient_divide_factor(factor, recurse=False)
 
