@@ -646,7 +646,7 @@ def _fake_batches(args, hidden: int):
 def _fake_worker(_index: int, world: int, args, out) -> None:
     """Rank 0 of a fake world of ``world`` ranks, every system in turn, in a process of its own
     per world size (DeepSpeed keeps the first process group it saw for good)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from vescale_zero.torch_compat import init_fake_process_group
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(_free_port()), DS_ACCELERATOR="cpu")
@@ -654,7 +654,7 @@ def _fake_worker(_index: int, world: int, args, out) -> None:
     model_fn, dims = _fake_model(args)
     batches = _fake_batches(args, dims["hidden"])
     for system in args.fake_systems:
-        dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+        init_fake_process_group(0, world)
         try:
             out[f"{world}:{system}"] = measure_rank(system, model_fn, _stack_blocks, args.fake_precision, batches, 1,
                                                     dims["hidden"])

@@ -380,7 +380,9 @@ def _profile_collective_waits() -> None:
     async reduce-scatters there (copying this rank's chunk out of an all-reduced clone),
     and that copy is the backend's, for every variant alike. (DDP waits inside its C++
     reducer, so its backend copies still count against it.)"""
-    work = torch._C._distributed_c10d.Work
+    from vescale_zero.torch_compat import work_class
+
+    work = work_class()
     original = work.wait
 
     def wait(self, *args, **kwargs):

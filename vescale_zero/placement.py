@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
-from torch.distributed.tensor.placement_types import Placement
+from .torch_compat import Placement, init_placement_base
 
 __all__ = ["RaggedShard", "ShardedRange", "Box", "flat_range_boxes"]
 
@@ -35,6 +35,7 @@ class RaggedShard(Placement):
     blocks_per_rank: Tuple[int, ...]
 
     def __post_init__(self) -> None:
+        init_placement_base(self)
         if self.granularity < 1:
             raise ValueError(f"RaggedShard granularity must be >= 1, got {self.granularity}")
         if any(b < 0 for b in self.blocks_per_rank):
