@@ -233,10 +233,10 @@ class _RssSampler(threading.Thread):
 def _compile_blocks(model, backend: str) -> None:
     """``--compile``: each transformer block compiled, its module hooks included (torchtitan's way),
     through a graph counter of its own (``block.graph_counter``; blocks then compile separately)."""
-    from torch._dynamo.testing import CompileCounterWithBackend
+    from vescale_zero.torch_compat import compile_counter
 
     for block in model.blocks:
-        block.graph_counter = CompileCounterWithBackend(backend)
+        block.graph_counter = compile_counter(backend)
         block.compile(backend=block.graph_counter)
 
 

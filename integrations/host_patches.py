@@ -28,6 +28,7 @@ HOST_VERSIONS: Dict[str, str] = {
     "transformers": "5.24.0",
     "megatron-core": "0.16.1",
     "Megatron-LM": "core_v0.16.1",  # not on the package index: read from its source at that tag
+    "torch": "2.11.0",  # the one torch patch applies on 2.11 only (vescale_zero/torch_compat.py)
 }
 """The host distributions (as pip names them) and the versions every patch was checked against."""
 
@@ -84,6 +85,9 @@ _DS_ACCESSORS = {  # deepspeed.utils.tensor_fragment: the accessors routed for r
 }
 
 HOST_PATCHES: Dict[str, HostPatch] = {p.patched: p for p in (
+    # torch (2.11 only: its DTensor fast path skips a subclass's __torch_dispatch__): vescale_zero/torch_compat.py
+    HostPatch("torch._library.simple_registry.GenericTorchDispatchRuleHolder.find", "torch",
+              "torch._library.simple_registry.GenericTorchDispatchRuleHolder.find", "(self, torch_dispatch_class)"),
     # DeepSpeed: integrations/deepspeed/__init__.py, parser.py
     HostPatch("deepspeed.initialize", "deepspeed", "deepspeed.initialize", _DS_INIT),
     HostPatch("deepspeed.DeepSpeedEngine", "deepspeed", "deepspeed.DeepSpeedEngine", _DS_ENGINE),

@@ -96,27 +96,26 @@ def test_patched_host_functions_keep_the_signatures_the_patches_were_written_for
 
 
 def test_every_patch_site_names_its_registry_entry_and_version():
-    """Each ``# host patch KEY: checked against HOST VERSION`` line under integrations/ names an
-    entry of HOST_PATCHES and its host's version there; every entry has such a line."""
+    """Each ``# host patch KEY: checked against HOST VERSION`` line under integrations/ (and in
+    vescale_zero/torch_compat.py, torch's) names an entry of HOST_PATCHES and its host's version
+    there; every entry has such a line."""
     seen, problems = set(), []
-    for folder, _, files in os.walk(os.path.join(ROOT, "integrations")):
-        for name in files:
-            if not name.endswith(".py") or name == "host_patches.py":
-                continue
-            path = os.path.join(folder, name)
-            with open(path, encoding="utf-8") as f:
-                for number, line in enumerate(f, 1):
-                    m = SITE.search(line)
-                    if m is None:
-                        continue
-                    key, host, version = m.groups()
-                    entry = HOST_PATCHES.get(key)
-                    where = f"{os.path.relpath(path, ROOT)}:{number}"
-                    if entry is None:
-                        problems.append(f"{where}: {key} is not in HOST_PATCHES")
-                    elif (host, version) != (entry.host, HOST_VERSIONS[entry.host]):
-                        problems.append(f"{where}: says {host} {version}, HOST_PATCHES {entry.host} "
-                                        f"{HOST_VERSIONS[entry.host]}")
-                    seen.add(key)
+    sources = [os.path.join(folder, name) for folder, _, files in os.walk(os.path.join(ROOT, "integrations"))
+               for name in files if name.endswith(".py") and name != "host_patches.py"]
+    for path in sources + [os.path.join(ROOT, "vescale_zero", "torch_compat.py")]:
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                m = SITE.search(line)
+                if m is None:
+                    continue
+                key, host, version = m.groups()
+                entry = HOST_PATCHES.get(key)
+                where = f"{os.path.relpath(path, ROOT)}:{number}"
+                if entry is None:
+                    problems.append(f"{where}: {key} is not in HOST_PATCHES")
+                elif (host, version) != (entry.host, HOST_VERSIONS[entry.host]):
+                    problems.append(f"{where}: says {host} {version}, HOST_PATCHES {entry.host} "
+                                    f"{HOST_VERSIONS[entry.host]}")
+                seen.add(key)
     missing = sorted(set(HOST_PATCHES) - seen)
     assert not problems and not missing, "\n".join(problems + [f"no patch site names {k}" for k in missing])

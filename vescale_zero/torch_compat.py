@@ -48,7 +48,7 @@ __all__ = [
     "DTensorSpec", "TensorMeta", "NormPartial", "Placement", "init_placement_base", "honour_torch_dispatch",
     "optim_foreach_supported_types", "utils_foreach_supported_types", "TorchDispatchMode",
     "tree_flatten", "tree_map", "tree_unflatten", "autograd_graph_task_id", "queue_backward_callback",
-    "read_dcp_state_dict", "init_fake_process_group", "work_class",
+    "read_dcp_state_dict", "init_fake_process_group", "compile_counter", "work_class",
 ]
 
 
@@ -130,6 +130,13 @@ def init_fake_process_group(rank: int, world_size: int, timeout: Optional[Any] =
 
     kwargs = {} if timeout is None else {"timeout": timeout}
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore(), **kwargs)
+
+
+def compile_counter(backend: str) -> Any:
+    """A ``torch.compile`` backend that counts the graphs (``frame_count``) and hands them to ``backend``."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    return CompileCounterWithBackend(backend)
 
 
 def work_class() -> type:

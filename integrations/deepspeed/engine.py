@@ -40,7 +40,6 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.precision_config import DeepSpeedFP16Config
 from deepspeed.utils import groups
 from deepspeed.utils.torch import is_functorch_transforming
-from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import vescale_zero as vz
@@ -50,6 +49,7 @@ from vescale_zero.comm_device import collective_device
 from vescale_zero.fully_shard import HSDP_DIM_NAMES, groups_of
 from vescale_zero.loss_scaling import unscale_and_find_inf
 from vescale_zero.optim import AdamW8bit, Muon, Shampoo
+from vescale_zero.torch_compat import queue_backward_callback
 
 from .accelerate_stage import present_ragged_stage_to_accelerate
 from .config import RaggedOptions
@@ -316,7 +316,7 @@ class RaggedEngineMixin:
             self._sync_gradients_in_this_backward()
         super()._backward_prologue()
         if direct:
-            Variable._execution_engine.queue_callback(self._backward_epilogue)
+            queue_backward_callback(self._backward_epilogue)
 
     def allreduce_gradients(self, bucket_size: int = 0) -> None:
         """Gradients were reduce-scattered into the shards by the runtime's hooks."""
