@@ -26,6 +26,10 @@ What differs across the supported releases, and how it is handled:
   override is skipped, :func:`honour_torch_dispatch` answers the per-op lookup that 2.11's
   dispatcher makes *before* its fast path (``torch.library.register_torch_dispatch``'s
   registry) with the class's own ``__torch_dispatch__``, for the classes named to it only.
+* The single-tensor collectives: 2.13 and 2.14 deprecate ``all_gather_into_tensor`` /
+  ``reduce_scatter_tensor`` (a FutureWarning per call) for ``all_gather_single`` /
+  ``reduce_scatter_single``, which 2.11 and 2.12 do not have; 2.15 has both, neither deprecated.
+  :data:`all_gather_single` / :data:`reduce_scatter_single` are the new names where they exist.
 """
 
 from __future__ import annotations
@@ -48,8 +52,12 @@ __all__ = [
     "DTensorSpec", "TensorMeta", "NormPartial", "Placement", "init_placement_base", "honour_torch_dispatch",
     "optim_foreach_supported_types", "utils_foreach_supported_types", "TorchDispatchMode",
     "tree_flatten", "tree_map", "tree_unflatten", "autograd_graph_task_id", "queue_backward_callback",
-    "read_dcp_state_dict", "init_fake_process_group", "compile_counter", "work_class",
+    "read_dcp_state_dict", "init_fake_process_group", "compile_counter", "work_class", "all_gather_single",
+    "reduce_scatter_single",
 ]
+
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def init_placement_base(placement: Placement) -> None:
