@@ -3,11 +3,11 @@
 [Note: one door to torch internals]
 torch's private modules (``torch.distributed.tensor._*``, ``torch.utils._*``, ``torch._C._*``,
 DCP's underscored helpers, ``torch.testing._internal``) change between releases without notice.
-The package, its integrations and its benchmarks import them from this module only, never from
-torch directly, and nothing outside this module reads ``torch.__version__``: where releases
-differ, the difference is handled here once, by feature detection (what the installed torch
-has), with a version check only where no feature tells the releases apart.
-``tests/test_torch_compat.py`` fails on a private torch import anywhere else. The ``torch._foreach_*``
+The package, its integrations, benchmarks and examples import them from this module only, never
+from torch directly, and nothing outside this module reads ``torch.__version__``: where releases
+differ, the difference is handled here once, by feature detection (what the installed torch has;
+no version check is needed so far). ``tests/test_torch_compat.py`` fails on a private torch name
+anywhere else (the tests themselves may reach internals: they are not shipped). The ``torch._foreach_*``
 and ``torch._amp_*`` kernels that optimizers call are aten operators with stable schemas, not
 Python internals: they are called directly. A ``DTensor``'s ``_local_tensor`` / ``_spec`` are
 read where ``RaggedDTensor`` (a DTensor subclass) needs them. The releases supported are the
@@ -34,6 +34,7 @@ What differs across the supported releases, and how it is handled:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Dict, Optional, Set
 
 import torch
@@ -76,6 +77,7 @@ class _DispatchProbe(DTensor):
         raise _Reached
 
 
+@functools.lru_cache(maxsize=None)
 def _subclass_dispatch_honoured() -> bool:
     """Whether an op on a DTensor subclass reaches the subclass's ``__torch_dispatch__`` (2.12+),
     rather than DTensor's C++ fast path (2.11, which fails here on the probe's missing spec)."""
@@ -95,10 +97,13 @@ _HONOURED: Set[type] = set()
 def honour_torch_dispatch(cls: type) -> None:
     """Make every op on instances of the DTensor subclass ``cls`` run ``cls.__torch_dispatch__``
     ([Note: one door to torch internals], DTensor's C++ dispatch fast path)."""
-    if _HONOURED or _subclass_dispatch_honoured():
-        _HONOURED.add(cls)
-        return
     _HONOURED.add(cls)
+    if not _subclass_dispatch_honoured():
+        _answer_rule_lookups()
+
+
+@functools.lru_cache(maxsize=None)  # once
+def _answer_rule_lookups() -> None:
     holder = simple_registry.GenericTorchDispatchRuleHolder
     registered = holder.find
 
@@ -131,13 +136,12 @@ def read_dcp_state_dict(state: Dict[str, Any], storage_reader: Any) -> None:
     _load_state_dict(state, storage_reader=storage_reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
 
 
-def init_fake_process_group(rank: int, world_size: int, timeout: Optional[Any] = None) -> None:
+def init_fake_process_group(rank: int, world_size: int) -> None:
     """A default process group that pretends to ``world_size`` ranks and moves no data (torch's
     fake backend): for measuring one rank's memory at any world size."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-    kwargs = {} if timeout is None else {"timeout": timeout}
-    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore(), **kwargs)
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
 
 
 def compile_counter(backend: str) -> Any:
