@@ -1,11 +1,21 @@
 """vescale-zero: RaggedShard FSDP for PyTorch, DeepSpeed and Megatron-Core.
 
-torch is a requirement but not pinned here: production installs bring their own CUDA
-build. On CPU machines install ``torch==2.13.0`` first (see README), or pip fetches a
-multi-GB CUDA build.
+The ranges below are the ones CI tests, nothing wider (README, "Install and run the tests"):
+torch 2.11 to 2.15 (any build: production installs bring their own CUDA build; on CPU
+machines install ``torch==2.13.0`` first, or pip fetches a multi-GB CUDA build), and the host
+versions the adapters' patches were checked against (integrations/host_patches.py,
+``HOST_VERSIONS``). megatron-core 0.17+ needs Python 3.12, which CI does not have.
 """
 
 from setuptools import find_packages, setup
+
+TORCH = "torch>=2.11,<2.16"  # CI: 2.13.0 (full suite), 2.11.0 and 2.15.0 (quick subset)
+DEEPSPEED = "deepspeed==0.19.8"
+MEGATRON = "megatron-core==0.16.1"
+TRANSFORMERS = "transformers==5.24.0"
+ACCELERATE = "accelerate==1.15.0"
+TRL = "trl==1.16.0"
+PEFT = "peft==0.21.2"
 
 setup(
     name="vescale-zero",
@@ -17,15 +27,14 @@ setup(
     packages=find_packages(include=["vescale_zero", "vescale_zero.*"])
     + ["vescale_zero.integrations", "vescale_zero.integrations.deepspeed", "vescale_zero.integrations.megatron"],
     package_dir={"vescale_zero.integrations": "integrations"},
-    install_requires=["torch>=2.4", "numpy", "tqdm"],
+    install_requires=[TORCH, "numpy", "tqdm"],
     extras_require={
-        "deepspeed": ["deepspeed>=0.16"],
-        "megatron": ["megatron-core>=0.16,<0.18"],
+        "deepspeed": [DEEPSPEED],
+        "megatron": [MEGATRON],
         "plot": ["matplotlib"],
         "safetensors": ["safetensors"],
-        "test": ["pytest>=8", "hypothesis>=6", "pytest-timeout", "deepspeed>=0.16", "megatron-core>=0.16.1,<0.18",
-                 "matplotlib", "safetensors", "transformers>=5", "accelerate>=1", "ruff>=0.6",
-                 "bitsandbytes>=0.50,<0.51", "trl>=1.16", "peft>=0.21"],
+        "test": ["pytest>=8", "hypothesis>=6", "pytest-timeout", DEEPSPEED, MEGATRON, "matplotlib", "safetensors",
+                 TRANSFORMERS, ACCELERATE, "ruff>=0.6", "bitsandbytes==0.50.2", TRL, PEFT],
     },
     entry_points={"console_scripts": ["vescale-zero=vescale_zero.cli:main"]},
 )

@@ -233,10 +233,10 @@ class _RssSampler(threading.Thread):
 def _compile_blocks(model, backend: str) -> None:
     """``--compile``: each transformer block compiled, its module hooks included (torchtitan's way),
     through a graph counter of its own (``block.graph_counter``; blocks then compile separately)."""
-    from torch._dynamo.testing import CompileCounterWithBackend
+    from vescale_zero.torch_compat import compile_counter
 
     for block in model.blocks:
-        block.graph_counter = CompileCounterWithBackend(backend)
+        block.graph_counter = compile_counter(backend)
         block.compile(backend=block.graph_counter)
 
 
@@ -380,7 +380,9 @@ def _profile_collective_waits() -> None:
     async reduce-scatters there (copying this rank's chunk out of an all-reduced clone),
     and that copy is the backend's, for every variant alike. (DDP waits inside its C++
     reducer, so its backend copies still count against it.)"""
-    work = torch._C._distributed_c10d.Work
+    from vescale_zero.torch_compat import work_class
+
+    work = work_class()
     original = work.wait
 
     def wait(self, *args, **kwargs):

@@ -33,6 +33,7 @@ HOST_VERSIONS: Dict[str, str] = {
     "Megatron-LM": "core_v0.16.1",  # not on the package index: read from its source at that tag
     "trl": "1.16.0",  # nothing patched: its reads of ZeRO-3 internals surveyed at this version (see below)
     "peft": "0.21.2",  # nothing patched: likewise
+    "torch": "2.11.0",  # the one torch patch applies on 2.11 only (vescale_zero/torch_compat.py)
 }
 """The host distributions (as pip names them) and the versions every patch was checked against.
 TRL and PEFT are patched nowhere; every read they make of ZeRO-3's internals was surveyed at the
@@ -108,6 +109,9 @@ HOST_PATCHES: Dict[str, HostPatch] = {p.patched: p for p in (
               "torch.distributed._state_dict_utils.distribute_tensor", _DISTRIBUTE),
     HostPatch("torch.distributed._state_dict_utils._distribute_tensors", "torch",
               "torch.distributed._state_dict_utils._distribute_tensors", "(local_state_dict, keys, device, pg=None)"),
+    # torch (2.11 only: its DTensor fast path skips a subclass's __torch_dispatch__): vescale_zero/torch_compat.py
+    HostPatch("torch._library.simple_registry.GenericTorchDispatchRuleHolder.find", "torch",
+              "torch._library.simple_registry.GenericTorchDispatchRuleHolder.find", "(self, torch_dispatch_class)"),
     # DeepSpeed: integrations/deepspeed/__init__.py, parser.py
     HostPatch("deepspeed.initialize", "deepspeed", "deepspeed.initialize", _DS_INIT),
     HostPatch("deepspeed.DeepSpeedEngine", "deepspeed", "deepspeed.DeepSpeedEngine", _DS_ENGINE),

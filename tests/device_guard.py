@@ -26,8 +26,9 @@ import torch.distributed.distributed_c10d as c10d
 
 __all__ = ["strict_collectives", "WrongDevice", "GUARDED"]
 
-GUARDED = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-           "reduce_scatter_tensor", "all_to_all_single", "all_to_all", "reduce", "gather", "scatter")
+GUARDED = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+           "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all_single", "all_to_all", "reduce", "gather",
+           "scatter")  # those the installed torch has
 
 
 CPU = torch.device("cpu")

@@ -102,7 +102,7 @@ def test_collectives_get_tensors_on_the_groups_device(tmp_path):
         status, message, calls = out["guard"]
         assert status == WrongDevice.__name__ and "meta" in message and calls == ["all_reduce"], out["guard"]
         assert out["guard removed"]
-        _check(problems, rank, out, "save", "broadcast", "all_gather")
+        _check(problems, rank, out, "save", "broadcast", ("all_gather", "all_gather_single"))  # torch 2.15: the latter
         _check(problems, rank, out, "load", "all_reduce")
         status, message, calls = out["load refused by rank 1"]
         refused = status == "CheckpointError" and ("another rank refused" in message) == (rank == 0)
@@ -123,11 +123,13 @@ def test_collectives_get_tensors_on_the_groups_device(tmp_path):
 
 def _check(problems, rank, out, key, *collectives):
     """The value of check ``key`` if it passed having called ``collectives`` (so the guard
-    saw them: the check is not vacuous); else ``None``, and the problem noted."""
+    saw them: the check is not vacuous); else ``None``, and the problem noted. A tuple among
+    ``collectives``: one of its names (what torch's object collectives call differs by release)."""
     status, value, calls = out[key]
     if status != "ok":
         problems.append((rank, key, status, value))
-    problems.extend((rank, key, f"{c} not called", calls) for c in collectives if c not in calls)
+    problems.extend((rank, key, f"{c} not called", calls) for c in collectives
+                    if not set(c if isinstance(c, tuple) else (c,)) & set(calls))
     return value if status == "ok" else None
 
 

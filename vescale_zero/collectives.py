@@ -26,6 +26,9 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .torch_compat import all_gather_single as _all_gather_single
+from .torch_compat import reduce_scatter_single as _reduce_scatter_single
+
 __all__ = ["CommStats", "all_gather", "reduce_scatter", "all_reduce", "AllToAllReduceScatter", "CompletedWork",
            "set_reduce_scatter_impl", "get_reduce_scatter_impl", "REDUCE_SCATTER_IMPLS"]
 
@@ -54,8 +57,6 @@ def set_reduce_scatter_impl(impl: str = "auto") -> str:
 def get_reduce_scatter_impl() -> str:
     return _impl
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
-from torch.distributed.tensor.placement_types import Placement
+from .torch_compat import Placement, init_placement_base
 
 __all__ = ["RaggedShard", "ShardedRange", "Box", "flat_range_boxes"]
 
@@ -38,7 +38,7 @@ class RaggedShard(Placement):
         # [Note: the C++ placement base] torch's Placement is a C++ class: its __init__ must run
         # (a dataclass's does not call it), or every method torch calls on the placement --
         # is_shard(), ==, redistribute's checks -- reads an uninitialised object (SIGSEGV).
-        Placement.__init__(self)
+        init_placement_base(self)
         if self.granularity < 1:
             raise ValueError(f"RaggedShard granularity must be >= 1, got {self.granularity}")
         if any(b < 0 for b in self.blocks_per_rank):

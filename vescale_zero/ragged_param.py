@@ -25,12 +25,12 @@ from typing import Optional, Tuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from .param_attributes import copy_parameter_attributes
 from .placement import ShardedRange
 from .ragged_tensor import RaggedDTensor
 from .tensor_parallel import TensorParallelLayout
+from .torch_compat import DTensorSpec
 
 __all__ = ["ManagedParam", "ShardedRange", "RaggedParam"]
 

@@ -59,16 +59,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.distributed.tensor.placement_types import Placement
-from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_types
-from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach_types
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .comm_device import collective_device
 from .placement import RaggedShard, ShardedRange, flat_range_boxes
 from .tensor_parallel import reduction_dims, tp_local_box, tp_local_of_whole, whole_from_tp_local
+from .torch_compat import DTensorSpec, TensorMeta, honour_torch_dispatch, tree_flatten, tree_unflatten
+from .torch_compat import NormPartial as _NormPartial
+from .torch_compat import optim_foreach_supported_types as _optim_foreach_types
+from .torch_compat import utils_foreach_supported_types as _util_foreach_types
 
 __all__ = ["RaggedDTensor", "ragged_spec", "shard_mesh", "local_piece", "is_ragged", "like_param", "local_rows",
            "ragged_from_full", "ragged_placement_of"]
@@ -710,6 +709,7 @@ _ELEMENTWISE = {
 for _types in (_optim_foreach_types, _util_foreach_types):
     if RaggedDTensor not in _types:
         _types.append(RaggedDTensor)
+honour_torch_dispatch(RaggedDTensor)  # torch 2.11's DTensor fast path would skip our dispatch
 
 _FUSED_OPTIMIZERS = {aten._fused_adam_, aten._fused_adamw_, aten._fused_sgd_, aten._fused_adagrad_}
 _ROUTES: Dict[Any, Callable] = {}  # op overload -> its handler (_route)

@@ -126,11 +126,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .eager_hooks import outside_compile
 from .group_progress import GroupState, InputGradTrigger, Part
 from .param_group import ParamGroup
+from .torch_compat import autograd_graph_task_id, queue_backward_callback, tree_flatten, tree_map, tree_unflatten
 from .unused_grads import drop_unused, usage_anywhere
 
 __all__ = ["FSDPState", "RootContext", "STATE_ATTR", "in_backward_pass"]
@@ -140,7 +140,7 @@ STATE_ATTR = "_vescale_fsdp_state"
 
 def in_backward_pass() -> bool:
     """Whether the autograd engine is running a backward on this thread (a recompute)."""
-    return torch._C._current_graph_task_id() != -1
+    return autograd_graph_task_id() != -1
 
 
 class _InputGradNode(torch.autograd.Function):
@@ -610,7 +610,7 @@ class FSDPState:
         if not ctx.in_backward:  # the first hook of a backward tells which forward it differentiates
             ctx.in_backward = True
             ctx.backward_of = forward_id
-            torch.autograd.Variable._execution_engine.queue_callback(ctx.final_callback)
+            queue_backward_callback(ctx.final_callback)
         if self.group is not None and self.group.begin_backward() and self.prefetch:
             explicit = self.backward_prefetch
             for prev in explicit if explicit is not None else [ctx.next_in_backward(self)]:

@@ -42,7 +42,6 @@ from deepspeed.runtime.precision_config import DeepSpeedFP16Config
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 from deepspeed.utils import groups
 from deepspeed.utils.torch import is_functorch_transforming
-from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import vescale_zero as vz
@@ -55,6 +54,7 @@ from vescale_zero.loss_scaling import unscale_and_find_inf
 from vescale_zero.optim import AdamW8bit, Muon, Shampoo
 from vescale_zero.ragged_tensor import local_piece
 from vescale_zero.state_offload import StateOffloader
+from vescale_zero.torch_compat import queue_backward_callback
 
 from .accelerate_stage import present_ragged_stage_to_accelerate
 from .config import RaggedOptions
@@ -324,7 +324,7 @@ class RaggedEngineMixin:
             self._sync_gradients_in_this_backward()
         super()._backward_prologue()
         if direct:
-            Variable._execution_engine.queue_callback(self._backward_epilogue)
+            queue_backward_callback(self._backward_epilogue)
 
     def allreduce_gradients(self, bucket_size: int = 0) -> None:
         """Gradients were reduce-scattered into the shards by the runtime's hooks."""

@@ -60,6 +60,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..torch_compat import read_dcp_state_dict
+
 __all__ = [
     "FORMAT", "METADATA_FILE", "COMMON_FILE", "CHECKPOINT_DOMAIN", "Piece", "CheckpointError",
     "rank_file", "sha256_file", "save_synced", "fsync_dir", "write_rank_file", "write_common", "write_metadata",
@@ -393,8 +395,7 @@ def read_dcp(src: str) -> Dict[str, Any]:
     """Every tensor of the DCP directory ``src``, whole, read in this process with DCP's
     own reader (as ``dcp_to_torch_save`` does); no process group needed."""
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner, _load_state_dict
 
     state: Dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=FileSystemReader(src), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    read_dcp_state_dict(state, FileSystemReader(src))
     return state

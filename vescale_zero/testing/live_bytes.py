@@ -24,8 +24,8 @@ from typing import Callable, Dict, Iterable, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from ..torch_compat import TorchDispatchMode, tree_flatten
 
 __all__ = ["LiveBytes", "OverBudget"]
 
