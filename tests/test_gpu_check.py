@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from vescale_zero.gpu_check import SECTIONS
+from vescale_zero.torch_compat import collect_sanitizer_reports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUDA_ONLY = {s.name for s in SECTIONS if s.cuda_only}
@@ -131,7 +132,7 @@ def test_sanitizer_reports_are_collected_not_raised(monkeypatch):
     monkeypatch.setattr(csan, "cuda_sanitizer", types.SimpleNamespace(
         enabled=True, dispatch=types.SimpleNamespace(event_handler=handler)))
     reports = []
-    jobs.collect_sanitizer_reports(reports)
+    collect_sanitizer_reports(reports)
     assert handler._handle_kernel_launch("stream", set(), set(), set(), None, {}) == []  # nothing raised
     assert reports == [report]
     text = jobs._describe_report(report)

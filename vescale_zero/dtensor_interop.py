@@ -163,9 +163,10 @@ def install_dtensor_interop() -> None:
     functions meet RaggedShard]); once per process."""
     if _ORIGINALS:
         return
-    from torch.distributed import _state_dict_utils
     from torch.distributed import tensor as dtensor_module
-    from torch.distributed.tensor import _api
+
+    from .torch_compat import dtensor_api as _api
+    from .torch_compat import state_dict_utils as _state_dict_utils
 
     _ORIGINALS["from_local"] = DTensor.from_local
     _ORIGINALS["redistribute"] = DTensor.redistribute

@@ -19,7 +19,6 @@ The hooks that do the work are :class:`vescale_zero.runtime.FSDPState` (this mod
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -28,6 +27,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, UnshardHandle
 
 from .eager_hooks import outside_compile
+from .job_timeout import group_timeout
 from .param_group import GroupState, ParamGroup
 from .runtime import STATE_ATTR, FSDPState, RootContext
 from .unused_grads import UNUSED_GRAD_POLICIES
@@ -276,7 +276,7 @@ class RaggedFSDPModule(FSDPModule):
                 continue
             ranks = tuple(dist.get_process_group_ranks(shard_group))
             if ranks not in made:
-                made[ranks] = dist.new_group(list(ranks), timeout=_timeout_of(shard_group, group.device),
+                made[ranks] = dist.new_group(list(ranks), timeout=group_timeout(shard_group),
                                              use_local_synchronization=True)
             group.grads.reduce_group = made[ranks]
 
@@ -376,11 +376,3 @@ class RaggedFSDPModule(FSDPModule):
             "fully_shard (and shard the copy as well if it must be sharded), or build an unsharded copy from "
             "vz.full_state_dict(model) (on every rank; it returns the full tensors) with load_state_dict."
         )
-
-
-def _timeout_of(group: dist.ProcessGroup, device: torch.device) -> Optional[timedelta]:
-    """The timeout ``group``'s backend was made with (the job's), for a group made beside it."""
-    try:
-        return group._get_backend(torch.device(device.type if device.type != "meta" else "cpu")).options._timeout
-    except (AttributeError, RuntimeError):
-        return None

@@ -16,8 +16,8 @@ the default group itself, under ``fully_shard``, DeepSpeed (whose data-parallel 
 engine shards over, so DeepSpeed's own collectives on it get the timeout too) and Megatron
 alike. A group with a shorter timeout of its own keeps it.
 
-Reading and setting a group's timeout lean on torch internals (the backend's ``options`` and
-``distributed_c10d._set_pg_timeout``, checked against torch 2.13): both are in this module only.
+Reading and setting a group's timeout lean on torch internals: ``vescale_zero.torch_compat``
+(``process_group_timeout``, ``set_process_group_timeout``).
 """
 
 from __future__ import annotations
@@ -26,20 +26,16 @@ from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _set_pg_timeout
+
+from .torch_compat import process_group_timeout, set_process_group_timeout
 
 __all__ = ["group_timeout", "job_timeout", "carry_job_timeout"]
 
 
 def group_timeout(group: Optional[dist.ProcessGroup] = None) -> Optional[timedelta]:
     """The timeout of ``group``'s collectives (default: the default group's, the job's);
-    ``None`` where the backend does not say (torch internals: see [Note: the job's timeout])."""
-    group = dist.group.WORLD if group is None else group
-    for device in getattr(group, "_device_types", ()):
-        timeout = getattr(getattr(group._get_backend(device), "options", None), "_timeout", None)
-        if isinstance(timeout, timedelta):
-            return timeout
-    return None
+    ``None`` where the backend does not say."""
+    return process_group_timeout(dist.group.WORLD if group is None else group)
 
 
 def job_timeout() -> Optional[timedelta]:
@@ -58,4 +54,4 @@ def carry_job_timeout(*groups: Optional[dist.ProcessGroup]) -> None:
             continue
         own = group_timeout(group)
         if own is not None and own > job:
-            _set_pg_timeout(job, group)
+            set_process_group_timeout(group, job)

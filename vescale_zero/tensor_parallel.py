@@ -47,11 +47,10 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement
 
 from .placement import RaggedShard
+from .torch_compat import DTensorSpec, TensorMeta, local_shape_and_global_offset
 
 __all__ = ["TensorParallelLayout", "tensor_parallel_layouts", "local_tensor", "local_gradient", "tp_local_box",
            "whole_from_tp_local", "tp_local_of_whole", "reduction_dims", "refuse_tensor_parallel", "USE_DCP"]
@@ -123,8 +122,7 @@ def tp_local_box(spec: DTensorSpec) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     shape = tuple(spec.shape)
     if all(_is_ragged(p) or p.is_replicate() for p in spec.placements):
         return shape, (0,) * len(shape)
-    local, offset = compute_local_shape_and_global_offset(shape, spec.mesh, _tp_placements(spec))
-    return tuple(local), tuple(offset)
+    return local_shape_and_global_offset(shape, spec.mesh, _tp_placements(spec))
 
 
 def whole_from_tp_local(local: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:

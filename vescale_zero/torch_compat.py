@@ -35,14 +35,19 @@ What differs across the supported releases, and how it is handled:
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, Optional, Set
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
 from torch._library import simple_registry
+from torch.distributed import _state_dict_utils as state_dict_utils
+from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import _api as dtensor_api
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._ops._math_ops import _NormPartial as NormPartial
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement
 from torch.optim.optimizer import _foreach_supported_types as optim_foreach_supported_types
 from torch.utils._foreach_utils import _foreach_supported_types as utils_foreach_supported_types
@@ -54,7 +59,8 @@ __all__ = [
     "optim_foreach_supported_types", "utils_foreach_supported_types", "TorchDispatchMode",
     "tree_flatten", "tree_map", "tree_unflatten", "autograd_graph_task_id", "queue_backward_callback",
     "read_dcp_state_dict", "init_fake_process_group", "compile_counter", "work_class", "all_gather_single",
-    "reduce_scatter_single",
+    "reduce_scatter_single", "dtensor_api", "state_dict_utils", "local_shape_and_global_offset",
+    "process_group_timeout", "set_process_group_timeout", "collect_sanitizer_reports",
 ]
 
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -154,3 +160,43 @@ def compile_counter(backend: str) -> Any:
 def work_class() -> type:
     """The class of the handles that async collectives return."""
     return torch._C._distributed_c10d.Work
+
+
+def local_shape_and_global_offset(shape: Sequence[int], mesh: Any, placements: Sequence[Any]
+                                  ) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """This rank's local shape and its offset in the global tensor of ``shape`` laid out by
+    ``placements`` (torch's own placements) on ``mesh``."""
+    local, offset = compute_local_shape_and_global_offset(tuple(shape), mesh, list(placements))
+    return tuple(local), tuple(offset)
+
+
+def process_group_timeout(group: dist.ProcessGroup) -> Optional[timedelta]:
+    """The timeout ``group``'s collectives were made with; ``None`` where its backend does not say."""
+    for device in getattr(group, "_device_types", ()):
+        timeout = getattr(getattr(group._get_backend(device), "options", None), "_timeout", None)
+        if isinstance(timeout, timedelta):
+            return timeout
+    return None
+
+
+def set_process_group_timeout(group: dist.ProcessGroup, timeout: timedelta) -> None:
+    """Give ``group``'s collectives ``timeout`` from now on."""
+    _set_pg_timeout(timeout, group)
+
+
+def collect_sanitizer_reports(into: List[Exception]) -> None:
+    """Make torch's CUDA sanitizer (on in this process: ``TORCH_CUDA_SANITIZER=1`` at ``import
+    torch``) append every report to ``into`` instead of raising the first: its event handler's
+    kernel-launch check is wrapped (``torch.cuda._sanitizer``)."""
+    import torch.cuda._sanitizer as csan
+
+    if not csan.cuda_sanitizer.enabled:
+        raise RuntimeError("the CUDA sanitizer is off in this process: start it with TORCH_CUDA_SANITIZER=1")
+    handler = csan.cuda_sanitizer.dispatch.event_handler
+    launch = handler._handle_kernel_launch
+
+    def noting(*args: Any, **kwargs: Any) -> list:  # count every report; raise none, so the steps run to the end
+        into.extend(launch(*args, **kwargs))
+        return []
+
+    handler._handle_kernel_launch = noting

@@ -30,6 +30,7 @@ from torch import nn
 import vescale_zero as vz
 
 from ..testing import GPT, GPTConfig, SyntheticCorpus
+from ..torch_compat import collect_sanitizer_reports
 from .device import MiB, PeakMemory, synchronize, world_of_one
 from .plan import Context
 from .report import Outcome, one_line
@@ -248,25 +249,6 @@ def _describe_report(error: Exception) -> str:
                 f"{cur.stream}, at {_caller(cur.stack_trace)}")
     except AttributeError:
         return str(error).strip().splitlines()[0][:300]
-
-
-def collect_sanitizer_reports(into: List[Exception]) -> None:
-    """Make torch's CUDA sanitizer (on in this process: ``TORCH_CUDA_SANITIZER=1`` at ``import
-    torch``) append every report to ``into`` instead of raising the first: its event handler's
-    kernel-launch check is wrapped. (torch internals: ``torch.cuda._sanitizer``, the same in
-    torch 2.11 to 2.13.)"""
-    import torch.cuda._sanitizer as csan
-
-    if not csan.cuda_sanitizer.enabled:
-        raise RuntimeError("the CUDA sanitizer is off in this process: start it with TORCH_CUDA_SANITIZER=1")
-    handler = csan.cuda_sanitizer.dispatch.event_handler
-    launch = handler._handle_kernel_launch
-
-    def noting(*args, **kwargs):  # count every report; raise none, so the steps run to the end
-        into.extend(launch(*args, **kwargs))
-        return []
-
-    handler._handle_kernel_launch = noting
 
 
 def sanitizer(ctx: Context) -> Outcome:

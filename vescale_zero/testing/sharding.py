@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..torch_compat import init_fake_process_group
+
 __all__ = ["SHARDED_SYSTEMS", "init_module", "shard_on_meta", "fake_world"]
 
 SHARDED_SYSTEMS = ("vescale", "fsdp2")
@@ -79,9 +81,7 @@ def shard_on_meta(system: str, model_fn: Callable[[], nn.Module], units_of: Call
 def fake_world(world: int, rank: int = 0) -> Iterator[None]:
     """The default process group, for the block, is PyTorch's fake one: this process is
     ``rank`` of ``world`` ranks whose collectives return at once (tensors are real)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    init_fake_process_group(rank, world)
     try:
         yield
     finally:
