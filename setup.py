@@ -3,7 +3,7 @@
 The ranges below are the ones CI tests, nothing wider (README, "Install and run the tests"):
 torch 2.11 to 2.15 (any build: production installs bring their own CUDA build; on CPU
 machines install ``torch==2.13.0`` first, or pip fetches a multi-GB CUDA build), and the host
-versions the adapters' patches were checked against (integrations/host_patches.py,
+versions the adapters' patches were checked against (vescale_zero/host_patches.py,
 ``HOST_VERSIONS``). megatron-core 0.17+ needs Python 3.12, which CI does not have.
 """
 
@@ -36,5 +36,5 @@ setup(
         "test": ["pytest>=8", "hypothesis>=6", "pytest-timeout", DEEPSPEED, MEGATRON, "matplotlib", "safetensors",
                  TRANSFORMERS, ACCELERATE, "ruff>=0.6", "bitsandbytes==0.50.2", TRL, PEFT],
     },
-    entry_points={"console_scripts": ["vescale-zero=vescale_zero.cli:main"]},
+    entry_points={"console_scripts": ["vescale-zero=vescale_zero.tools.cli:main"]},
 )

@@ -4,7 +4,7 @@
         [--ranks 8 64] [--precisions fp32 bf16] [--fp8-tile 128] [--scale 32] [--reps 5] [--threads 1]
 
 For one rank of an FSDP group of ``m`` ranks holding one decoder layer (shapes from
-``vescale_zero/model_shapes.py``), it builds the buffers each library builds, lays them out
+``vescale_zero/tools/model_shapes.py``), it builds the buffers each library builds, lays them out
 as it lays them out (FSDP2: per-parameter dim-0 padding and rank-major packing; vescale-zero:
 the planner's ragged layout, ``DBuffer``s, row granularity) and times the kernels each one
 runs between its sharded parameters and its all-gather, and between autograd's gradients
@@ -16,7 +16,7 @@ its function does what the library does there, i.e. nothing, and the table print
 timer saw.
 
 What runs per kind for each system (a table: FSDP2 vs vescale-zero), and how it is timed:
-``vescale_zero/testing/copy_overhead.py``, which the GPU check shares.
+``vescale_zero/tools/gpu_check/copy_overhead.py``, which the GPU check shares.
 
 GB/s counts bytes read + bytes written by the kernels of a kind. ``vescale/fsdp2`` is the
 ratio of medians measured in this run; a kind where either system runs nothing prints ``-``
@@ -43,8 +43,7 @@ from typing import List, Sequence
 
 import torch
 
-from vescale_zero.model_shapes import MODEL_NAMES, layer_groups
-from vescale_zero.testing.copy_overhead import (
+from vescale_zero.tools.gpu_check.copy_overhead import (
     KINDS,
     PER_GATHER,
     PRECISIONS,
@@ -57,6 +56,7 @@ from vescale_zero.testing.copy_overhead import (
     vescale_plan,
     vescale_system,
 )
+from vescale_zero.tools.model_shapes import MODEL_NAMES, layer_groups
 
 
 def _cell(ms: float, nbytes: int) -> str:
@@ -92,7 +92,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--models", nargs="+", default=["llama3-70b", "gpt-oss-120b"], choices=MODEL_NAMES)
-    p.add_argument("--group", default="decoder_layer", help="layer group of vescale_zero.model_shapes")
+    p.add_argument("--group", default="decoder_layer", help="layer group of vescale_zero.tools.model_shapes")
     p.add_argument("--ranks", type=int, nargs="+", default=[8, 64], help="FSDP sizes m (one rank's work is timed)")
     p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=list(PRECISIONS))
     p.add_argument("--fp8-tile", type=int, default=128, help="vescale-zero FP8 all-gather tile (0: leave FP8 out)")

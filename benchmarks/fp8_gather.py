@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from vescale_zero.fp8_gather import FP8GatherLayout, default_fp8_filter, tile_band_granularity
-from vescale_zero.model_shapes import MODEL_NAMES, group_specs, layer_groups
-from vescale_zero.planner import TensorSpec, plan
+from vescale_zero.primitives.planner import TensorSpec, plan
+from vescale_zero.runtime.fp8_gather import FP8GatherLayout, default_fp8_filter, tile_band_granularity
+from vescale_zero.tools.model_shapes import MODEL_NAMES, group_specs, layer_groups
 
 
 def main() -> None:

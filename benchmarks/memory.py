@@ -13,7 +13,7 @@ DDP eagerly (it holds the whole model) -- and runs two AdamW steps; the second i
 dispatcher, is invisible to a tensor tracker. On gloo, ``reduce_scatter_tensor`` (FSDP2,
 ZeRO-3) all-reduces a *clone* of the whole buffer made in C++: not counted. vescale-zero's gloo
 reduce-scatter (an ``all_to_all`` into a full-size receive buffer + a local sum,
-``vescale_zero/collectives.py``) allocates that buffer in Python: counted. ``vescale_trs`` is
+``vescale_zero/primitives/collectives.py``) allocates that buffer in Python: counted. ``vescale_trs`` is
 vescale-zero on torch's ``reduce_scatter_tensor``, as its peers: the like-for-like row on gloo
 (on NCCL a reduce-scatter has no such buffer).
 
@@ -21,7 +21,7 @@ Precisions: ``fp32``; ``bf16`` = bf16 parameters / compute, fp32 master weights 
 reduce, as each system does it (FSDP2 and vescale ``MixedPrecisionPolicy(bf16, fp32)``, ZeRO-3
 ``bf16.enabled`` + ``communication_data_type: fp32``, DDP fp32 weights under ``torch.autocast``).
 
-Memory is counted exactly with :class:`vescale_zero.testing.live_bytes.LiveBytes` (every tensor
+Memory is counted exactly with :class:`devtools.live_bytes.LiveBytes` (every tensor
 storage alive, ``resize_`` followed) and split at the peak by role: ``params`` (the persistent
 parameters: shards, master copies), ``grads`` (the persistent gradients), ``optim`` (optimizer
 state), ``comm`` (gathered full parameters, full gradients before their reduce, collective
@@ -90,10 +90,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from devtools.live_bytes import LiveBytes  # noqa: E402
 from vescale_zero.testing import GPT, GPTConfig, SyntheticCorpus  # noqa: E402
-from vescale_zero.testing.live_bytes import LiveBytes  # noqa: E402
-from vescale_zero.testing.llama import LlamaShapedStack, stack_layers  # noqa: E402
-from vescale_zero.testing.sharding import fake_world, shard_on_meta  # noqa: E402
+from vescale_zero.tools.gpu_check.llama import LlamaShapedStack, stack_layers  # noqa: E402
+from vescale_zero.tools.gpu_check.sharding import fake_world, shard_on_meta  # noqa: E402
 
 OFFLOAD_SYSTEMS = ("vescale_off", "fsdp2_off", "zero3_off")  # [Note: offload rows]
 SYSTEMS = ("vescale", "vescale_trs", "fsdp2", "zero3", "ddp", "vescale_lin", "fsdp2_lin") + OFFLOAD_SYSTEMS
@@ -121,7 +121,7 @@ def build(system: str, model_fn, precision: str, batch: int, blocks_of, hidden: 
     offload = system.endswith("_off")  # [Note: offload rows]
     system = system[:-len("_off")] if offload else system
     if system in ("vescale", "vescale_trs", "vescale_lin", "fsdp2", "fsdp2_lin"):
-        from vescale_zero.collectives import set_reduce_scatter_impl
+        from vescale_zero.primitives.collectives import set_reduce_scatter_impl
 
         if system.startswith("vescale"):
             set_reduce_scatter_impl("native" if system == "vescale_trs" else "auto")
@@ -276,7 +276,7 @@ def host_buffers(model: nn.Module, opt, engine) -> List[torch.Tensor]:
     state. Empty for a system that offloads nothing."""
     from torch.distributed.fsdp import FSDPModule
 
-    from vescale_zero.fully_shard import RaggedFSDPModule, groups_of
+    from vescale_zero.api.fully_shard import RaggedFSDPModule, groups_of
 
     inner = getattr(opt, "optimizer", opt)
 

@@ -30,11 +30,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import vescale_zero as vz
+from devtools.live_bytes import LiveBytes
 from vescale_zero.optim import offload_state_to_files
 from vescale_zero.optim.state_file_io import StateFileDir
-from vescale_zero.ragged_tensor import local_piece
+from vescale_zero.primitives.ragged_tensor import local_piece
 from vescale_zero.testing import GPT, GPTConfig, SyntheticCorpus
-from vescale_zero.testing.live_bytes import LiveBytes
 
 VARIANTS = {"memory": 0, "files": 1, "files, read-ahead": 2}  # name -> buffer_count (0: in memory)
 

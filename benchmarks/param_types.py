@@ -9,7 +9,7 @@ its own shards).
 Both optimizers of a pair step the *same storage*: the plain one holds ``nn.Parameter``
 views of the DTensors' local pieces (what the sharded parameters were before), with the same
 gradients (the local pieces of the DTensor gradients). So the only difference measured is
-the DTensor dispatch (``vescale_zero.ragged_tensor`` [Note: ops on ragged tensors]; for
+the DTensor dispatch (``vescale_zero.primitives.ragged_tensor`` [Note: ops on ragged tensors]; for
 FSDP2, torch's DTensor dispatch). The variants run interleaved, each round every system and
 optimizer kind both ways; printed: median ms per optimizer step and per training step
 (forward + backward + step), and the ratio DTensor / plain: the median of each round's ratio
@@ -18,7 +18,7 @@ times on a shared machine are noise: read the ratios.
 
 Where the DTensor step still costs more than the plain one, it is per tensor, not per
 element. torch's element-wise optimizers step the local pieces directly
-(``vescale_zero.local_optim_steps``): what is left is one pass over the lists, and torch's
+(``vescale_zero.api.local_optim_steps``): what is left is one pass over the lists, and torch's
 own ``_init_group`` reading ``p.grad``, ``torch.is_complex(p)``, ``p.device`` of a tensor
 subclass (about 0.1-0.3 us more per read than of an ``nn.Parameter``, which torch
 special-cases; any subclass pays it, FSDP2's DTensors too). FSDP2's DTensors take torch's
@@ -126,7 +126,7 @@ def _time_parts(opts: Dict[tuple, torch.optim.Optimizer], timing: Dict[str, floa
     """``--breakdown``: times torch's ``_init_group`` (the lists built from ``p.grad`` and the
     state), the functional (``torch.optim.adam.adam`` / ``sgd.sgd``, with, for ragged
     parameters, vescale_zero's pass over the lists) and that pass alone, into ``timing``."""
-    from vescale_zero import local_optim_steps
+    from vescale_zero.api import local_optim_steps
 
     def timed(fn, part):
         def run(*a, **k):

@@ -22,12 +22,12 @@ fp32 only. bf16 matmuls are 3-5x slower than fp32 on CPUs without avx512_bf16, s
 table uses its own, smaller GPT (``--bf16-d-model``); compare ratios within one table.
 
 Reduce-scatter (``--reduce-scatter``): on gloo, vescale-zero reduce-scatters as one
-``all_to_all`` + a local sum (``vescale_zero/collectives.py`` [Note: gloo reduce-scatter]),
+``all_to_all`` + a local sum (``vescale_zero/primitives/collectives.py`` [Note: gloo reduce-scatter]),
 while FSDP2 and ZeRO-3 call torch's ``reduce_scatter_tensor``, which gloo runs as an
 all-reduce of a clone (twice the bytes). ``ours`` runs vescale-zero as shipped; ``torch``
 makes every vescale-zero variant use torch's ``reduce_scatter_tensor`` too (rows suffixed
 ``_trs``), so the ratios show what the design buys with the same collective as its peers;
-``both`` (default) prints both. The switch is ``vescale_zero.collectives.set_reduce_scatter_impl``
+``both`` (default) prints both. The switch is ``vescale_zero.primitives.collectives.set_reduce_scatter_impl``
 ("native"). On NCCL vescale-zero already calls ``reduce_scatter_tensor``: no ``_trs`` rows.
 
 Variants (``--variants``): run only these (base names, e.g. ``ddp fsdp2 vescale``; default all).
@@ -90,7 +90,7 @@ from tqdm import tqdm
 VARIANTS = ("ddp", "fsdp2", "zero3", "vescale", "ds_ragged")
 BF16_VARIANTS = ("fsdp2", "zero3", "vescale", "ds_ragged")  # those with bf16 params + fp32 reduce
 MEGATRON_VARIANTS = ("mcore_ddp", "mcore_vescale")
-OURS = ("vescale", "ds_ragged", "mcore_vescale")  # reduce-scatter through vescale_zero.collectives
+OURS = ("vescale", "ds_ragged", "mcore_vescale")  # reduce-scatter through vescale_zero.primitives.collectives
 TORCH_RS = "_trs"  # suffix: the variant with vescale-zero forced onto torch's reduce_scatter_tensor
 COMPILED = "_c"  # suffix: the variant with each transformer block compiled (--compile)
 COMPILABLE = ("ddp", "fsdp2", "vescale")  # those whose blocks are compiled under --compile
@@ -109,8 +109,8 @@ _DTYPE_NAME = {"fp32": "float", "bf16": "c10::BFloat16"}
 def force_torch_reduce_scatter() -> None:
     """Make vescale-zero reduce-scatter with torch's ``reduce_scatter_tensor`` on every backend
     (on gloo: torch's all-reduce emulation, the collective FSDP2 and ZeRO-3 run) instead of its
-    all_to_all + local sum (``vescale_zero.collectives`` [Note: gloo reduce-scatter])."""
-    from vescale_zero.collectives import set_reduce_scatter_impl
+    all_to_all + local sum (``vescale_zero.primitives.collectives`` [Note: gloo reduce-scatter])."""
+    from vescale_zero.primitives.collectives import set_reduce_scatter_impl
 
     set_reduce_scatter_impl("native")
 
@@ -328,7 +328,7 @@ def build_megatron_variant(variant: str, args: argparse.Namespace, world: int):
     dims of the other variants) through ``examples/megatron/pretrain_gpt.py`` under
     megatron-core ``DistributedDataParallel`` + Megatron's optimizer (``mcore_ddp``) or
     ``--use-vescale-fsdp`` (``mcore_vescale``); ``step(i)`` is one iteration of Megatron's
-    schedule. Without CUDA, megatron-core runs through the test shim (tests/megatron_shim.py)
+    schedule. Without CUDA, megatron-core runs through the test shim (devtools/megatron_shim.py)
     and the DDP side through its CPU stand-in for Megatron's FP32 optimizer step."""
     import importlib.util
     import sys
@@ -337,7 +337,7 @@ def build_megatron_variant(variant: str, args: argparse.Namespace, world: int):
     if REPO not in sys.path:
         sys.path.insert(0, REPO)
     if not cuda:
-        from tests.megatron_shim import MegatronFP32Step, install_cuda_shim
+        from devtools.megatron_shim import MegatronFP32Step, install_cuda_shim
 
         install_cuda_shim()
     script = os.path.join(REPO, "examples/megatron/pretrain_gpt.py")
@@ -617,7 +617,7 @@ def print_table(world: int, precision: str, rows: Dict[str, Dict], args: argpars
               f"fill+acc {r['filled_mib']:.2f} MiB/step (vs the unsharded model)")
     mcore = [v for v in rows if v.startswith("mcore")]
     if mcore:
-        where = "CUDA" if torch.cuda.is_available() else "CPU via tests/megatron_shim.py"
+        where = "CUDA" if torch.cuda.is_available() else "CPU via devtools/megatron_shim.py"
         print(f"megatron-core GPTModel, same dims, Megatron's schedule ({where}):")
         print(f"{'variant':18s} {'ms med':>8s} {'min':>7s} {'max':>7s} {'peak MiB':>9s} {'AG MiB':>7s} "
               f"{'RS MiB':>7s} {'AR MiB':>7s} {'/mcore_ddp':>10s}")

@@ -18,8 +18,8 @@ import argparse
 import time
 from typing import List, NamedTuple
 
-from vescale_zero.model_shapes import MODEL_NAMES, Group, fsdp2_padding, group_specs, layer_groups, zero3_padding
-from vescale_zero.planner import MODEL_ORDER, plan, shard_lower_bound
+from vescale_zero.primitives.planner import MODEL_ORDER, plan, shard_lower_bound
+from vescale_zero.tools.model_shapes import MODEL_NAMES, Group, fsdp2_padding, group_specs, layer_groups, zero3_padding
 
 POLICIES = ("element", "row", "16rows", "128rows")
 DEFAULT_SIZES = [2**k for k in range(3, 15)] + [1000, 10000]

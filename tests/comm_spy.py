@@ -1,7 +1,7 @@
 """Test-only: record the core's collectives (who calls what, on which group, how big).
 
-:class:`CommSpy` wraps the names ``vescale_zero.dbuffer`` (all-gather, reduce-scatter) and
-``vescale_zero.grad_reduce`` (the HSDP all-reduce across replicas) and ``vescale_zero.param_gather``
+:class:`CommSpy` wraps the names ``vescale_zero.primitives.dbuffer`` (all-gather, reduce-scatter) and
+``vescale_zero.runtime.grad_reduce`` (the HSDP all-reduce across replicas) and ``vescale_zero.runtime.param_gather``
 (the FP8 gather's byte all-gather) call, while installed.
 """
 
@@ -11,9 +11,9 @@ import contextlib
 
 import torch.distributed as dist
 
-import vescale_zero.dbuffer as dbuffer_module
-import vescale_zero.grad_reduce as grad_reduce_module
-import vescale_zero.param_gather as param_gather_module
+import vescale_zero.primitives.dbuffer as dbuffer_module
+import vescale_zero.runtime.grad_reduce as grad_reduce_module
+import vescale_zero.runtime.param_gather as param_gather_module
 
 __all__ = ["CommSpy"]
 

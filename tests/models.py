@@ -152,7 +152,7 @@ def train_steps(model: nn.Module, opt: torch.optim.Optimizer, batches, after_bac
 def record_reduce_scatters(groups) -> Iterator[List[int]]:
     """Within: every reduce-scatter a DBuffer runs is recorded as the index (in ``groups``) of
     the group whose full gradients it reduces (-1 for none of them)."""
-    import vescale_zero.dbuffer as dbuffer_module
+    import vescale_zero.primitives.dbuffer as dbuffer_module
 
     real, sequence = dbuffer_module.reduce_scatter, []
 

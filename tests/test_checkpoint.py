@@ -319,7 +319,7 @@ def test_per_block_state_on_pieces_that_split_its_blocks_is_refused(spawned):
 def test_consolidate_gives_the_unsharded_state_dict(tmp_path, spawned):
     """``vescale-zero consolidate`` joins the pieces of 3 ranks into the state dict of the
     unsharded model: it loads strictly into a plain AwkwardLM, with the trained values."""
-    from vescale_zero.cli import main
+    from vescale_zero.tools.cli import main
 
     path, out = spawned.paths["consolidate"], str(tmp_path / "full.pt")
     trained = assemble(spawned["consolidate first"])
@@ -386,7 +386,7 @@ def test_fsdp2_dcp_checkpoint_loads_and_training_continues(tmp_path, spawned):
     exactly, Adam's moments and steps, and the next 3 steps match FSDP2's own continuation
     (1e-6: another world size sums gradients in another order). The offline
     ``vescale-zero convert --from fsdp2`` writes the same checkpoint."""
-    from vescale_zero.cli import main
+    from vescale_zero.tools.cli import main
 
     src = spawned.paths["fsdp2"]
     theirs = spawned["fsdp2 fsdp2"][0]

@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from vescale_zero.cli import HSDPTraffic, hsdp_traffic, main
-from vescale_zero.model_shapes import group_specs, layer_groups
-from vescale_zero.planner import plan
+from vescale_zero.primitives.planner import plan
+from vescale_zero.tools.cli import HSDPTraffic, hsdp_traffic, main
+from vescale_zero.tools.model_shapes import group_specs, layer_groups
 
 
 def test_plan_table_plot_and_hsdp_suggestion(tmp_path, capsys):

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from vescale_zero.cli import main
+from vescale_zero.tools.cli import main
 
 
 def _one_error_line(capsys, command: str) -> str:

@@ -17,8 +17,9 @@ import vescale_zero as vz
 from tests.device_guard import WrongDevice, strict_collectives
 from tests.distributed import run_on_ranks
 from tests.models import AwkwardLM, make_batches, rank_slice
-from vescale_zero import checkpoint, comm_device
-from vescale_zero.fully_shard import groups_of
+from vescale_zero import checkpoint
+from vescale_zero.api.fully_shard import groups_of
+from vescale_zero.primitives import comm_device
 
 GLOBAL_BATCH = 12
 GPT_CFG = dict(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)

@@ -233,7 +233,7 @@ def test_bf16_with_deepspeeds_own_adam_tracks_stage3():
 def _fp16_overflow_on_one_rank(rank, world_size):
     os.environ["LOCAL_RANK"] = str(rank)
     deepspeed = _deepspeed()
-    from vescale_zero.fully_shard import groups_of
+    from vescale_zero.api.fully_shard import groups_of
 
     cfg = ds_config("ragged", world_size, fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1})
     engine, *_ = deepspeed.initialize(model=AwkwardLM(seed=0), config=cfg)
@@ -610,7 +610,7 @@ def test_zero_checkpoint_migrates_to_ragged_and_training_continues(checkpoint_ru
         assert r["client"] == {"epoch": 2} and r["steps"] == 6, (case, r["client"])
     assert sum(r["moments"] for r in ours) > 0 and not any(r["refused"] for r in ours), case
     from vescale_zero import checkpoint
-    from vescale_zero.cli import main
+    from vescale_zero.tools.cli import main
 
     assert main(["convert", "--from", "deepspeed", str(tmp_path), str(tmp_path / "offline")]) == 0
     engine_side, offline = (checkpoint.consolidate(str(p), with_optimizer=True)
@@ -658,8 +658,8 @@ def _shard_groups(rank, world_size, section, ckpt_dir=None, phase="straight", op
     import torch.distributed as dist
 
     import vescale_zero as vz
-    import vescale_zero.dbuffer as dbuffer_module
-    from vescale_zero.fully_shard import groups_of
+    import vescale_zero.primitives.dbuffer as dbuffer_module
+    from vescale_zero.api.fully_shard import groups_of
 
     cfg = ds_config("ragged", world_size, train_batch_size=SHARD_GROUP_BATCH,
                     train_micro_batch_size_per_gpu=SHARD_GROUP_BATCH // (world_size * ACCUM))

@@ -362,7 +362,7 @@ def _reduce_dtypes(rank, world_size, stage):
     engine = _engine(stage, communication_data_type="bf16")
     if stage == 3:
         return {engine.optimizer.communication_data_type}
-    from vescale_zero.fully_shard import groups_of
+    from vescale_zero.api.fully_shard import groups_of
 
     return {group.reduce_dtype for group in groups_of(engine.module)}
 

@@ -87,7 +87,7 @@ def _engine(rank, world_size, cfg, model=None, **kwargs):
 
 
 def _offloaded(engine):
-    from vescale_zero.fully_shard import groups_of
+    from vescale_zero.api.fully_shard import groups_of
 
     return sorted({str(g.offload.device) if g.offload is not None else "None" for g in groups_of(engine.module)})
 

@@ -353,7 +353,7 @@ def _bytes(storages):
 def _state_tensors(engine, stage):
     """Every tensor of the engine's state: weights, gradients, optimizer state."""
     if stage == "ragged":
-        from vescale_zero.fully_shard import groups_of
+        from vescale_zero.api.fully_shard import groups_of
 
         groups = groups_of(engine.module)
         tensors = [t for g in groups for t in (g.master.local, g.sharded_grad.live, g.grads.full.full)]

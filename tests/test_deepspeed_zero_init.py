@@ -192,7 +192,7 @@ def _checks(rank, world_size, everything):
     deepspeed = _deepspeed()
     deepspeed.init_distributed(dist_backend="gloo")  # zero.Init parses the config (batch sizes) before its own
     import vescale_zero as vz
-    from vescale_zero.fully_shard import groups_of
+    from vescale_zero.api.fully_shard import groups_of
 
     out = {}
     # 1. ZeRO-3 reference, then the same under ragged.

@@ -11,7 +11,7 @@ import vescale_zero as vz
 from tests.comm_spy import CommSpy
 from tests.distributed import run_on_ranks
 from tests.models import AwkwardLM, make_batches, rank_slice
-from vescale_zero.fp8_gather import default_fp8_filter, dequantize_tiles, quantize_tiles, tile_band_granularity
+from vescale_zero.runtime.fp8_gather import default_fp8_filter, dequantize_tiles, quantize_tiles, tile_band_granularity
 
 TILE = 4  # small, so AwkwardLM's prime-sized tensors have many tiles, bands and edge tiles
 

@@ -60,8 +60,8 @@ from tests.models import SEQ, AwkwardLM, make_batches, rank_slice
 from tests.numerics import gamma
 from tests.test_torch_loops import _record_gathers
 from tests.test_torch_utilities import ATOL, GLOBAL_BATCH, RTOL, _close, _sgd, _sgd_loop, _single_thread, _values
-from vescale_zero.fully_shard import groups_of, resolve_reshard_after_forward
-from vescale_zero.param_group import GroupState
+from vescale_zero.api.fully_shard import groups_of, resolve_reshard_after_forward
+from vescale_zero.runtime.param_group import GroupState
 
 KINDS = ("ours", "fsdp2", "ref")
 

@@ -196,7 +196,7 @@ def _storage(t: torch.Tensor) -> int:
 
 
 def _zero_copy(rank, world_size, mp):
-    import vescale_zero.dbuffer as dbuffer_module
+    import vescale_zero.primitives.dbuffer as dbuffer_module
 
     calls = []
     real_ag, real_rs = dbuffer_module.all_gather, dbuffer_module.reduce_scatter
@@ -347,7 +347,7 @@ def _dropped_models(rank, world_size):
     import weakref
 
     from tests.test_meta_init import gpt_init
-    from vescale_zero.fully_shard import groups_of
+    from vescale_zero.api.fully_shard import groups_of
     from vescale_zero.testing.gpt import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=16, n_layers=2, n_heads=2)  # `pos`: a root parameter

@@ -19,7 +19,7 @@ import warnings
 import pytest
 import torch
 
-from vescale_zero.gpu_check import SECTIONS
+from vescale_zero.tools.gpu_check import SECTIONS
 from vescale_zero.torch_compat import collect_sanitizer_reports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,7 +43,7 @@ def sabotage(section: str) -> None:
 def test_dry_mode_passes_or_skips_every_section_and_writes_its_report(tmp_path):
     pytest.importorskip("deepspeed")
     pytest.importorskip("megatron.core")
-    run = _check(str(tmp_path), "--prelude", "tests.megatron_shim:gpu_check_prelude")
+    run = _check(str(tmp_path), "--prelude", "devtools.megatron_shim:gpu_check_prelude")
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     report = json.loads((tmp_path / "report.json").read_text())
     markdown = (tmp_path / "report.md").read_text()
@@ -90,7 +90,7 @@ def _sync_here() -> None:
 def test_host_syncs_are_counted_by_caller_and_the_mode_is_reset(monkeypatch):
     """The sync-debug section's counting, on CPU: torch's mode switch stood in for (a CPU build has
     no CUDA to watch), the warnings it emits made by hand."""
-    from vescale_zero.gpu_check import jobs
+    from vescale_zero.tools.gpu_check import jobs
 
     modes = []
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
@@ -117,7 +117,7 @@ def test_sanitizer_reports_are_collected_not_raised(monkeypatch):
     built with torch's own classes, so their fields are those of the installed torch."""
     import torch.cuda._sanitizer as csan
 
-    from vescale_zero.gpu_check import jobs
+    from vescale_zero.tools.gpu_check import jobs
 
     stack = traceback.extract_stack()  # outermost first, as the sanitizer keeps its stacks
     access = lambda kind, op, stream: csan.Access(kind, 1, stream, op, ["self"], False, stack)  # noqa: E731

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import vescale_zero as vz
 from tests.distributed import run_on_ranks
 from tests.models import AwkwardLM, make_batches, rank_slice
-from vescale_zero.fully_shard import groups_of
+from vescale_zero.api.fully_shard import groups_of
 
 MICRO, LOCAL_MICRO_BATCH = 32, 2
 BF16 = vz.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -300,8 +300,8 @@ def _accumulation_memory(model, rank: int, world_size: int) -> tuple:
     """``(peak, held)`` live tensor bytes of the third step of 4 micro-batches (3 without sync):
     the step's peak over what was alive before it, and what the window holds after the third
     backward without sync (the accumulated gradients: nothing else outlives a backward)."""
+    from devtools.live_bytes import LiveBytes
     from tests.test_grad_memory import _batches
-    from vescale_zero.testing.live_bytes import LiveBytes
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     accum = 4
@@ -326,7 +326,7 @@ def _accumulation_memory(model, rank: int, world_size: int) -> tuple:
 
 def _memory_vs_fsdp2(rank: int, world_size: int) -> Dict[str, object]:
     from tests.test_grad_memory import _fsdp2_model, _vescale_model
-    from vescale_zero.collectives import set_reduce_scatter_impl
+    from vescale_zero.primitives.collectives import set_reduce_scatter_impl
 
     set_reduce_scatter_impl("native")  # the like-for-like setting on gloo (test_grad_memory)
     model = _vescale_model(mp=True)

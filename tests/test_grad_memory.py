@@ -22,11 +22,11 @@ import torch.distributed as dist
 from torch import nn
 
 import vescale_zero as vz
+from devtools.live_bytes import LiveBytes
 from tests.distributed import run_cases_on_ranks
-from vescale_zero.collectives import set_reduce_scatter_impl
-from vescale_zero.fully_shard import groups_of
+from vescale_zero.api.fully_shard import groups_of
+from vescale_zero.primitives.collectives import set_reduce_scatter_impl
 from vescale_zero.testing import GPT, GPTConfig, SyntheticCorpus
-from vescale_zero.testing.live_bytes import LiveBytes
 
 CFG = GPTConfig(vocab_size=128, seq_len=16, d_model=64, n_layers=3, n_heads=2)
 LOCAL_BATCH = 4

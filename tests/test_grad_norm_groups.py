@@ -1,6 +1,6 @@
 """The core global gradient norm over groups sharded on different process groups (MoE:
 experts over the expert-data-parallel group, the rest over the data-parallel group):
-vescale_zero/clip_grad.py [Note: several process groups]."""
+vescale_zero/api/clip_grad.py [Note: several process groups]."""
 
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ import warnings
 import pytest
 import torch
 
-from vescale_zero.cli import main
-from vescale_zero.granularity import resolve_granularities
+from vescale_zero.primitives.granularity import resolve_granularities
+from vescale_zero.tools.cli import main
 
 PARAMS = [("w8", torch.empty(8, 4)), ("w9", torch.empty(9, 4)), ("w2", torch.empty(2, 4)), ("b7", torch.empty(7))]
 

@@ -1,5 +1,5 @@
 """The host functions the adapters patch still have the signatures the patches were written
-for (integrations/host_patches.py [Note: host patches]), and every patch site names its
+for (vescale_zero/host_patches.py [Note: host patches]), and every patch site names its
 entry there with the version it was checked against."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import re
 import subprocess
 import sys
 
-from vescale_zero.integrations.host_patches import HOST_PATCHES, HOST_VERSIONS
+from vescale_zero.host_patches import HOST_PATCHES, HOST_VERSIONS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SITE = re.compile(r"#\s*host patch (\S+): checked against (\S+) (\S+)")
@@ -90,7 +90,7 @@ def test_patched_host_functions_keep_the_signatures_the_patches_were_written_for
             problems.append(f"{where}: signature changed\n    expected {patch.signature}\n    found    {got}")
         checked += 1
     assert not problems, ("host functions patched by vescale_zero.integrations changed; re-read each patch against "
-                          "the installed version, then update integrations/host_patches.py and the patch site:\n"
+                          "the installed version, then update vescale_zero/host_patches.py and the patch site:\n"
                           + "\n".join(problems))
     assert checked >= 17, checked  # DeepSpeed, accelerate, transformers and megatron-core are in the test extra
 

@@ -47,12 +47,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import vescale_zero as vz
-from vescale_zero.fully_shard import groups_of
+from tests.comm_spy import CommSpy
+from tests.distributed import run_on_ranks
+from tests.models import AwkwardLM, make_batches, rank_slice
+from vescale_zero.api.fully_shard import groups_of
 from vescale_zero.optim import AdamW8bit, Muon, Shampoo
-
-from .comm_spy import CommSpy
-from .distributed import run_on_ranks
-from .models import AwkwardLM, make_batches, rank_slice
 
 WORLD, REPLICAS, SHARD = 4, 2, 2
 STEPS, ACCUM, CLIP, LR = 3, 2, 0.05, 1e-2

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.distributed import run_cases_on_ranks
-from vescale_zero.layer_discovery import find_layer_classes
+from vescale_zero.api.layer_discovery import find_layer_classes
 from vescale_zero.testing.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=3, n_heads=2)

@@ -44,7 +44,7 @@ STEPS = 3
 @contextlib.contextmanager
 def _dispatch_path():
     """torch's functionals as torch ships them: every op of a step meets the ragged dispatch."""
-    from vescale_zero.local_optim_steps import wrapped_functionals
+    from vescale_zero.api.local_optim_steps import wrapped_functionals
 
     saved = []
     for name in wrapped_functionals():
@@ -61,7 +61,7 @@ def _dispatch_path():
 
 @contextlib.contextmanager
 def _count_dispatches(counter: list):
-    from vescale_zero.ragged_tensor import RaggedDTensor
+    from vescale_zero.primitives.ragged_tensor import RaggedDTensor
 
     original = RaggedDTensor.__dict__["__torch_dispatch__"]
 
@@ -78,7 +78,7 @@ def _count_dispatches(counter: list):
 
 def _steps(rank: int, world: int) -> dict:
     import vescale_zero as vz
-    from vescale_zero.ragged_tensor import RaggedDTensor, like_param, local_piece
+    from vescale_zero.primitives.ragged_tensor import RaggedDTensor, like_param, local_piece
 
     torch.manual_seed(0)
     model = vz.fully_shard(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3)))

@@ -1,4 +1,4 @@
-"""vescale_zero/loss_scaling.py: the one fp16 unscale + overflow check every adapter calls
+"""integrations/loss_scaling.py: the one fp16 unscale + overflow check every adapter calls
 (DeepSpeed engine's fp16 step, Megatron optimizer's prepare_grads)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import torch
 
 from tests.distributed import run_on_ranks
 from tests.sync_spy import record_host_syncs
-from vescale_zero.loss_scaling import unscale_and_find_inf
+from vescale_zero.integrations.loss_scaling import unscale_and_find_inf
 
 SCALE = 1024.0
 

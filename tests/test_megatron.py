@@ -58,7 +58,7 @@ def _megatron_job(argv: List[str]) -> Iterator[tuple]:
     """One rank of ``examples/megatron/pretrain_gpt.py`` on CPU: the test-only CUDA shim,
     the example's parsed ``argv`` and Megatron's process groups (torn down on exit);
     yields ``(pretrain_gpt module, args)``."""
-    from tests.megatron_shim import install_cuda_shim
+    from devtools.megatron_shim import install_cuda_shim
 
     install_cuda_shim()
     from megatron.core import parallel_state
@@ -144,8 +144,8 @@ def _first_grads_within(ours: Dict[str, torch.Tensor], ref: Dict[str, torch.Tens
 def _train_both(rank: int, world_size: int, argv: List[str]) -> Dict:
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
-    from tests.megatron_shim import MegatronFP32Step, install_cuda_shim
-    from vescale_zero.job_timeout import group_timeout
+    from devtools.megatron_shim import MegatronFP32Step, install_cuda_shim
+    from vescale_zero.runtime.job_timeout import group_timeout
 
     install_cuda_shim()
     from megatron.core import parallel_state
@@ -350,7 +350,7 @@ def _our_grads(model) -> Dict[str, torch.Tensor]:
     so the sum is exact). Collective."""
     import torch.distributed as dist
 
-    from vescale_zero.state_dict import sharded_params_by_key
+    from vescale_zero.api.state_dict import sharded_params_by_key
 
     pg_of = {id(sp): g.process_group for g in model.vescale_groups for sp in g.sharded_params}
     out = {}
@@ -386,7 +386,7 @@ def _both_recorded(pg, argv: List[str]) -> Dict[str, tuple]:
     """megatron-core DDP + Megatron's FP32 step, then VeScaleFSDP + VeScaleOptimizer, on
     ``argv``: ``{"ddp"|"ours": (losses, recorded steps), "noted": DDP's first-step local sums
     (:func:`_noting_local_sums`)}``."""
-    from tests.megatron_shim import MegatronFP32Step
+    from devtools.megatron_shim import MegatronFP32Step
 
     args = pg.build_parser().parse_args(argv)
     args.use_vescale_fsdp = False
@@ -666,9 +666,9 @@ def test_optimizer_offload_settings():
     from vescale_zero.integrations.megatron.optimizer_offload import groups_to_offload
 
     assert optimizer_offload(Namespace(optimizer_cpu_offload=False, optimizer_offload_fraction=1.0)) is None
-    from vescale_zero.integrations.megatron import arguments
+    from vescale_zero.integrations.megatron import notices
 
-    arguments._WARNED.difference_update({"--optimizer-offload-fraction", "--no-pin-cpu-grads"})  # said once a process
+    notices._WARNED.difference_update({"--optimizer-offload-fraction", "--no-pin-cpu-grads"})  # said once a process
     with pytest.warns(UserWarning, match="offloads nothing"):
         assert optimizer_offload(OptimizerConfig(optimizer_cpu_offload=True)) is None  # fraction 0.0 by default
     assert optimizer_offload(OptimizerConfig(optimizer_cpu_offload=True, optimizer_offload_fraction=0.5)) == \
@@ -687,7 +687,7 @@ def test_optimizer_offload_settings():
 
 
 def _resume_and_interchange(rank: int, world_size: int, argv: List[str], ckpt_dir: str) -> Dict:
-    from tests.megatron_shim import MegatronFP32Step
+    from devtools.megatron_shim import MegatronFP32Step
     from vescale_zero import checkpoint
 
     with _megatron_job(argv) as (pg, args):
@@ -739,7 +739,7 @@ def test_checkpoint_resume_and_ddp_state_dict_interchange(tmp_path):
 
 
 def _bad_inputs(rank: int, world_size: int) -> Dict[str, str]:
-    from tests.megatron_shim import install_cuda_shim
+    from devtools.megatron_shim import install_cuda_shim
 
     install_cuda_shim()
     from megatron.core.distributed import DistributedDataParallelConfig
@@ -853,10 +853,10 @@ def _bf16_accumulation(rank: int, world_size: int, argv: List[str]) -> Dict:
     ours gathered from the sharded ``main_grad``), ``sum over ranks of |R_r|`` (``R_r`` a rank's
     fp32 sum of its micro-gradients, read from DDP's buffer before its all-reduce), and the
     fp32 masters after the last step."""
-    from tests.megatron_shim import install_cuda_shim, megatron_optimizer_on_cpu
+    from devtools.megatron_shim import install_cuda_shim, megatron_optimizer_on_cpu
 
     install_cuda_shim()
-    from vescale_zero.param_group import slot_of
+    from vescale_zero.runtime.param_group import slot_of
 
     with _megatron_job(argv) as (pg, args):
         args.use_vescale_fsdp = False
@@ -962,7 +962,7 @@ def _megatron_lm_switch(rank: int, world_size: int, save_dir: str) -> Dict[str, 
     """Megatron-LM's ``megatron.training.training`` stood in for by its names."""
     import argparse
 
-    from tests.megatron_shim import install_cuda_shim
+    from devtools.megatron_shim import install_cuda_shim
 
     install_cuda_shim()
     import torch.distributed as dist
@@ -1106,7 +1106,7 @@ def _as_megatron_scheduler_sets(optimizer, config) -> None:
 def _megatron_writes_dist_checkpoint(rank: int, world_size: int, argv: List[str], ckpt: str) -> Dict:
     """megatron-core DDP + Megatron's own optimizer, 2 steps, saved as Megatron-LM saves
     torch_dist, then a third step: ``{"losses", "final" (this rank's state dict)}``."""
-    from tests.megatron_shim import install_cuda_shim, megatron_optimizer_on_cpu
+    from devtools.megatron_shim import install_cuda_shim, megatron_optimizer_on_cpu
 
     install_cuda_shim()
     from megatron.core import dist_checkpointing
@@ -1163,7 +1163,7 @@ def _converted_compared(pg, args, converted: str, loaded: Dict[str, torch.Tensor
     that every trained parameter has state); and whether it consolidates (rank 0) to the
     same plain state dict: ``(weights, state or keys, step, same keys, consolidated)``."""
     from vescale_zero import checkpoint
-    from vescale_zero.state_dict import full_optimizer_state
+    from vescale_zero.api.state_dict import full_optimizer_state
 
     fresh, fresh_opt, _ = pg.build(args)
     checkpoint.load(converted, fresh, fresh_opt)
@@ -1183,7 +1183,7 @@ def _converted_moe_at_ep1(rank: int, world_size: int, argv: List[str], ckpt: str
     """At ep1 (where Megatron keeps one optimizer, so an ep2 checkpoint's chained optimizer
     state does not load), the converted checkpoint against the source's weights loaded
     online."""
-    from tests.megatron_shim import install_cuda_shim
+    from devtools.megatron_shim import install_cuda_shim
 
     install_cuda_shim()
     from megatron.core import dist_checkpointing
@@ -1205,12 +1205,12 @@ def _resume_from_megatron(rank: int, world_size: int, argv: List[str], ckpt: str
     torch_dist and megatron-core DDP + its Adam loads it. ``saved_by_tp`` (a checkpoint ours
     wrote, :func:`_vescale_writes_dist_checkpoint`, by TP rank): also how far the loaded
     weights and Adam state are from what was saved, and the step from the uninterrupted run's."""
-    from tests.megatron_shim import install_cuda_shim, megatron_optimizer_on_cpu
+    from devtools.megatron_shim import install_cuda_shim, megatron_optimizer_on_cpu
 
     install_cuda_shim()
     from megatron.core import dist_checkpointing
 
-    from vescale_zero.state_dict import full_optimizer_state
+    from vescale_zero.api.state_dict import full_optimizer_state
 
     with _megatron_job(argv) as (pg, args):
         distributed = args.use_distributed_optimizer
@@ -1297,7 +1297,7 @@ def _vescale_writes_dist_checkpoint(rank: int, world_size: int, argv: List[str],
     here, for the comparison) and the final weights."""
     from megatron.core import dist_checkpointing, parallel_state
 
-    from vescale_zero.state_dict import full_optimizer_state
+    from vescale_zero.api.state_dict import full_optimizer_state
 
     with _megatron_job(argv) as (pg, args):
         args.use_vescale_fsdp, args.train_iters = True, 2
@@ -1343,7 +1343,7 @@ def megatron_dist_checkpoints(tmp_path_factory) -> Dict[str, Dict]:
     resume at 4 ranks and the tp2 load of the converted (tp1) checkpoint take one each.
     ``{case: {"paths": (ckpt, back, converted), "written", "resume", ...: per-rank
     results}}``; a run that fails names its case (``run_cases_on_ranks``)."""
-    from vescale_zero.checkpoint.sources import convert
+    from vescale_zero.tools.cli import convert
 
     root, out = tmp_path_factory.mktemp("megatron_dist_ckpt"), {}
     for case in list(DIST_CKPT_CASES) + list(VESCALE_SAVED_CASES):
@@ -1406,7 +1406,7 @@ def test_megatron_dist_checkpoint_resumes_in_vescale_fsdp_and_back(tmp_path, meg
     bound, the weights within one AdamW step. ``vescale-zero convert --from megatron``
     gives a checkpoint that loads to the same state. Ours then saves torch_dist and megatron-core
     DDP + its Adam loads it exactly (weights or masters, moments, step)."""
-    from vescale_zero.checkpoint.sources import convert
+    from vescale_zero.tools.cli import convert
 
     source, flags = DIST_CKPT_CASES[case]
     runs = megatron_dist_checkpoints[case]
@@ -1500,7 +1500,7 @@ def _converted_loads_at_tp2(rank: int, world_size: int, argv: List[str], convert
 
 def test_megatron_convert_refuses_what_it_cannot_read(tmp_path, capsys):
     """`vescale-zero convert --from megatron` names the problem and the fix, and writes nothing."""
-    from vescale_zero.cli import main
+    from vescale_zero.tools.cli import main
 
     legacy = tmp_path / "legacy"
     (legacy / "iter_0000005" / "mp_rank_00").mkdir(parents=True)  # Megatron-LM's --ckpt-format torch layout
@@ -1524,15 +1524,15 @@ def _megatron_lm_torch_dist(rank: int, world_size: int, save_dir: str, name: str
     import argparse
     import types
 
-    from tests.megatron_shim import install_cuda_shim
+    from devtools.megatron_shim import install_cuda_shim
 
     install_cuda_shim()
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core.distributed import DistributedDataParallelConfig
 
+    from vescale_zero.api.state_dict import full_optimizer_state
     from vescale_zero.integrations.megatron import add_vescale_fsdp_args, use_vescale_fsdp_in_megatron_lm
-    from vescale_zero.state_dict import full_optimizer_state
 
     training = types.ModuleType("megatron.training.training")
     path = os.path.join(save_dir, "iter_0000002")

@@ -68,8 +68,8 @@ def _materialise_peak(rank: int, world_size: int, argv: List[str]) -> Dict:
     """Live bytes while ``VeScaleFSDP`` shards and materialises a meta GPTModel."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
+    from devtools.live_bytes import LiveBytes
     from vescale_zero.integrations.megatron import VeScaleFSDP, data_parallel
-    from vescale_zero.testing.live_bytes import LiveBytes
 
     with _megatron_job(argv) as (pg, args):
         args.init_model_with_meta_device = True

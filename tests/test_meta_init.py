@@ -21,7 +21,7 @@ from torch import nn
 import vescale_zero as vz
 from tests.distributed import run_on_ranks
 from tests.models import SEQ, VOCAB, AwkwardBlock, AwkwardLM
-from vescale_zero.fully_shard import groups_of
+from vescale_zero.api.fully_shard import groups_of
 from vescale_zero.testing.gpt import GPT, GPTConfig
 
 GPT_CFG = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=16, n_layers=2, n_heads=2)

@@ -17,7 +17,7 @@ import vescale_zero as vz
 from tests.distributed import run_on_ranks
 from tests.models import AwkwardLM, assemble, local_pieces, make_batches, rank_slice, train_steps
 from tests.numerics import adam_divergence_bound
-from vescale_zero.fully_shard import groups_of
+from vescale_zero.api.fully_shard import groups_of
 
 STEPS, GLOBAL_BATCH = 6, 12
 BF16 = vz.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -10,7 +10,7 @@ only in summation order (gloo's reduce-scatter against ours), which AdamW's norm
 turns into at most ``adam_divergence_bound`` (tests/numerics.py).
 
 On a CPU the host is the device: what differs is which *buffers* hold what, which the
-buffer-placement case proves by data pointers (vescale_zero.offload's diagram).
+buffer-placement case proves by data pointers (vescale_zero.runtime.offload's diagram).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import vescale_zero as vz
 from tests.distributed import run_cases_on_ranks
 from tests.models import AwkwardLM, assemble, local_pieces, make_batches, rank_slice
 from tests.numerics import adam_divergence_bound
-from vescale_zero.fully_shard import groups_of
+from vescale_zero.api.fully_shard import groups_of
 from vescale_zero.optim.adamw8bit import AdamW8bit
 from vescale_zero.optim.muon import Muon
 
@@ -270,7 +270,7 @@ def test_offloaded_checkpoints_move_to_and_from_offload(runs):
 
 def test_offload_policy_is_checked():
     """torch's OffloadPolicy() means no offload; anything else is refused naming what is taken."""
-    from vescale_zero.offload import HostOffload, resolve_offload_policy
+    from vescale_zero.runtime.offload import HostOffload, resolve_offload_policy
     assert resolve_offload_policy(None) is None and resolve_offload_policy(OffloadPolicy()) is None
     assert resolve_offload_policy(CPUOffloadPolicy(pin_memory=False)) == HostOffload(pin_memory=False)
     assert not HostOffload(pin_memory=True).pins(torch.device("cpu"))  # nothing to pin for on a CPU

@@ -12,7 +12,7 @@ import vescale_zero as vz
 from tests.distributed import run_on_ranks
 from tests.models import AwkwardLM, local_pieces, make_batches, rank_slice
 from vescale_zero.optim import AdamW8bit
-from vescale_zero.quantization import dequantize_blockwise, dynamic_map, quantize_blockwise
+from vescale_zero.primitives.quantization import dequantize_blockwise, dynamic_map, quantize_blockwise
 
 BLOCK = 13  # divides most of AwkwardLM's tensors into several blocks; others stay whole
 
@@ -77,7 +77,7 @@ def _split_blocks(rank, world_size):
 
 def test_a_block_split_across_ranks_is_refused():
     messages = run_on_ranks(_split_blocks, 3)
-    # every rank refuses alike (optim/layout.py), not only those whose own piece splits a block
+    # every rank refuses alike (optim/state_layout.py), not only those whose own piece splits a block
     assert all(messages) and len(set(messages)) == 1, messages
     assert "would be split across ranks" in messages[0] and "AdamW8bit.granularity(13)" in messages[0]
 
@@ -211,7 +211,7 @@ def test_state_of_the_linear_format_is_refused():
 
 def _nearest_reference_quantizer(code, blocksize):
     """A nearest-value block quantizer written from the definition (argmin over the 256 map
-    values), independent of vescale_zero.quantization, in bitsandbytes' kernel's signature."""
+    values), independent of vescale_zero.primitives.quantization, in bitsandbytes' kernel's signature."""
 
     def quantize(a, _code, absmax_out, out_uint8, _blocksize):
         assert _blocksize == blocksize

@@ -62,7 +62,7 @@ def _split(rank, world_size):
 
 def test_bad_input_is_refused_with_the_fix():
     messages = run_on_ranks(_split, 3)
-    assert all(messages) and len(set(messages)) == 1, messages  # every rank alike (optim/layout.py)
+    assert all(messages) and len(set(messages)) == 1, messages  # every rank alike (optim/state_layout.py)
     assert "would be split across ranks" in messages[0] and f"Shampoo.granularity({BLOCK})" in messages[0]
     with pytest.raises(ValueError, match="update_freq"):
         Shampoo([torch.nn.Parameter(torch.ones(2, 2))], update_freq=0)

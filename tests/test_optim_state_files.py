@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 
 import vescale_zero as vz
+from devtools.live_bytes import LiveBytes
 from tests.distributed import run_cases_on_ranks
 from tests.models import AwkwardLM, local_pieces, make_batches, rank_slice
 from vescale_zero.optim import AdamW8bit, StateFileError, offload_state_to_files
-from vescale_zero.ragged_tensor import local_piece
-from vescale_zero.testing.live_bytes import LiveBytes
+from vescale_zero.primitives.ragged_tensor import local_piece
 
 BLOCK = 13  # AdamW8bit's block: several per AwkwardLM tensor (as tests/test_optim_8bit.py)
 

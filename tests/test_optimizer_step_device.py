@@ -3,7 +3,7 @@
 torch's fused and capturable AdamW read ``step`` on the parameter's device (fp32) and refuse a
 CPU step for parameters on an accelerator; both loaders (``checkpoint.load`` and
 ``load_full_optimizer_state``) place it as torch does ([Note: where the step lives],
-vescale_zero/state_dict.py). On our CPU machines the parameter's device *is* the CPU, so the
+vescale_zero/api/state_dict.py). On our CPU machines the parameter's device *is* the CPU, so the
 runs below check the values (save, load, step == the uninterrupted run) and the placement
 policy is compared with torch's own for a parameter on another device (``meta``).
 """
@@ -17,7 +17,7 @@ import vescale_zero as vz
 from tests.distributed import run_cases_on_ranks
 from tests.models import AwkwardLM, local_pieces, make_batches, rank_slice
 from vescale_zero import checkpoint
-from vescale_zero.state_dict import (
+from vescale_zero.api.state_dict import (
     full_optimizer_state,
     full_state_dict,
     load_full_optimizer_state,

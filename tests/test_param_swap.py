@@ -1,14 +1,14 @@
 """The core helpers the adapters share to put other parameter objects in a module's places
-for a while (vescale_zero/param_swap.py) and to carry a parameter's attributes onto them
-(vescale_zero/param_attributes.py)."""
+for a while (vescale_zero/api/param_swap.py) and to carry a parameter's attributes onto them
+(vescale_zero/runtime/param_attributes.py)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from vescale_zero.param_attributes import copy_parameter_attributes
-from vescale_zero.param_swap import put_parameters, replace_parameters
+from vescale_zero.api.param_swap import put_parameters, replace_parameters
+from vescale_zero.runtime.param_attributes import copy_parameter_attributes
 
 
 def test_replaced_by_identity_tied_once_and_put_back():

@@ -11,8 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vescale_zero.model_shapes import MODEL_NAMES, fsdp2_padding, granularity, group_specs, layer_groups, zero3_padding
-from vescale_zero.planner import (
+from vescale_zero.primitives.planner import (
     MODEL_ORDER,
     SEARCH_ABOVE_BOUND,
     ShardPlan,
@@ -20,6 +19,14 @@ from vescale_zero.planner import (
     _alternative_orders,
     plan,
     shard_lower_bound,
+)
+from vescale_zero.tools.model_shapes import (
+    MODEL_NAMES,
+    fsdp2_padding,
+    granularity,
+    group_specs,
+    layer_groups,
+    zero3_padding,
 )
 
 

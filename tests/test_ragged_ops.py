@@ -22,7 +22,7 @@ def _refusal(fn) -> str:
 
 def _ops(rank: int, world: int) -> dict:
     import vescale_zero as vz
-    from vescale_zero.ragged_tensor import RaggedDTensor, local_piece
+    from vescale_zero.primitives.ragged_tensor import RaggedDTensor, local_piece
 
     torch.manual_seed(0)
     model = vz.fully_shard(nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 3)))

@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 from torch import nn
 
-import vescale_zero.report as report
-from vescale_zero.model_shapes import group_specs, layer_groups
-from vescale_zero.planner import MODEL_ORDER, plan
+import vescale_zero.api.report as report
+from vescale_zero.primitives.planner import MODEL_ORDER, plan
+from vescale_zero.tools.model_shapes import group_specs, layer_groups
 
 
 def test_report_counts_the_groups_laid_out_in_another_order(monkeypatch):

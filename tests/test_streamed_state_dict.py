@@ -22,7 +22,7 @@ import vescale_zero as vz
 from tests.distributed import run_on_ranks
 from tests.memory import TransientBytes
 from tests.models import AwkwardLM, local_pieces
-from vescale_zero.fully_shard import groups_of
+from vescale_zero.api.fully_shard import groups_of
 
 N_BLOCKS = 4
 OPTIONS = [(False, False), (False, True), (True, False), (True, True)]  # (rank0_only, cpu_offload)
@@ -201,7 +201,7 @@ def test_flat_range_boxes_tile_the_range():
     covering exactly ``[start, end)``, for every range of a few shapes."""
     import math
 
-    from vescale_zero.state_dict import flat_range_boxes
+    from vescale_zero.api.state_dict import flat_range_boxes
 
     assert flat_range_boxes((4, 5), 7, 18) == [((1, 2), (1, 3), 7), ((2, 0), (1, 5), 10), ((3, 0), (1, 3), 15)]
     assert flat_range_boxes((), 0, 1) == [((), (), 0)] and flat_range_boxes((3, 2), 4, 4) == []

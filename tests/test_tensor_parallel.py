@@ -44,12 +44,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 import vescale_zero as vz
-from vescale_zero.clip_grad import sharded_grad_norm
-from vescale_zero.granularity import row_numel
+from tests.distributed import run_cases_on_ranks
+from tests.test_hsdp import _expect_error
+from vescale_zero.api.clip_grad import sharded_grad_norm
 from vescale_zero.optim import Muon
-
-from .distributed import run_cases_on_ranks
-from .test_hsdp import _expect_error
+from vescale_zero.primitives.granularity import row_numel
 
 VOCAB, DIM, HIDDEN, SEQ = 38, 13, 22, 6  # tp = 2 splits VOCAB, HIDDEN and SEQ; dp = 2 splits TP-local pieces unevenly
 BATCH, STEPS, LR, CLIP = 8, 3, 1e-2, 0.5

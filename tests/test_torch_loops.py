@@ -36,9 +36,9 @@ from torch import nn
 import vescale_zero as vz
 from tests.distributed import run_cases_on_ranks
 from tests.models import AwkwardBlock, AwkwardLM, local_pieces, make_batches, rank_slice
-from vescale_zero.gathered import is_sharded_param
-from vescale_zero.param_group import GroupState, ParamGroup
-from vescale_zero.runtime import in_backward_pass
+from vescale_zero.api.full_parameters import is_sharded_param
+from vescale_zero.runtime.hooks import in_backward_pass
+from vescale_zero.runtime.param_group import GroupState, ParamGroup
 
 GLOBAL_BATCH = 12  # splits evenly over 2 and 3 ranks
 TOL = 1e-6

@@ -23,7 +23,7 @@ import vescale_zero as vz
 from tests.distributed import run_on_ranks
 from tests.models import assemble, local_pieces, record_reduce_scatters, train_steps
 from tests.numerics import adam_divergence_bound, assert_reduced_like, full_grads, local_reference
-from vescale_zero.fully_shard import groups_of
+from vescale_zero.api.fully_shard import groups_of
 
 VOCAB, DIM, EXPERTS, SEQ, STEPS, PER_RANK = 30, 12, 3, 4, 3, 4
 

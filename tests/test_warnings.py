@@ -115,7 +115,7 @@ def test_sharded_and_deepspeed_steps_raise_no_deprecation_warning_of_ours(tmp_pa
 
 def test_the_recorder_sees_a_deprecated_torch_call_made_by_our_code(monkeypatch):
     """The guard itself: a deprecated torch collective called from a module of ours is caught."""
-    import vescale_zero.collectives as collectives
+    import vescale_zero.primitives.collectives as collectives
 
     if getattr(torch.distributed.all_gather_into_tensor, "__deprecated__", None) is None:  # 2.11, 2.12, 2.15
         pytest.skip("this torch does not deprecate all_gather_into_tensor: no deprecated collective to call")

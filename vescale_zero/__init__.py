@@ -1,11 +1,9 @@
 """vescale-zero: RaggedShard FSDP with a structure-aware planner and zero-copy DBuffer."""
 
 from . import checkpoint  # the subpackage: vz.checkpoint.save(...)
-from .clip_grad import clip_grad_norm_, clip_grads_with_norm_, sharded_grad_norm
-from .dbuffer import DBuffer
-from .dtensor_interop import install_dtensor_interop
-from .fill import fill_group_by_group
-from .fully_shard import (
+from .api.clip_grad import clip_grad_norm_, clip_grads_with_norm_, sharded_grad_norm
+from .api.full_parameters import fill_group_by_group, gathered_parameters
+from .api.fully_shard import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
     OffloadPolicy,
@@ -14,15 +12,16 @@ from .fully_shard import (
     fully_shard_layers,
     sharded_counterpart,
 )
-from .gathered import gathered_parameters
-from .granularity import preset_granularity, resolve_granularities
-from .materialize import materialize
-from .nonfinite import NonFiniteStepSkipper, skip_nonfinite_steps
-from .placement import RaggedShard
-from .planner import ShardPlan, TensorSpec, plan
-from .ragged_tensor import RaggedDTensor, local_piece
-from .report import ShardingReport, reset_comm_stats, sharding_report
-from .state_dict import full_state_dict, load_full_state_dict
+from .api.materialize import materialize
+from .api.nonfinite import NonFiniteStepSkipper, skip_nonfinite_steps
+from .api.report import ShardingReport, reset_comm_stats, sharding_report
+from .api.state_dict import full_state_dict, load_full_state_dict
+from .primitives.dbuffer import DBuffer
+from .primitives.dtensor_interop import install_dtensor_interop
+from .primitives.granularity import preset_granularity, resolve_granularities
+from .primitives.placement import RaggedShard
+from .primitives.planner import ShardPlan, TensorSpec, plan
+from .primitives.ragged_tensor import RaggedDTensor, local_piece
 
 __version__ = "0.1.0"
 

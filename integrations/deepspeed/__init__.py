@@ -32,6 +32,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 import deepspeed
 
 from .accelerate_stage import present_ragged_as_zero3_to_transformers, present_ragged_plugins_as_zero3
+from .checkpoint_conversion import from_deepspeed
 from .config import RAGGED_STAGE, RaggedOptions, apply_top_level_keys, parse_precision, parse_ragged_section
 from .engine import RaggedDeepSpeedEngine, RaggedPipelineEngine, RaggedPrecision
 from .offload import stage0_offload_keys
@@ -41,7 +42,7 @@ from .safe_accessors import install_safe_accessors
 from .zero_init import partitioned_for_ragged
 
 __all__ = ["RaggedDeepSpeedEngine", "RaggedPipelineEngine", "RaggedOptions", "RaggedZeroConfig", "is_ragged_config",
-           "split_ragged_config", "initialize"]
+           "split_ragged_config", "initialize", "from_deepspeed"]
 
 _original_initialize = getattr(deepspeed.initialize, "__wrapped__", deepspeed.initialize)
 

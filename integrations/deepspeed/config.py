@@ -153,7 +153,7 @@ class RaggedOptions(BaseModel):
     """Block size policy: 'element', 'row', '<N>rows', an int, or {parameter name: int | preset}."""
     sharded_modules: Optional[List[str]] = None
     """Class names of the modules that form one group each (e.g. ["GPTBlock"]); default: the
-    model's layers (vescale_zero.layer_discovery [Note: finding the layers])."""
+    model's layers (vescale_zero.api.layer_discovery [Note: finding the layers])."""
     reshard_after_forward: bool = True
     prefetch: bool = True
     reduce_dtype: Optional[Literal["fp32", "float32", "bf16", "bfloat16", "fp16", "float16"]] = None

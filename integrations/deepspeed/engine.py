@@ -45,18 +45,14 @@ from deepspeed.utils.torch import is_functorch_transforming
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import vescale_zero as vz
-from vescale_zero import checkpoint
-from vescale_zero.checkpoint.convert import is_deepspeed_checkpoint
-from vescale_zero.comm_device import collective_device
-from vescale_zero.fully_shard import HSDP_DIM_NAMES, groups_of
-from vescale_zero.group_progress import GroupState
-from vescale_zero.loss_scaling import unscale_and_find_inf
+from vescale_zero import checkpoint, local_piece
+from vescale_zero.hosts import HSDP_DIM_NAMES, GroupState, StateOffloader, collective_device, groups_of
+from vescale_zero.integrations.loss_scaling import unscale_and_find_inf
 from vescale_zero.optim import AdamW8bit, Muon, Shampoo
-from vescale_zero.ragged_tensor import local_piece
-from vescale_zero.state_offload import StateOffloader
 from vescale_zero.torch_compat import queue_backward_callback
 
 from .accelerate_stage import present_ragged_stage_to_accelerate
+from .checkpoint_conversion import is_deepspeed_checkpoint
 from .config import RaggedOptions
 from .module_hooks import RaggedModuleHooks
 from .nvme_offload import offload_optimizer_to_nvme
@@ -390,7 +386,7 @@ class RaggedEngineMixin:
         states named in ``include`` (default all) to host memory, as ZeRO-3 does.
 
         [Note: offload_states under ragged] What each of DeepSpeed's state kinds is here (moved
-        in place: vescale_zero.state_offload [Note: offloading states in place])::
+        in place: vescale_zero.runtime.state_offload [Note: offloading states in place])::
 
             OffloadStateTypeEnum     ZeRO-3's                          ragged's
             hp_params                fp32 partitions                   every group's master shard

@@ -11,7 +11,7 @@ parameter's ``ds_active_sub_modules``, calls ``.remove()`` on ``forward_hooks`` 
 ``_register_deepspeed_module(module)``). "ragged" reports stage 3, so TRL takes that path.
 Ours keeps no hook state per parameter (``module`` below lists none); the one "forward hook"
 is the whole model's: removing it holds the full parameters (one all-gather per group, the
-hooks paused: vescale_zero.runtime [Note: full parameters held]) and re-registering releases
+hooks paused: vescale_zero.runtime.hooks [Note: full parameters held]) and re-registering releases
 them, so generation gathers nothing per token.
 """
 

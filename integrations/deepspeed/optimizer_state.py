@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from vescale_zero.ragged_tensor import local_piece
-from vescale_zero.state_dict import restored_step
+from vescale_zero import local_piece
+from vescale_zero.hosts import restored_step
 
 __all__ = ["as_the_optimizer_keeps_it"]
 

@@ -25,7 +25,7 @@ section into ZeRO's pydantic model (``stage`` 0-3, unknown keys forbidden) in on
   options contradicting ragged sharding (its own offload, pinned memory, quantized weights, hpZ)
   are refused by name. ``deepspeed.initialize`` converts the partitions group by group
   ([Note: zero.Init under ragged] in :mod:`.zero_init`). ``deepspeed.zero.GatheredParameters``
-  is widened to our sharded parameters (``vescale_zero.gathered``);
+  is widened to our sharded parameters (``vescale_zero.api.full_parameters``);
 * DeepSpeed's own engine given a ragged config (``deepspeed.initialize`` bound before our
   import, e.g. ``from deepspeed import initialize``) would train unsharded: refused.
 

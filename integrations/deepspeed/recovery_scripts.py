@@ -30,7 +30,7 @@ import stat
 
 import torch
 
-from vescale_zero.checkpoint.format import refuse
+from vescale_zero.hosts import refuse
 
 from . import zero_to_fp32
 

@@ -38,9 +38,8 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from vescale_zero.group_progress import GroupState
-from vescale_zero.param_group import slot_of
-from vescale_zero.ragged_tensor import is_ragged, local_piece
+from vescale_zero import local_piece
+from vescale_zero.hosts import GroupState, is_ragged, slot_of
 
 __all__ = ["attach_optimizer", "install_safe_accessors"]
 

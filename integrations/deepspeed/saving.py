@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vescale_zero.fully_shard import groups_of
-from vescale_zero.state_dict import full_state_dict
+from vescale_zero import full_state_dict
+from vescale_zero.hosts import groups_of
 
 __all__ = ["consolidated_state_dict", "install_save_hooks", "is_ragged_sharded"]
 

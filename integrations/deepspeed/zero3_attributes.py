@@ -33,7 +33,7 @@ from __future__ import annotations
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from torch import nn
 
-from vescale_zero.fully_shard import groups_of
+from vescale_zero.hosts import groups_of
 
 __all__ = ["answer_zero3_attributes", "ANSWERED"]
 

@@ -15,7 +15,7 @@ the whole model on a rank:
      partitioned), which DeepSpeed's engine has already broadcast from rank 0, as ZeRO-3
      partitions such parameters from rank 0's values;
   2. the engine applies ``fully_shard`` to the meta model (planned, no storage);
-  3. :func:`fill_from_zero3` fills our shards group by group (``vescale_zero.fill``): one
+  3. :func:`fill_from_zero3` fills our shards group by group (``vescale_zero.api.full_parameters``): one
      group's ZeRO-3 parameters are gathered by DeepSpeed's own all-gather, this rank's
      ranges copied, then their ZeRO-3 shards are released and their ``ds_*`` attributes
      and methods removed, so nothing of ZeRO-3 remains (a ZeRO-3 parameter the caller
@@ -26,7 +26,7 @@ one group's full tensors.
 
 Options of ``zero.Init`` that contradict that design are refused (see
 :func:`check_zero_init_options`). ``GatheredParameters`` over our sharded parameters
-follows ``vescale_zero.gathered``; over ZeRO-3 parameters it is DeepSpeed's own.
+follows ``vescale_zero.api.full_parameters``; over ZeRO-3 parameters it is DeepSpeed's own.
 """
 
 from __future__ import annotations
@@ -38,10 +38,8 @@ import torch
 from deepspeed.runtime.zero import partition_parameters
 from torch import nn
 
-from vescale_zero.fill import Owner, fill_group_by_group
-from vescale_zero.fully_shard import sharded_counterpart
-from vescale_zero.gathered import gathered_parameters
-from vescale_zero.param_attributes import copy_parameter_attributes
+from vescale_zero import fill_group_by_group, gathered_parameters, sharded_counterpart
+from vescale_zero.hosts import Owner, copy_parameter_attributes
 
 __all__ = ["check_zero_init_options", "zero3_to_meta", "fill_from_zero3", "GatheredParameters", "Zero3Sources",
            "RAGGED_PARTITION", "mark_ragged_partitions", "partitioned_for_ragged"]
@@ -176,7 +174,7 @@ def fill_from_zero3(module: nn.Module, sources: Zero3Sources) -> None:
 
 class GatheredParameters(partition_parameters.GatheredParameters):
     """``deepspeed.zero.GatheredParameters`` that also gathers our sharded parameters (see
-    ``vescale_zero.gathered``); ZeRO-3 parameters go to DeepSpeed's own, others are ignored."""
+    ``vescale_zero.api.full_parameters``); ZeRO-3 parameters go to DeepSpeed's own, others are ignored."""
 
     def __init__(self, params: Any, modifier_rank: Any = None, fwd_module: Any = None, enabled: bool = True) -> None:
         listed = [params] if isinstance(params, torch.Tensor) else list(params) if params is not None else []

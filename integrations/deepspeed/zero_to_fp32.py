@@ -29,7 +29,7 @@ import types
 from typing import Any, Callable, Dict, List, Optional
 
 from vescale_zero.checkpoint import consolidate
-from vescale_zero.checkpoint.format import METADATA_FILE
+from vescale_zero.hosts import METADATA_FILE
 
 __all__ = ["is_ragged_checkpoint", "ragged_reader", "host_converter", "main"]
 

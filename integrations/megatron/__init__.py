@@ -28,6 +28,7 @@ from .arguments import (
     vescale_optimizer_name,
     vescale_options_from_args,
 )
+from .checkpoint_conversion import from_megatron
 from .data_parallel import VeScaleFSDP, VeScaleFSDPOptions, check_supported, clash_message, params_l2_norm
 from .megatron_lm import use_vescale_fsdp_in_megatron_lm
 from .optimizer import SUPPORTED_OPTIMIZERS, VeScaleOptimizer, check_dist_checkpoint_optimizer, get_vescale_optimizer
@@ -51,4 +52,5 @@ __all__ = [
     "check_dist_checkpoint_optimizer",
     "OptimizerOffload",
     "optimizer_offload",
+    "from_megatron",
 ]

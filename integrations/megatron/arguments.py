@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import warnings
-from typing import Any, Callable, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
-import torch.distributed as dist
 
 from vescale_zero.optim import AdamW8bit, Muon, Shampoo
 
 from .data_parallel import VeScaleFSDPOptions, clash_message
+from .notices import warn_once
 from .optimizer_offload import optimizer_offload
 
 __all__ = [
@@ -126,19 +125,6 @@ def vescale_options_from_args(args: argparse.Namespace) -> VeScaleFSDPOptions:
     )
 
 
-_WARNED: Set[str] = set()
-
-
-def warn_once(flag: str, message: str) -> None:
-    """A ``UserWarning`` saying ``message``, once per process for ``flag``, on global rank 0
-    (every rank when torch.distributed is not initialised)."""
-    if flag in _WARNED:
-        return
-    _WARNED.add(flag)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        warnings.warn(message, UserWarning, stacklevel=3)
-
-
 _GROUPS = ("VeScaleFSDP's buckets are its groups (one flat buffer per transformer layer, one for the rest of the "
            "model), each reduce-scattered once per step")
 _NO_EFFECT: List[Tuple[str, str, Callable[[Any], bool], str]] = [
@@ -161,7 +147,7 @@ _NO_EFFECT: List[Tuple[str, str, Callable[[Any], bool], str]] = [
      "shards where they live, on the host, whichever optimizer class Megatron would pick"),
     ("--overlap-cpu-optimizer-d2h-h2d", "overlap_cpu_optimizer_d2h_h2d", bool,
      "under --optimizer-cpu-offload VeScaleFSDP copies each group's shard to the device on a copy stream of its own "
-     "and its reduced gradients back without waiting (vescale_zero.offload), always"),
+     "and its reduced gradients back without waiting (vescale_zero.runtime.offload), always"),
     ("--use-precision-aware-optimizer", "use_precision_aware_optimizer", bool,
      "VeScaleFSDP's sharded parameters are the fp32 master weights, updated in place by a torch optimizer whose "
      "states take their dtype (fp32); for lower-precision optimizer states use --vescale-optimizer adamw8bit"),

@@ -66,16 +66,19 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import nn
 
 import vescale_zero as vz
-from vescale_zero.checkpoint.format import CHECKPOINT_DOMAIN
-from vescale_zero.comm_device import collective_device
-from vescale_zero.eager_hooks import outside_compile
-from vescale_zero.fully_shard import groups_of
-from vescale_zero.granularity import GranularityPolicy
-from vescale_zero.job_timeout import carry_job_timeout
-from vescale_zero.param_attributes import copy_parameter_attributes
-from vescale_zero.param_group import ParamGroup
-from vescale_zero.param_swap import put_parameters, replace_parameters
-from vescale_zero.state_dict import full_state_dict, load_full_state_dict
+from vescale_zero import full_state_dict, load_full_state_dict
+from vescale_zero.hosts import (
+    CHECKPOINT_DOMAIN,
+    GranularityPolicy,
+    ParamGroup,
+    carry_job_timeout,
+    collective_device,
+    copy_parameter_attributes,
+    groups_of,
+    outside_compile,
+    put_parameters,
+    replace_parameters,
+)
 
 from .dist_checkpoint import SHARD_ONLY_ATTRIBUTES, STREAMING, checkpoint_parameters
 from .hsdp import check_outer_dp_sharding, data_parallel_meshes, ddp_process_groups, shard_group
@@ -139,7 +142,7 @@ def _expose_main_grad(param: nn.Parameter, view: torch.Tensor) -> None:
     Megatron's DDP points ``main_grad`` into its gradient buffer; here the full (unsharded)
     parameter gets the full-size view of its group's gradient buffer (reduce dtype: fp32 under
     --accumulate-allreduce-grads-in-fp32 or fp32 training), which is zeroed at the group's first
-    backward of the step and reduce-scattered as usual (vescale_zero.grad_reduce [Note:
+    backward of the step and reduce-scattered as usual (vescale_zero.runtime.grad_reduce [Note:
     gradients written into full during backward]); dummies are dropped, as DDP's hook drops them."""
     param.main_grad = view
     if not hasattr(param, "grad_added_to_main_grad"):
@@ -344,7 +347,7 @@ class VeScaleFSDP(_BaseDataParallel):
     def start_grad_sync(self, *unused: Any) -> None:
         """Nothing to start: with ``overlap_grad_reduce`` backward issues each group's
         reduce-scatter itself once the group's gradients are complete, in one order on every rank
-        (vescale_zero.runtime [Note: one order of reduce-scatters]); without it
+        (vescale_zero.runtime.hooks [Note: one order of reduce-scatters]); without it
         :meth:`finish_grad_sync` does."""
 
     def finish_grad_sync(self, force_all_reduce: Optional[bool] = False) -> None:
@@ -482,7 +485,7 @@ class VeScaleFSDP(_BaseDataParallel):
         gathered, instead of its shards: what Megatron's ``torch_dist`` load fills (a save
         needs none: :meth:`sharded_state_dict`). Training must not run inside.
 
-        The gather is :func:`~vescale_zero.state_dict.full_state_dict` (one all-gather per
+        The gather is :func:`~vescale_zero.api.state_dict.full_state_dict` (one all-gather per
         group, in turn), but every group's full tensors stay installed for the duration:
         Megatron's ``sharded_state_dict`` and ``dist_checkpointing.save`` take the whole
         model at once, so inside, each rank holds its full TP-local parameters -- what

@@ -2,7 +2,7 @@
 
 [Note: streamed dist-checkpoint save] Megatron's ``ShardedTensor`` places a rank's piece of a
 tensor by ``global_offset`` / ``local_shape``: a box. A ragged shard is a flat range of the
-(TP-local) tensor, which is at most ``2 * ndim - 1`` boxes (vescale_zero.state_dict
+(TP-local) tensor, which is at most ``2 * ndim - 1`` boxes (vescale_zero.api.state_dict
 ``flat_range_boxes``), each a view of the rank's master shard. :func:`checkpoint_parameters`
 lets Megatron's own ``sharded_state_dict`` build every key and its metadata as under its DDP,
 on stand-ins (meta tensors of the full TP-local shape with the parameter's attributes:
@@ -43,11 +43,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vescale_zero.fully_shard import groups_of
-from vescale_zero.param_attributes import copy_parameter_attributes
-from vescale_zero.param_swap import put_parameters, replace_parameters
-from vescale_zero.ragged_tensor import local_piece
-from vescale_zero.state_dict import LocalPieces
+from vescale_zero import local_piece
+from vescale_zero.hosts import LocalPieces, copy_parameter_attributes, groups_of, put_parameters, replace_parameters
 
 __all__ = ["checkpoint_parameters", "LOCAL_PIECE", "SHARD_ONLY_ATTRIBUTES", "STREAMING", "boxes_by_parameter",
            "state_boxes"]

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 from torch import nn
 
-from vescale_zero.state_dict import sharded_params_by_key
+from vescale_zero.hosts import sharded_params_by_key
 
 __all__ = ["megatron_parameter_state", "LAYOUT_FIX"]
 

@@ -76,18 +76,16 @@ from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 from torch import nn
 
-from vescale_zero import checkpoint
-from vescale_zero.clip_grad import grad_norm_over_groups
-from vescale_zero.comm_device import collective_device
-from vescale_zero.loss_scaling import unscale_and_find_inf
-from vescale_zero.optim import AdamW8bit, Muon, Shampoo
-from vescale_zero.ragged_tensor import local_piece
-from vescale_zero.state_dict import (
+from vescale_zero import checkpoint, load_full_state_dict, local_piece
+from vescale_zero.hosts import (
+    collective_device,
     full_optimizer_state,
+    grad_norm_over_groups,
     load_full_optimizer_state,
-    load_full_state_dict,
     sharded_params_by_key,
 )
+from vescale_zero.integrations.loss_scaling import unscale_and_find_inf
+from vescale_zero.optim import AdamW8bit, Muon, Shampoo
 
 from .data_parallel import VeScaleFSDP
 from .dist_checkpoint import boxes_by_parameter, state_boxes

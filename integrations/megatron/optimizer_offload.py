@@ -4,7 +4,7 @@ Megatron's own offload (megatron-core's ``HybridDeviceOptimizer``) copies parame
 when its optimizer is built and steps them there. Here the sharded parameters *are* the master
 weights the optimizer holds, so offloading them is a placement decision made when
 ``VeScaleFSDP`` shards the model (``fully_shard(..., offload_policy=CPUOffloadPolicy(...))``,
-vescale_zero.offload): an offloaded group keeps its master shard, its gradient shard and so the
+vescale_zero.runtime.offload): an offloaded group keeps its master shard, its gradient shard and so the
 optimizer's state in host memory, and the optimizer steps there; gathers and reduce-scatters
 stay on the device. The settings reach the wrapper from the same source as the optimizer's:
 
@@ -35,6 +35,8 @@ import dataclasses
 from typing import Any, List, Optional, Sequence
 
 from torch.distributed.fsdp import CPUOffloadPolicy
+
+from .notices import warn_once
 
 __all__ = ["OptimizerOffload", "optimizer_offload", "groups_to_offload", "check_offload_matches"]
 
@@ -70,8 +72,6 @@ def optimizer_offload(source: Any) -> Optional[OptimizerOffload]:
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"--optimizer-offload-fraction must be in [0, 1], got {fraction}")
     if fraction == 0.0:
-        from .arguments import warn_once  # here: arguments imports data_parallel, which imports this module
-
         warn_once("--optimizer-offload-fraction", "--optimizer-cpu-offload with --optimizer-offload-fraction 0 "
                   "(megatron-core OptimizerConfig's default) offloads nothing, as in Megatron; pass "
                   "--optimizer-offload-fraction 1.0 (optimizer_offload_fraction=1.0) to offload every group")
@@ -79,8 +79,6 @@ def optimizer_offload(source: Any) -> Optional[OptimizerOffload]:
     pin_params = bool(getattr(source, "pin_cpu_params", True))
     pin_grads = bool(getattr(source, "pin_cpu_grads", True))
     if pin_params != pin_grads:
-        from .arguments import warn_once
-
         off = "--no-pin-cpu-params" if not pin_params else "--no-pin-cpu-grads"
         warn_once(off, f"{off} under --use-vescale-fsdp turns pinning off for every host buffer of an offloaded "
                   "group (its master shard, gradient shard and optimizer state share one pin_memory setting)")

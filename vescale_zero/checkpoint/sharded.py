@@ -64,11 +64,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm_device import collective_device, current_device
-from ..fully_shard import RaggedFSDPModule, groups_of
-from ..ragged_tensor import like_param, local_piece, local_rows
-from ..state_dict import restored_step
-from ..tensor_parallel import USE_DCP, refuse_tensor_parallel
+from ..api.fully_shard import RaggedFSDPModule, groups_of
+from ..api.state_dict import restored_step
+from ..primitives.comm_device import collective_device, current_device
+from ..primitives.ragged_tensor import like_param, local_piece, local_rows
+from ..primitives.tensor_parallel import USE_DCP, refuse_tensor_parallel
 from .format import (
     CHECKPOINT_DOMAIN,
     CheckpointError,

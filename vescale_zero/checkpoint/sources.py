@@ -6,11 +6,9 @@
                 \\-- a DCP directory (FSDP2) -> convert.from_fsdp2, once,
                     by rank 0, into path.vescale ---------------------------> sharded.load
 
-    convert("fsdp2" | "deepspeed" | "megatron", SRC, DST)     (vescale-zero convert)
-                -> convert.from_fsdp2 | convert.from_deepspeed | convert_megatron.from_megatron
-
-The modules below it (``sharded``, ``convert``, ``convert_megatron``, ``consolidate``)
-import only :mod:`vescale_zero.checkpoint.format`, never each other.
+The modules below it (``sharded``, ``convert``, ``consolidate``) import only
+:mod:`vescale_zero.checkpoint.format`, never each other. Offline conversion of every source
+(``vescale-zero convert``) is the command's: :func:`vescale_zero.tools.cli.convert`.
 """
 
 from __future__ import annotations
@@ -22,15 +20,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm_device import current_device
+from ..primitives.comm_device import current_device
 from . import sharded
-from .convert import from_deepspeed, from_fsdp2
-from .convert_megatron import from_megatron
+from .convert import from_fsdp2
 from .format import METADATA_FILE, CheckpointError, is_dcp_checkpoint
 
-__all__ = ["load", "convert", "SOURCES"]
-
-SOURCES = ("fsdp2", "deepspeed", "megatron")
+__all__ = ["load"]
 
 
 def load(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
@@ -67,17 +62,3 @@ def _converted_dcp(path: str) -> str:
         raise CheckpointError(f"{path} is a DCP (FSDP2) checkpoint and converting it to {target} failed ({error}); "
                               f"convert it offline: vescale-zero convert --from fsdp2 {path} {target}")
     return target
-
-
-def convert(source: str, src: str, dst: str, tag: Optional[str] = None, weights_only: bool = False,
-            iteration: Optional[int] = None, layer_spec: str = "local") -> None:
-    """``vescale-zero convert --from SOURCE SRC DST``; ``tag`` is DeepSpeed's, ``iteration``
-    and ``layer_spec`` Megatron's (:mod:`vescale_zero.checkpoint.convert_megatron`)."""
-    if source == "fsdp2":
-        from_fsdp2(src, dst, weights_only=weights_only)
-    elif source == "deepspeed":
-        from_deepspeed(src, tag, dst, weights_only=weights_only)
-    elif source == "megatron":
-        from_megatron(src, dst, iteration=iteration, layer_spec=layer_spec, weights_only=weights_only)
-    else:
-        raise CheckpointError(f"--from {source!r}: choose fsdp2, deepspeed or megatron")

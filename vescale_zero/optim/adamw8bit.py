@@ -1,7 +1,7 @@
 """AdamW with both moments stored in 8 bits, one absmax per block of ``block`` elements.
 
 Each parameter's moments are quantized block-wise with the dynamic map of Dettmers et al.
-(:mod:`vescale_zero.quantization`, [Note: the dynamic map]): the first moment with the signed
+(:mod:`vescale_zero.primitives.quantization`, [Note: the dynamic map]): the first moment with the signed
 map, the second moment (``v`` itself) with the unsigned map, as bitsandbytes' ``AdamW8bit``
 stores them. The update itself is AdamW's, in fp32, in bitsandbytes' order of operations:
 dequantize, ``m = b1*m + (1-b1)*g``, ``v = b2*v + (1-b2)*g*g``, decay, then
@@ -29,9 +29,9 @@ from typing import Callable, Iterable, Optional, Set, Tuple
 
 import torch
 
-from ..quantization import dequantize_blockwise, quantize_blockwise
-from ..ragged_tensor import like_param, local_piece
-from .layout import check_every_rank_piece, keep_saved_dtypes, per_block_state
+from ..primitives.quantization import dequantize_blockwise, quantize_blockwise
+from ..primitives.ragged_tensor import like_param, local_piece
+from .state_layout import check_every_rank_piece, keep_saved_dtypes, per_block_state
 
 __all__ = ["AdamW8bit"]
 

@@ -20,7 +20,7 @@ from typing import Dict, Sequence, Tuple
 import torch
 from torch.optim.adamw import adamw
 
-from ..ragged_tensor import local_piece
+from ..primitives.ragged_tensor import local_piece
 
 __all__ = ["adamw_step"]
 

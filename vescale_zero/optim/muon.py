@@ -30,9 +30,9 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..comm_device import current_device
-from ..param_group import slot_of
-from ..ragged_tensor import is_ragged, local_piece
+from ..primitives.comm_device import current_device
+from ..primitives.ragged_tensor import is_ragged, local_piece
+from ..runtime.param_group import slot_of
 from .adamw_part import adamw_step
 
 __all__ = ["Muon", "newton_schulz", "assign_roots"]

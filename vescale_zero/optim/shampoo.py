@@ -26,9 +26,9 @@ from typing import Callable, Iterable, List, Optional, Set, Tuple
 
 import torch
 
-from ..ragged_tensor import is_ragged, local_piece
+from ..primitives.ragged_tensor import is_ragged, local_piece
 from .adamw_part import adamw_step
-from .layout import check_every_rank_piece, keep_saved_dtypes, per_block_state
+from .state_layout import check_every_rank_piece, keep_saved_dtypes, per_block_state
 
 __all__ = ["Shampoo"]
 

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..fully_shard import groups_of
+from ..api.fully_shard import groups_of
 from .state_file_io import StateFileDir, StateFileError
 from .state_layout import Layout, Stage, build_layout, local_of, rebuild, signature_of
 

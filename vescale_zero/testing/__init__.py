@@ -1,5 +1,5 @@
-"""A small GPT and a deterministic corpus, shared by the examples, benchmarks, tests and the GPU check
-(which also share ``llama``, ``sharding``, ``copy_overhead`` and ``live_bytes`` with the benchmarks)."""
+"""A small GPT and a deterministic corpus: what the quick start imports (also used by the examples,
+benchmarks, tests and the GPU check). Test machinery lives outside the package, in ``devtools/``."""
 
 from .corpus import SyntheticCorpus
 from .gpt import GPT, Block, GPTConfig

@@ -1,0 +1,388 @@
+"""``fully_shard``: FSDP2-style per-module sharding on RaggedShard / DBuffer.
+
+Usage mirrors ``torch.distributed.fsdp.fully_shard``: apply it to each block, then to the
+root; each call makes one group of the parameters not already in a sub-module's group::
+
+    for block in model.blocks:
+        fully_shard(block, granularity="row")
+    fully_shard(model)                      # embeddings, final norm, head
+    opt = torch.optim.AdamW(model.parameters())   # sharded (1-D, local) parameters
+
+The hooks and the per-iteration machinery live in :mod:`vescale_zero.runtime.hooks` ([Note: the
+iteration], [Note: recompute], [Note: one order of reduce-scatters]); a group's buffers in
+:mod:`vescale_zero.runtime.param_group`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, List, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+
+from ..primitives.granularity import GranularityPolicy, resolve_granularities
+from ..primitives.tensor_parallel import local_tensor, tensor_parallel_layouts
+from ..runtime.eager_hooks import outside_compile
+from ..runtime.fp8_gather import FP8Filter, default_fp8_filter, tile_band_granularity
+from ..runtime.hooks import STATE_ATTR, FSDPState, in_backward_pass
+from ..runtime.job_timeout import carry_job_timeout
+from ..runtime.offload import resolve_offload_policy
+from ..runtime.param_group import GroupState, ManagedParam, ParamGroup
+from .fsdp_module import BUFFER_NEEDS_INIT, RaggedFSDPModule
+from .layer_discovery import find_layer_classes
+from .local_optim_steps import install_local_optimizer_steps
+
+__all__ = ["fully_shard", "fully_shard_layers", "resolve_reshard_after_forward", "RaggedFSDPModule",
+           "MixedPrecisionPolicy", "CPUOffloadPolicy", "OffloadPolicy", "DEFAULT_ALIGN_BYTES",
+           "groups_of", "sharded_counterpart", "BUFFER_NEEDS_INIT", "HSDP_DIM_NAMES"]
+
+DEFAULT_ALIGN_BYTES = 16
+"""Each rank's shard starts on this many bytes in every role's buffer (NCCL likes 16)."""
+
+_STATE = STATE_ATTR
+_SHARDED_AS = "_vescale_sharded_as"  # on an original parameter: the sharded parameter replacing it
+_CLAIMED = "_vescale_fsdp_group_of"  # set on every parameter object a group manages
+_CLASS_CACHE: Dict[type, type] = {}
+
+
+def groups_of(module: nn.Module) -> List[ParamGroup]:
+    """Every parameter group at or under ``module``, in module order."""
+    return [m.vescale_group for m in module.modules()
+            if isinstance(m, RaggedFSDPModule) and m.vescale_group is not None]
+
+
+HSDP_DIM_NAMES = (("replicate", "shard"), ("dp_replicate", "dp_shard"))
+"""The names a 2-D (HSDP) mesh's dimensions may have, outer (replicas) first: ours and FSDP2's."""
+
+
+def _mesh_groups(mesh: Union[DeviceMesh, dist.ProcessGroup, None], device: Optional[torch.device]):
+    """``(shard group, replicate group or None)`` of a ``mesh`` argument (see [Note: HSDP mesh])."""
+    if not dist.is_initialized():
+        raise RuntimeError("fully_shard needs torch.distributed to be initialised (dist.init_process_group) first")
+    if mesh is None:
+        return dist.group.WORLD, None
+    if isinstance(mesh, dist.ProcessGroup):
+        return mesh, None
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a DeviceMesh, a ProcessGroup or None, got {type(mesh).__name__}")
+    if device is not None and mesh.device_type != device.type:
+        raise ValueError(
+            f"mesh device type {mesh.device_type!r} does not match the parameters' device {device}; "
+            f"build the mesh with init_device_mesh({device.type!r}, ...) or move the module to {mesh.device_type}"
+        )
+    if mesh.ndim == 1:
+        return mesh.get_group(), None
+    accepted = " or ".join(repr(n) for n in HSDP_DIM_NAMES)
+    if mesh.ndim != 2:
+        raise ValueError(
+            f"fully_shard takes a 1-D mesh (shard) or a 2-D mesh (HSDP: replicate x shard), got a {mesh.ndim}-D mesh "
+            f"{tuple(mesh.shape)} named {mesh.mesh_dim_names}; pass the data-parallel sub-mesh, e.g. "
+            f"mesh[{HSDP_DIM_NAMES[0]!r}], with dimension names {accepted}"
+        )
+    names = tuple(mesh.mesh_dim_names or ())
+    if names not in HSDP_DIM_NAMES:
+        raise ValueError(
+            f"fully_shard: a 2-D (HSDP) mesh must name its dimensions {accepted} (replicas outer, shard inner), "
+            f"got {mesh.mesh_dim_names}; build it with init_device_mesh(device_type, (replicas, shard), "
+            f"mesh_dim_names={HSDP_DIM_NAMES[0]!r})"
+        )
+    # [Note: HSDP sub-mesh] Beside tensor or pipeline parallelism the data-parallel mesh is
+    # a slice of a mesh over the whole world (FSDP2's world_mesh["dp_replicate", "dp_shard"],
+    # Megatron's VeScaleFSDP): the mesh it was sliced from must cover the world, and this
+    # rank must be in the slice. A mesh of its own covers the world itself.
+    world = dist.get_world_size()
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    if root.size() != world or sorted(root.mesh.flatten().tolist()) != list(range(world)):
+        raise ValueError(
+            f"fully_shard: the HSDP mesh {tuple(mesh.shape)} covers {mesh.size()} ranks "
+            f"{sorted(mesh.mesh.flatten().tolist())} but the default process group has {world}; its dimensions must "
+            f"multiply to the world size (replicas x shard = {world}), e.g. init_device_mesh(device_type, "
+            f"({max(1, world // 2)}, {min(2, world)}), mesh_dim_names={names!r}), or it must be sliced from a "
+            "mesh over the whole world (beside tensor parallelism: world_mesh[('replicate', 'shard')])"
+        )
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"fully_shard: rank {dist.get_rank()} is not in the HSDP mesh {mesh.mesh.tolist()}; "
+                         "give each rank the data-parallel slice of the world mesh it belongs to")
+    replicate, shard = names
+    return mesh[shard].get_group(), mesh[replicate].get_group()
+
+
+def _collect_params(module: nn.Module):
+    """The parameters of ``module`` not inside an already sharded sub-module, with all owners."""
+    owners: Dict[int, List] = {}
+    order: List[nn.Parameter] = []
+    names: Dict[int, str] = {}
+
+    def visit(mod: nn.Module, prefix: str) -> None:
+        for attr, p in mod._parameters.items():
+            if p is None:
+                continue
+            if id(p) not in owners:
+                owners[id(p)] = []
+                order.append(p)
+                names[id(p)] = prefix + attr
+            owners[id(p)].append((mod, attr))
+        for child_name, child in mod._modules.items():
+            if child is not None and not isinstance(child, RaggedFSDPModule):
+                visit(child, f"{prefix}{child_name}.")
+
+    visit(module, "")
+    for p in order:
+        if hasattr(p, _CLAIMED):
+            raise ValueError(
+                f"parameter {names[id(p)]!r} is already managed by the fully_shard group of "
+                f"{getattr(p, _CLAIMED)!r} (a tied/shared parameter used in two groups). Apply fully_shard to a "
+                "module that contains every user of the tied parameter (e.g. the root), not to each user."
+            )
+    return [(names[id(p)], p, tuple(owners[id(p)])) for p in order]
+
+
+def resolve_reshard_after_forward(value: Union[bool, int, None], shard_size: int) -> Optional[bool]:
+    """``reshard_after_forward`` as FSDP2 accepts it, for a shard group of ``shard_size`` ranks:
+    ``None`` (FSDP2's default: ``True``, ``False`` for the root), a bool, or the number of ranks
+    to reshard to after forward -- a divisor of ``shard_size``: ``shard_size`` is ``True``, 1 is
+    ``False`` (FSDP2 warns that it is not ``True``). A divisor in between (FSDP2 keeps a
+    ``1/n`` shard after forward and gathers over ``n`` ranks in backward) is refused: not
+    implemented here. What FSDP2 refuses (another type, a non-divisor) is refused."""
+    if value is None or isinstance(value, bool):
+        return value
+    if not isinstance(value, int):
+        raise ValueError(f"reshard_after_forward must be a bool, None or an int (the number of ranks to reshard to), "
+                         f"got {type(value).__name__} {value!r}")
+    if not 1 <= value <= shard_size or shard_size % value:
+        raise ValueError(f"reshard_after_forward={value}: an int must divide the shard group's size {shard_size} "
+                         f"(1 = keep the full parameters, {shard_size} = reshard to all ranks)")
+    if value == 1:
+        warnings.warn("reshard_after_forward=1 (int) reshards to a group of 1 rank: the full parameters are kept "
+                      "after forward, as reshard_after_forward=False (pass True to free them)", stacklevel=3)
+        return False
+    if value == shard_size:
+        return True
+    raise NotImplementedError(
+        f"reshard_after_forward={value}: resharding to {value} of the {shard_size} shard ranks after forward (FSDP2's "
+        "intermediate reshard) is not implemented by vescale_zero's fully_shard; pass True (reshard to all "
+        f"{shard_size} ranks: least memory) or False (keep the full parameters until backward: no all-gather in it)")
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: Union[DeviceMesh, dist.ProcessGroup, None] = None,
+    reshard_after_forward: Union[bool, int, None] = None,
+    mp_policy: Optional[MixedPrecisionPolicy] = None,
+    granularity: GranularityPolicy = None,
+    align_bytes: int = DEFAULT_ALIGN_BYTES,
+    fp8_all_gather_tile: Optional[int] = None,
+    fp8_all_gather_filter: Optional[FP8Filter] = None,
+    offload_policy: Optional[OffloadPolicy] = None,
+) -> nn.Module:
+    """Shard ``module``'s parameters (those not in a sharded sub-module) as one group.
+
+    Args:
+        module: applied to each block first, then to the root (FSDP2 style).
+        mesh: 1-D ``DeviceMesh`` or ``ProcessGroup`` to shard over; ``None`` = default group.
+            [Note: HSDP mesh] A 2-D mesh ``init_device_mesh(dev, (replicas, shard),
+            mesh_dim_names=("replicate", "shard"))`` (FSDP2's ``("dp_replicate", "dp_shard")``
+            too) covering the whole default group, or sliced from a mesh that does (beside
+            tensor parallelism, [Note: HSDP sub-mesh]): the group is planned for, gathered and
+            reduce-scattered in the shard group, and its reduced shard all-reduced across
+            replicas (grad_reduce [Note: HSDP]), the mean over all ranks, as DDP gives.
+            Parameters that ``parallelize_module`` made DTensors need the data-parallel slice of
+            the same world mesh (``world["dp"]``, HSDP ``world["replicate", "shard"]``): see
+            :mod:`vescale_zero.primitives.tensor_parallel`.
+        reshard_after_forward: FSDP2's argument, with its meaning: ``True`` frees the full
+            parameters after forward (re-gathered in backward); ``False`` keeps them until
+            backward ends; ``None`` (default) is ``True``, but ``False`` for the root, which
+            backward needs first. An int is the number of ranks to reshard to: the shard
+            group's size means ``True``, 1 means ``False``; one in between is refused (not
+            implemented), as is what FSDP2 refuses (see :func:`resolve_reshard_after_forward`).
+            Outside forward and backward the modules always hold the sharded parameters, and a
+            forward with grad disabled leaves nothing gathered (runtime [Note: nothing stays
+            gathered after forward]).
+        mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy``: ``param_dtype`` for
+            compute and gathers, ``reduce_dtype`` for the gradient reduce-scatter; the
+            sharded (master) parameters keep the module's dtype.
+        granularity: each parameter's atomic block, see :mod:`vescale_zero.primitives.granularity`; of a
+            tensor-parallel parameter's TP-local tensor (a policy's callable gets that tensor).
+        align_bytes: every rank's shard, and every tensor's start, is a multiple of this many
+            bytes in each buffer (vectorised and tensor-core kernels want 16 at least).
+        fp8_all_gather_tile: gather parameters as float8 (e4m3) with one scale per
+            ``tile x tile`` tile (128 is usual) instead of ``param_dtype``: about half the
+            bytes of bf16. Only the tensors ``fp8_all_gather_filter`` chooses; the others are
+            gathered in ``param_dtype``, in the same single collective. The granularity of an
+            FP8 tensor defaults to whole tile bands; a given one must be a multiple of them.
+            See :mod:`vescale_zero.runtime.fp8_gather`.
+        fp8_all_gather_filter: ``(name, parameter) -> bool``: which tensors
+            ``fp8_all_gather_tile`` gathers as FP8 (names as in ``granularity``). Default
+            :func:`vescale_zero.runtime.fp8_gather.default_fp8_filter`: tensors of 2+ dimensions (matrices),
+            so norms and biases keep ``param_dtype`` as FP8 recipes keep them; pass e.g.
+            ``lambda n, p: p.dim() >= 2 and "embed" not in n`` to keep embeddings out too.
+        offload_policy: ``torch.distributed.fsdp.CPUOffloadPolicy(pin_memory=True)``: the
+            sharded parameters (the master weights), their gradients and so the optimizer's
+            state live in host memory and the optimizer steps there; gathers copy the shard to
+            the device, reduced gradients are copied back (:mod:`vescale_zero.runtime.offload`).
+            ``None`` or ``OffloadPolicy()``: no offload.
+
+    Returns:
+        ``module``, its class now also a :class:`RaggedFSDPModule`.
+    """
+    if isinstance(module, RaggedFSDPModule):
+        raise ValueError(
+            f"fully_shard was already applied to this {type(module).__name__}; apply it once per module "
+            "(each call makes one group of the parameters not yet in a group)"
+        )
+    if isinstance(module, FSDPModule):  # FSDP2's (ours are FSDPModules too: refused above)
+        raise ValueError(
+            "module is already sharded by torch.distributed.fsdp.fully_shard; shard each module with one FSDP only"
+        )
+    offload = resolve_offload_policy(offload_policy)
+    install_local_optimizer_steps()  # torch's optimizers step the local pieces ([Note: torch's optimizers ...])
+    named = _collect_params(module)
+    devices = {p.device for _, p, _ in named}
+    # A meta module is sharded as planned; vescale_zero.materialize (or to_empty) gives it
+    # its shards later: materialize [Note: deferred initialisation].
+    device = next(iter(devices)) if len(devices) == 1 else None
+    pg, replicate_pg = _mesh_groups(mesh, None if device is not None and device.type == "meta" else device)
+    carry_job_timeout(pg, replicate_pg)  # a stuck peer is an error after the job's timeout: [Note: the job's timeout]
+    # DTensor parameters (parallelize_module): tensor_parallel [Note: ragged inside the tensor-parallel piece]
+    tp = tensor_parallel_layouts([(n, p) for n, p, _ in named], mesh, {
+        "fp8_all_gather_tile": fp8_all_gather_tile is not None, "offload_policy": offload is not None,
+        "the meta device (deferred initialisation)": device is not None and device.type == "meta"})
+    held = [(n, local_tensor(p)) for n, p, _ in named]  # what the group holds of each: granularity, shapes
+    reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward, dist.get_world_size(pg))
+
+    group = None
+    if named:
+        fp8 = None
+        if fp8_all_gather_tile is not None:
+            choose = default_fp8_filter if fp8_all_gather_filter is None else fp8_all_gather_filter
+            fp8 = [bool(choose(n, p)) for n, p, _ in named]
+            # the tile-band rule binds the FP8 tensors only ([Note: which tensors are FP8])
+            bands = {n: tile_band_granularity(p.shape, fp8_all_gather_tile) for (n, p, _), f in zip(named, fp8) if f}
+            grans = resolve_granularities(held, bands if granularity is None else granularity)
+            for (n, p, _), g in zip(named, grans):
+                if n in bands and g % bands[n]:
+                    raise ValueError(
+                        f"fp8_all_gather_tile={fp8_all_gather_tile}: the granularity of {n!r} {tuple(p.shape)} is "
+                        f"{g} elements, which cuts its {fp8_all_gather_tile}x{fp8_all_gather_tile} tiles; use a "
+                        f"multiple of {bands[n]} (whole tile bands), leave granularity unset, or keep {n!r} out of "
+                        "FP8 with fp8_all_gather_filter"
+                    )
+        elif fp8_all_gather_filter is not None:
+            raise ValueError("fp8_all_gather_filter chooses tensors for an FP8 gather; set fp8_all_gather_tile too")
+        else:
+            grans = resolve_granularities(held, granularity)
+        # Every role's buffer (and the float8 bytes of an FP8 gather) keeps its shards and
+        # tensor starts on align_bytes: the planner aligns both to this many elements.
+        itemsizes = [named[0][1].element_size()] + ([1] if fp8_all_gather_tile is not None else [])
+        if mp_policy is not None:
+            dtypes = (mp_policy.param_dtype, mp_policy.reduce_dtype)
+            itemsizes += [torch.empty((), dtype=d).element_size() for d in dtypes if d]
+        align = max(1, align_bytes // min(itemsizes))
+        managed = [ManagedParam(n, owners, h.shape, p.requires_grad, layout)
+                   for (n, p, owners), (_, h), layout in zip(named, held, tp)]
+        group = ParamGroup(
+            managed, [p for _, p, _ in named], grans, pg,
+            param_dtype=mp_policy.param_dtype if mp_policy else None,
+            reduce_dtype=mp_policy.reduce_dtype if mp_policy else None,
+            align=align,
+            fp8_tile=fp8_all_gather_tile,
+            replicate_group=replicate_pg,
+            fp8=fp8,
+            offload=offload,
+        )
+        label = type(module).__name__
+        for p in [p for _, p, _ in named] + group.sharded_params + group.unsharded_params:
+            setattr(p, _CLAIMED, label)
+        for (_, original, _), sharded in zip(named, group.sharded_params):
+            setattr(original, _SHARDED_AS, sharded)  # lets hosts remap optimizers built earlier
+
+    state = FSDPState(module, group, pg, reshard_after_forward, mp_policy)
+    setattr(module, _STATE, state)
+    module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
+    module.register_forward_hook(state.post_forward, prepend=False)
+    if group is not None:
+        hook = _ShardedForStateDict(group)
+        module.register_state_dict_pre_hook(hook)
+        module.register_load_state_dict_pre_hook(hook)
+        module.register_load_state_dict_post_hook(hook.after_load)
+    cls = module.__class__
+    if cls not in _CLASS_CACHE:
+        _CLASS_CACHE[cls] = type(f"RaggedFSDP{cls.__name__}", (RaggedFSDPModule, cls), {})
+    module.__class__ = _CLASS_CACHE[cls]
+    return module
+
+
+class _ShardedForStateDict:
+    """[Note: state dicts see the shards] A group still gathered for a backward to come (the
+    root, ``reshard_after_forward=False``) holds full buffers, though its modules hold the
+    sharded parameters (runtime [Note: nothing stays gathered after forward]). Loading must
+    write the shards and drop the stale full ones, so saving and loading reshard the group
+    first (outside forward and backward); a backward that follows gathers it again."""
+
+    def __init__(self, group: ParamGroup) -> None:
+        self.group = group
+
+    @outside_compile
+    def __call__(self, *_: Any, **__: Any) -> None:
+        if self.group.state is not GroupState.SHARDED and not in_backward_pass():
+            self.group.reshard()
+
+    def after_load(self, _module: nn.Module, _incompatible: Any) -> None:
+        """``load_state_dict(sd, assign=True)`` put the state dict's tensors into the modules in
+        place of the sharded parameters: their values go into the shards (this rank's range of
+        a full tensor, or a ragged / DTensor value resharded) and the sharded parameters go back,
+        so the optimizer's parameters and the gathers see the loaded weights."""
+        group = self.group
+        for rp in group.params:
+            for owner, attr in rp.managed.owners:
+                value = owner._parameters.get(attr)
+                if value is None or value is rp.sharded or value is rp.unsharded:
+                    continue
+                if value.dtype != rp.sharded.dtype:
+                    raise ValueError(
+                        f"load_state_dict(assign=True): {rp.managed.fqn!r} is {value.dtype} in the state dict and "
+                        f"{rp.sharded.dtype} in the sharded model; sharded parameters keep their dtype (views of "
+                        "the group's buffers): cast the state dict, or load with assign=False"
+                    )
+                with torch.no_grad():
+                    rp.sharded.copy_(value)
+                owner._parameters[attr] = rp.sharded
+
+
+def sharded_counterpart(param: nn.Parameter) -> nn.Parameter:
+    """The sharded parameter that replaced ``param`` (``param`` itself if it was not replaced)."""
+    return getattr(param, _SHARDED_AS, param)
+
+
+def fully_shard_layers(model: nn.Module, layer_classes: Optional[List[str]] = None, **kwargs: Any) -> nn.Module:
+    """``fully_shard`` each layer, then the root: the usual FSDP recipe in one call.
+
+    Args:
+        layer_classes: class names of the modules that form one group each. Default: the
+            model's layers (layer_discovery [Note: finding the layers]: the classes held in
+            ``nn.ModuleList``s, else the outermost classes repeated among siblings).
+        kwargs: passed to every ``fully_shard`` call; ``reshard_after_forward`` to the
+            layers' only (the root keeps FSDP2's default: gathered for backward).
+    """
+    if layer_classes is None:
+        layer_classes = find_layer_classes(model)
+    wanted = set(layer_classes)
+    found = set()
+    for module in list(model.modules()):
+        name = type(module).__name__
+        if module is not model and name in wanted and not isinstance(module, RaggedFSDPModule):
+            found.add(name)
+    missing = wanted - found
+    if missing:
+        present = sorted({type(m).__name__ for m in model.modules()})
+        raise ValueError(f"layer classes {sorted(missing)} are not in the model; its module classes are {present}")
+    for module in reversed(list(model.modules())):  # innermost first, like FSDP2's recipe
+        if module is not model and type(module).__name__ in wanted and not isinstance(module, RaggedFSDPModule):
+            fully_shard(module, **kwargs)
+    kwargs.pop("reshard_after_forward", None)
+    return fully_shard(model, **kwargs)

@@ -1,0 +1,480 @@
+"""ParamGroup: the parameters that ``fully_shard`` gathers together, and their buffers.
+
+One group owns, per rank::
+
+    role            buffer                      dtype          lives
+    sharded params  master.local                param's own    always (the optimizer's tensors; in
+                                                               host memory when offloaded: see
+                                                               vescale_zero.runtime.offload, as are the
+                                                               sharded grads)
+    full params     compute.full                param_dtype    while gathered (forward/backward)
+    gather input    master.local, or this rank's slot of compute.full (a cast), or of a
+                    float8 buffer (FP8 tiles): see vescale_zero.runtime.param_gather
+    full grads      the unsharded params' .grad param_dtype    first gradient .. reduce-scatter issued
+                    (autograd's own tensors)                   (or the end of a backward without sync)
+    reduce input    grads.full                  reduce_dtype   reduce-scatter issued .. finished; also
+                                                               the gradients accumulated without sync
+                                                               (grad_reduce [Note: accumulating in the
+                                                               reduce dtype])
+    sharded grads   grads.sharded (GradShard)   param's own    first reduce-scatter .. zero_grad(set_to_none)
+                                                               (``param.grad`` views hold it: grad_shard
+                                                               [Note: gradient shards live with their .grad])
+
+Every parameter object the module sees is a view: a sharded parameter into
+``master.local``, an unsharded parameter into ``compute.full``, a sharded gradient into the
+shard of ``grads.sharded``. The unsharded parameters' gradients are autograd's own tensors
+until the reduce-scatter copies them into ``grads.full`` (grad_reduce [Note: gradients are
+copied in at the reduce-scatter]).
+
+[Note: when a group's gradients are complete]
+The reduce-scatter needs every gradient of the group for this backward. The group is
+*ready* at the first of:
+
+  * every parameter that requires grad has had its gradient accumulated;
+  * the gradients of its module's inputs are computed, for every call of the module in
+    the forward being differentiated (an autograd node on the inputs, as PyTorch FSDP2's
+    post-backward): the module's own backward is over, so a parameter without a gradient
+    by then has none in this backward (an MoE expert that got no token on this rank);
+  * the end of the backward (the root's final callback).
+
+Which parameters got no gradient on any rank, and what their ``.grad`` becomes, is
+``vescale_zero.runtime.unused_grads`` ([Note: unused everywhere]); each group keeps its ``usage``.
+
+*When* it becomes ready may differ between ranks (which parameters got gradients differs);
+the order in which ready groups issue their reduce-scatters must not: see
+``vescale_zero.runtime.hooks`` [Note: one order of reduce-scatters]. A gradient that arrives for a
+group after its reduce-scatter was issued cannot be reduced any more: it is an error, never
+a silent loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import weakref
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..primitives.collectives import CommStats
+from ..primitives.dbuffer import DBuffer
+from ..primitives.planner import ShardPlan, TensorSpec, plan
+from ..primitives.ragged_tensor import local_piece, ragged_spec, shard_mesh
+from ..primitives.tensor_parallel import local_tensor
+from .eager_hooks import outside_compile
+from .grad_reduce import GradReducer
+from .grad_shard import GradShard
+from .group_progress import BackwardProgress, ForwardRecord, GroupState, InputGradTrigger, Part
+from .offload import HostCopies, HostOffload
+from .param_gather import make_param_gather
+from .ragged_param import ManagedParam, RaggedParam, ShardedRange
+from .unused_grads import GradUsage
+
+__all__ = ["slot_of", "ManagedParam", "ParamGroup", "GroupState", "ShardedRange", "BackwardProgress", "ForwardRecord",
+           "InputGradTrigger", "Part"]
+
+
+_SLOTS: Dict[int, Tuple["weakref.ref", "weakref.ref", int]] = {}  # id(sharded param) -> (param, group, index)
+
+
+def _register_slot(param: nn.Parameter, group: "ParamGroup", index: int) -> None:
+    """Remember which group and index a sharded parameter belongs to (weakly: neither is kept
+    alive, and nothing is attached to the parameter that pickling or deepcopy would follow)."""
+    _SLOTS[id(param)] = (weakref.ref(param), weakref.ref(group), index)
+    weakref.finalize(param, _SLOTS.pop, id(param), None)
+
+
+def slot_of(param: torch.Tensor) -> Optional[Tuple["ParamGroup", int]]:
+    """``(group, index)`` of a sharded parameter of a live ``fully_shard`` group, else ``None``."""
+    entry = _SLOTS.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    group = entry[1]()
+    return None if group is None else (group, entry[2])
+
+
+@outside_compile
+def _grad_accumulated(group_ref: "weakref.ref[ParamGroup]", index: int, param: torch.Tensor) -> None:
+    """The post-accumulate-grad hook of a group's parameter ([Note: hooks hold their group weakly])."""
+    group = group_ref()
+    if group is not None:
+        group._on_grad_accumulated(index, param)
+
+
+class ParamGroup:
+    """Buffers and state of one FSDP group on one rank (see module docstring)."""
+
+    def __init__(
+        self,
+        managed: Sequence[ManagedParam],
+        originals: Sequence[nn.Parameter],
+        granularities: Sequence[int],
+        process_group: dist.ProcessGroup,
+        *,
+        param_dtype: Optional[torch.dtype] = None,
+        reduce_dtype: Optional[torch.dtype] = None,
+        align: int = 1,
+        fp8_tile: Optional[int] = None,
+        replicate_group: Optional[dist.ProcessGroup] = None,
+        fp8: Optional[Sequence[bool]] = None,
+        offload: Optional[HostOffload] = None,
+    ) -> None:
+        dtypes = {p.dtype for p in originals}
+        devices = {p.device for p in originals}
+        if len(dtypes) != 1 or len(devices) != 1:
+            names = [f"{m.fqn}: {p.dtype} on {p.device}" for m, p in zip(managed, originals)]
+            raise ValueError(
+                "all parameters of one fully_shard group must share a dtype and a device "
+                f"(they share one flat buffer); got {names}. Cast/move the module first, or "
+                "apply fully_shard to sub-modules so each group is uniform."
+            )
+        self.managed = list(managed)
+        self.process_group = process_group  # the shard group: plans, gathers, reduce-scatters
+        self.replicate_group = replicate_group  # HSDP: grad_reduce [Note: HSDP]
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.orig_dtype = originals[0].dtype
+        self.device = originals[0].device
+        self.param_dtype = param_dtype or self.orig_dtype
+        self.reduce_dtype = reduce_dtype or self.param_dtype
+        # a tensor-parallel parameter is planned, cut and gathered as its TP-local tensor:
+        # tensor_parallel [Note: ragged inside the tensor-parallel piece]
+        specs = [TensorSpec(math.prod(m.shape), g, m.fqn) for m, g in zip(managed, granularities)]
+        self.plan: ShardPlan = plan(specs, self.world_size, align=align)
+        self.stats = CommStats()
+        self._fp8_tile = fp8_tile
+        # which tensors an FP8 gather moves as FP8: fp8_gather [Note: which tensors are FP8]
+        self._fp8 = None if fp8 is None else list(fp8)
+        self._expose_full_grad: Optional[Callable[[nn.Parameter, torch.Tensor], None]] = None
+        self.offload = offload
+        self._build(self.device, originals)
+        with torch.no_grad():
+            for i, p in enumerate(originals):
+                self.master.copy_local_from_full(i, local_tensor(p))
+        # vescale_zero.materialize [Note: deferred initialisation]: built from meta parameters,
+        # the shards hold no values until materialize() or load_full_state_dict() fills them.
+        self.needs_init = self.device.type == "meta"
+
+        self.state = GroupState.SHARDED
+        # the root forward whose pre-hook or prefetch last gathered or used it while gathered;
+        # None once resharded: runtime [Note: nothing stays gathered after forward]
+        self.gathered_for: Optional[int] = None
+        self.progress = BackwardProgress()
+        self.on_ready: Optional[Callable[["ParamGroup"], None]] = None  # set by the runtime
+        self.on_grad: Optional[Callable[[], None]] = None  # set by the runtime: each gradient's arrival
+        self.forwards = ForwardRecord()  # the forwards it ran in, and their input triggers
+        self.usage = GradUsage()  # unused_grads [Note: unused everywhere]
+        self.unshard_in_backward = True  # set_unshard_in_backward(False): backward reads no parameter value
+        self.max_reduce_scatters_in_flight = 1  # runtime [Note: bounded gradient memory]
+        self.to_sharded_params()
+
+    def _build(self, device: torch.device, templates: Sequence[nn.Parameter],
+               unsharded_templates: Optional[Sequence[nn.Parameter]] = None) -> None:
+        """Every buffer of the group on ``device`` (the full ones freed) and the parameter
+        objects viewing them, carrying the attributes of ``templates`` (the unsharded ones
+        of ``unsharded_templates`` if given)."""
+        self.device = torch.device(device)  # the compute device: full buffers, collectives
+        self.mesh = shard_mesh(self.process_group, self.device)
+        shapes = [m.shape for m in self.managed]
+        # offload [Note: host copies and their streams]: the persistent shards in host memory
+        copies = None if self.offload is None or self.device.type == "meta" else HostCopies(self.offload, self.device)
+        self.host_copies: Optional[HostCopies] = copies
+        self.host_device = self.device if copies is None else self.offload.device  # where the shards live
+        local = None
+        if copies is not None:
+            local = self.offload.empty(self.plan.shard_size, self.orig_dtype, self.device).zero_()
+        self.master = DBuffer(self.plan, self.rank, self.orig_dtype, self.host_device, shapes=shapes, with_full=False,
+                              local=local)
+        direct = self.param_dtype == self.orig_dtype and not self._fp8_tile and copies is None
+        self.compute = DBuffer(self.plan, self.rank, self.param_dtype, self.device, shapes=shapes,
+                               local=self.master.local if direct else None, with_local=direct)
+        self.gather = make_param_gather(self.master, self.compute, self.process_group, self.stats, shapes,
+                                        self._fp8_tile, self._fp8, copies)
+        self.grads = GradReducer(self.plan, self.rank, self.process_group, self.stats, reduce_dtype=self.reduce_dtype,
+                                 shard_dtype=self.orig_dtype, device=self.device, shapes=shapes,
+                                 replicate_group=self.replicate_group, grad_dtype=self.param_dtype,
+                                 host_copies=copies)
+        self.params: List[RaggedParam] = []
+        for i, (m, p) in enumerate(zip(self.managed, templates)):
+            like = unsharded_templates[i] if unsharded_templates is not None else None
+            placement, full = self.plan.placement(i), self.compute.full_view(i)
+            if m.tp is None:
+                spec = ragged_spec(self.mesh, placement, m.shape, self.orig_dtype)
+            else:
+                spec = ragged_spec(m.tp.mesh, placement, m.tp.shape, self.orig_dtype, m.tp.placements(placement))
+                full = m.tp.unsharded(full)
+            self.params.append(RaggedParam(m, p, self.master.local_view(i), full, spec, unsharded_like=like))
+            _register_slot(self.params[-1].sharded, self, i)
+        self._grad_indices = [i for i, m in enumerate(self.managed) if m.requires_grad]
+        self._hooked: Set[int] = set()
+        for i in self._grad_indices:
+            self._hook_grad(i)
+
+    def _hook_grad(self, index: int) -> None:
+        """[Note: hooks hold their group weakly] A hook registered on a tensor lives in C++
+        where Python's cycle collector cannot see it: a hook holding the group strongly
+        (group -> unsharded param -> hook -> group) would keep every group, its buffers and
+        its module alive after the model is dropped."""
+        if index not in self._hooked:
+            self._hooked.add(index)
+            self.params[index].unsharded.register_post_accumulate_grad_hook(
+                functools.partial(_grad_accumulated, weakref.ref(self), index))
+
+    def follow_requires_grad(self) -> bool:
+        """[Note: requires_grad after sharding] ``p.requires_grad_(flag)`` on a sharded parameter
+        (staged freezing and unfreezing) takes effect at its group's next forward, as with FSDP2:
+        the unsharded parameter follows the flag, so autograd computes (or skips) its gradient
+        and the group reduces what it gets. True if a flag changed (the runtime then re-derives
+        which groups reduce)."""
+        flags = [rp.sharded.requires_grad for rp in self.params]
+        if flags == [m.requires_grad for m in self.managed]:
+            return False
+        for i, (rp, flag) in enumerate(zip(self.params, flags)):
+            if rp.managed.requires_grad != flag:
+                rp.managed = self.managed[i] = dataclasses.replace(rp.managed, requires_grad=flag)
+                rp.unsharded.requires_grad_(flag)
+                if flag:
+                    self._hook_grad(i)
+        self._grad_indices = [i for i, m in enumerate(self.managed) if m.requires_grad]
+        return True
+
+    def leave_meta(self, device: torch.device) -> None:
+        """Rebuild the group, built on the meta device, on ``device``: only the persistent
+        shards get storage (values unset: ``needs_init`` stays true), and new parameter
+        objects (meta tensors cannot turn into real ones in place) replace the old in every
+        owner."""
+        if self.device.type != "meta":
+            raise RuntimeError(f"this fully_shard group is already on {self.device}, not on the meta device")
+        if torch.device(device).type == "meta":
+            raise ValueError("leave_meta needs a real device (e.g. 'cuda' or 'cpu'), got the meta device")
+        # The reducer and the gather are rebuilt too: keep what was set on the group before (a
+        # gradient divide factor set between fully_shard and materialize must survive).
+        grads, gather = self.grads, self.gather
+        self._build(device, self.sharded_params, self.unsharded_params)
+        self.grads.keep_settings_of(grads)
+        self.gather.comm = gather.comm
+        self.to_sharded_params()
+
+    # ---- parameter objects and buffers -----------------------------------------------
+    @property
+    def sharded_params(self) -> List[nn.Parameter]:
+        return [p.sharded for p in self.params]
+
+    @property
+    def unsharded_params(self) -> List[nn.Parameter]:
+        return [p.unsharded for p in self.params]
+
+    @property
+    def sharded_grad(self) -> GradShard:
+        """The sharded gradients' buffer (``.live``: the shard or ``None``; ``param.grad`` are views)."""
+        return self.grads.sharded
+
+    @property
+    def grad_indices(self) -> List[int]:
+        return list(self._grad_indices)
+
+    @property
+    def requires_grad_sync(self) -> bool:
+        return self.grads.requires_grad_sync
+
+    @requires_grad_sync.setter
+    def requires_grad_sync(self, value: bool) -> None:
+        self.grads.requires_grad_sync = value
+
+    @property
+    def gradient_divide_factor(self) -> Optional[float]:
+        return self.grads.divide_factor
+
+    @gradient_divide_factor.setter
+    def gradient_divide_factor(self, value: Optional[float]) -> None:
+        self.grads.divide_factor = value
+
+    def to_sharded_params(self) -> None:
+        for p in self.params:
+            p.to_sharded()
+
+    def to_unsharded_params(self) -> None:
+        for p in self.params:
+            p.to_unsharded()
+
+    # ---- all-gather / free -----------------------------------------------------------
+    def unshard(self, async_op: bool = False) -> None:
+        """Gather the full parameters into ``compute.full`` (no-op unless sharded)."""
+        if self.state is not GroupState.SHARDED:
+            return
+        self.gather.start(async_op)
+        self.state = GroupState.UNSHARDING
+
+    def wait_for_unshard(self) -> None:
+        if self.state is GroupState.UNSHARDING:
+            self.gather.finish()
+            self.state = GroupState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Free the full parameters and hand the modules their sharded parameters."""
+        self.gather.release()
+        self.to_sharded_params()
+        self.state = GroupState.SHARDED
+        self.gathered_for = None
+
+    # ---- forward bookkeeping (group_progress.ForwardRecord) ---------------------------
+    def note_forward(self, grad_enabled: bool, forward_id: int) -> None:
+        """The module runs forward (not a recompute inside backward) in root forward ``forward_id``."""
+        self.forwards.note(grad_enabled, forward_id, bool(self._grad_indices))
+
+    def part_in(self, forward_id: Optional[int]) -> Part:
+        """What this group does in the backward of root forward ``forward_id``."""
+        return self.forwards.part_in(forward_id, self.progress.in_backward)
+
+    def note_recompute(self, grad_enabled: bool) -> None:
+        """The module runs forward inside backward (activation recompute)."""
+        if grad_enabled and self._grad_indices:
+            self.progress.in_backward = True
+
+    def input_trigger(self, forward_id: Optional[int]) -> Optional[InputGradTrigger]:
+        """The trigger to arm for one more call whose input gradients will come (see
+        :meth:`ForwardRecord.input_trigger`); ``None`` for a group without gradients."""
+        if not self._grad_indices:
+            return None
+        return self.forwards.input_trigger(forward_id, lambda: InputGradTrigger(self.inputs_done))
+
+    # ---- backward --------------------------------------------------------------------
+    def set_grads_written_into_full(self, expose: Callable[[nn.Parameter, torch.Tensor], None],
+                                    written: Callable[[nn.Parameter], bool]) -> None:
+        """Kernels add weight gradients into full-size views during backward (grad_reduce [Note:
+        gradients written into full during backward]): ``expose(unsharded param, its view of the
+        full gradient buffer)`` now, for every parameter with a gradient (the views stay valid
+        while the buffer is freed and allocated again); each backward's start zeroes the buffer
+        unless it holds the window's gradients; ``written(unsharded param)``: its ``.grad`` is a
+        dummy, the gradient is in the view."""
+        self._expose_full_grad = expose
+        self.grads.written_into_full = written
+        for i in self._grad_indices:
+            expose(self.params[i].unsharded, self.grads.full.full_view(i))
+
+    def begin_backward(self) -> bool:
+        """Pre-backward: the full parameters are installed (a recompute reads them), unless
+        ``unshard_in_backward`` is off. True the first time in this backward."""
+        if self.unshard_in_backward or self.state is not GroupState.SHARDED:
+            self.unshard()
+            self.wait_for_unshard()
+            self.to_unsharded_params()
+        progress = self.progress
+        progress.in_backward = True
+        if progress.started:
+            return False
+        progress.started = True
+        if self._expose_full_grad is not None and self._grad_indices:
+            self.grads.open_full()
+        return True
+
+    def _on_grad_accumulated(self, index: int, param: torch.Tensor) -> None:
+        progress = self.progress
+        if progress.issued and self.grads.requires_grad_sync:
+            raise RuntimeError(
+                f"parameter {self.managed[index].fqn!r} received a gradient after its fully_shard group had "
+                "reduce-scattered this backward's gradients, so it cannot be reduced. Its gradient came after "
+                "the gradients of its module's inputs: the parameter is used outside its module's forward (read "
+                "by another module, or stored and used later). Apply fully_shard to a module whose forward contains "
+                "every use of the parameter (e.g. a common parent), or to the root only."
+            )
+        # param.grad stays autograd's tensor: grad_reduce [Note: gradients are copied in at the reduce-scatter]
+        progress.in_backward = True
+        progress.arrived.add(index)
+        if self.on_grad is not None:
+            self.on_grad()
+        if len(progress.arrived) == len(self._grad_indices):
+            self._become_ready(done_with_params=len(self._grad_indices) == len(self.managed))
+
+    def inputs_done(self) -> None:
+        """Every call's input gradients are computed: the module's backward is over."""
+        self.progress.in_backward = True
+        self._become_ready(done_with_params=True)
+
+    def force_ready(self) -> None:
+        """End of backward: whatever arrived is all there is."""
+        self._become_ready(done_with_params=True)
+
+    def _become_ready(self, done_with_params: bool) -> None:
+        progress = self.progress
+        if progress.ready:
+            return
+        progress.ready = True
+        if done_with_params and progress.started:
+            # Backward no longer reads the full parameters. Without an input trigger a frozen
+            # parameter (no gradient to tell us) may still be read: such groups reshard at the
+            # end of backward.
+            self.reshard()
+        if self.on_ready is not None:
+            self.on_ready(self)
+
+    def issue_reduce_scatter(self) -> bool:
+        """Copy the gradients in and start the reduce-scatter; False while gradient sync is off
+        (the gradients then accumulate, for the next synced backward: grad_reduce [Note:
+        accumulating in the reduce dtype])."""
+        self.progress.issued = True
+        if not self._grad_indices:
+            return False
+        if not self.grads.requires_grad_sync:
+            self.usage.note_unsynced(self.progress.arrived)
+            self.grads.accumulate_unsynced([(i, self.params[i].unsharded) for i in self._grad_indices])
+            return False
+        # grad_shard [Note: a kept gradient stays the caller's]
+        self.grads.sharded.disown_unless_held_by(local_piece(self.params[i].sharded.grad)
+                                                 for i in self._grad_indices)
+        had_grad = {i for i in self._grad_indices if self.params[i].sharded.grad is not None}
+        self.usage.note_synced(self._grad_indices, self.progress.arrived, had_grad)
+        self.grads.issue(bool(had_grad), [(i, self.params[i].unsharded) for i in self._grad_indices])
+        return True
+
+    def issue_accumulated_reduce_scatter(self) -> bool:
+        """Outside backward: start the reduce-scatter of what backwards without gradient sync
+        accumulated since the last reduction (zeros where nothing did), as the next synced
+        backward would have (runtime [Note: reducing after backward]); False for a group without
+        gradients. Gradient sync stays as it was."""
+        sync = self.requires_grad_sync
+        self.requires_grad_sync = True
+        try:
+            return self.issue_reduce_scatter()
+        finally:
+            self.requires_grad_sync = sync
+            self.progress = BackwardProgress()
+
+    def finish_grad_sync(self) -> None:
+        """Wait for the reduce-scatter and give the sharded parameters their ``.grad``."""
+        self.grads.finish([(i, self.params[i].sharded) for i in self._grad_indices])
+
+    def settle_host_copies(self) -> None:
+        """An offloaded group: return when its host copies are complete (offload [Note: host
+        copies and their streams]); a no-op otherwise."""
+        if self.host_copies is not None:
+            self.host_copies.settle()
+
+    def end_backward(self, forward_id: Optional[int]) -> None:
+        """The backward of root forward ``forward_id`` is over: the next one starts afresh.
+        Forwards up to it are done with; later ones (pipeline schedules run the next
+        micro-batches' forwards first) keep their records."""
+        self.progress = BackwardProgress()
+        self.forwards.end_backward(forward_id)
+
+    def reset_iteration(self) -> None:
+        """runtime [Note: resetting an iteration]: the collectives in flight waited for, the group
+        resharded, what the failed iteration reduced or accumulated dropped."""
+        self.gather.finish()
+        self.reshard()
+        self.grads.discard()
+        for p in self.params:
+            p.unsharded.grad = None
+        self.progress = BackwardProgress()
+        self.forwards = ForwardRecord()
+
+    def zero_grad(self) -> None:
+        """Drop every gradient of the group: locally accumulated full gradients (from
+        backwards without gradient sync) and the sharded ones (zeroed, ``.grad = None``)."""
+        for i in self._grad_indices:
+            self.params[i].unsharded.grad = None
+            self.params[i].sharded.grad = None
+        self.grads.zero()
