@@ -8,7 +8,7 @@ Variants: DDP (the no-sharding limit), PyTorch FSDP2 ``fully_shard``, DeepSpeed 
 vescale-zero ``fully_shard`` and vescale-zero's DeepSpeed ``"stage": "ragged"``; then,
 where megatron-core is installed (``--no-megatron`` leaves it out), megatron-core's own
 ``GPTModel`` of the same dims under its ``DistributedDataParallel`` and under our
-``VeScaleFSDP`` (``examples/megatron/pretrain_gpt.py``; on CPU through the test shim, see
+``RaggedFSDP`` (``examples/megatron/pretrain_gpt.py``; on CPU through the test shim, see
 ``build_megatron_variant``), reported in a table of their own since the model differs. Each
 variant runs in fresh processes (so its memory is its own) and the variants cycle
 A B C D E ... A B C D E .... gloo on CPU, NCCL when GPUs are present.
@@ -649,7 +649,7 @@ def main() -> None:
                    help="also run DDP, FSDP2 and vescale-zero with each block compiled (rows suffixed _c)")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --compile")
     p.add_argument("--json", help="write the raw measurements and the summary here")
-    p.add_argument("--no-megatron", action="store_true", help="leave out megatron-core DDP vs VeScaleFSDP")
+    p.add_argument("--no-megatron", action="store_true", help="leave out megatron-core DDP vs RaggedFSDP")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
     if cuda:

@@ -121,14 +121,14 @@ def _megatron_fp16(rank: int, world_size: int) -> List[List[str]]:
     from megatron.core import parallel_state
     from megatron.core.optimizer import OptimizerConfig
 
-    from integrations.megatron.optimizer import VeScaleOptimizer
+    from integrations.megatron.optimizer import RaggedOptimizer
 
     parallel_state.initialize_model_parallel(1, 1)
     try:
         model = _sharded(tuple(range(world_size)))
         config = OptimizerConfig(optimizer="adam", lr=1e-2, fp16=True, initial_loss_scale=2.0 ** 8,
                                  min_loss_scale=1.0, loss_scale_window=1000, hysteresis=2, clip_grad=1.0)
-        opt = VeScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True), config, [model])
+        opt = RaggedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True), config, [model])
         per_step = []
         for step in range(STEPS + 1):
             x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(step + rank))

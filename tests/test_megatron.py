@@ -1,4 +1,4 @@
-"""Megatron-Core: ``VeScaleFSDP`` + ``VeScaleOptimizer`` train a megatron-core GPTModel
+"""Megatron-Core: ``RaggedFSDP`` + ``RaggedOptimizer`` train a megatron-core GPTModel
 exactly as megatron-core's ``DistributedDataParallel`` + Megatron's FP32 optimizer step.
 
 Both runs use ``examples/megatron/pretrain_gpt.py`` (Megatron's schedules, 1F1B under
@@ -304,7 +304,7 @@ def test_clipping_matches_megatron():
 
 # ---- activation recompute and idle experts -------------------------------------------
 # Megatron-LM's recompute flags (the example takes them), one variant each; a launch runs
-# every variant under megatron-core DDP and under VeScaleFSDP.
+# every variant under megatron-core DDP and under RaggedFSDP.
 _FULL = ["--recompute-granularity", "full", "--recompute-method"]
 RECOMPUTE = {
     "full-uniform-1": _FULL + ["uniform", "--recompute-num-layers", "1"],  # one checkpoint per layer
@@ -345,7 +345,7 @@ def _ddp_grads(ddp) -> Dict[str, torch.Tensor]:
 
 
 def _our_grads(model) -> Dict[str, torch.Tensor]:
-    """VeScaleFSDP's sharded gradients (``main_grad``), each made full: every rank puts its
+    """RaggedFSDP's sharded gradients (``main_grad``), each made full: every rank puts its
     piece (``sharded_range``) into zeros and the group's ranks sum them (disjoint pieces,
     so the sum is exact). Collective."""
     import torch.distributed as dist
@@ -383,7 +383,7 @@ def _steps_differ(a: List[tuple], b: List[tuple]) -> tuple:
 
 
 def _both_recorded(pg, argv: List[str]) -> Dict[str, tuple]:
-    """megatron-core DDP + Megatron's FP32 step, then VeScaleFSDP + VeScaleOptimizer, on
+    """megatron-core DDP + Megatron's FP32 step, then RaggedFSDP + RaggedOptimizer, on
     ``argv``: ``{"ddp"|"ours": (losses, recorded steps), "noted": DDP's first-step local sums
     (:func:`_noting_local_sums`)}``."""
     from devtools.megatron_shim import MegatronFP32Step
@@ -487,7 +487,7 @@ def _check_recorded(results: List[Dict], variants: List[str], exact: bool,
 @pytest.mark.parametrize("world_size", [2, 3], ids=["dp2", "dp3"])
 def test_activation_recompute_equals_megatron_ddp(world_size):
     """``--recompute-granularity full`` (uniform by 1 and 2 layers, block) and ``selective``
-    (core attention; MLP and layernorms): VeScaleFSDP equals megatron-core DDP with the same
+    (core attention; MLP and layernorms): RaggedFSDP equals megatron-core DDP with the same
     settings step by step -- losses, reduced gradients, weights -- bit for bit at dp2 (as
     without recompute); at dp3 (summation order, see the parity test) the first loss exactly,
     the first step's gradients within the summation-order bound, the weights within Adam's;
@@ -556,7 +556,7 @@ def _idle_expert(pg, args):
 def test_expert_idle_on_one_rank_equals_megatron_ddp():
     """An expert that gets no tokens on one data-parallel rank but some on the other, with
     Megatron's experts (zero gradient) and with experts that skip empty batches (no gradient
-    on that rank), also under selective (MoE layer) and full recompute: VeScaleFSDP equals
+    on that rank), also under selective (MoE layer) and full recompute: RaggedFSDP equals
     megatron-core DDP step by step bit for bit (dp2), each variant equals the plain run, and
     nothing hangs (collective order never depends on which gradients a rank produced)."""
     results = run_on_ranks(_recorded_runs, 2, MOE_IDLE, MOE_IDLE_VARIANTS, _idle_expert, timeout=120)
@@ -567,7 +567,7 @@ def test_expert_idle_on_one_rank_equals_megatron_ddp():
 
 
 # ---- optimizer CPU offload (Megatron-LM's flags) ----------------------------------------
-# The example passes them to VeScaleFSDP (its options) and to get_vescale_optimizer (the
+# The example passes them to RaggedFSDP (its options) and to get_vescale_optimizer (the
 # OptimizerConfig); megatron-core DDP + Megatron's FP32 step (the reference) ignore them.
 OFFLOAD_VARIANTS = {
     "offload": ["--optimizer-cpu-offload"],  # --optimizer-offload-fraction 1.0, Megatron-LM's default: every group
@@ -610,7 +610,7 @@ def _host_side(model, optimizer) -> List[Dict]:
 
 def _noting_host_side(pg, args):
     """Test-only: the example's ``build`` noted per variant, so that :func:`_host_side` reads the
-    VeScaleFSDP model and optimizer each variant trained. Returns ``(before_variant, report)``."""
+    RaggedFSDP model and optimizer each variant trained. Returns ``(before_variant, report)``."""
     built: Dict[str, tuple] = {}
     current = {"name": None}
     build = pg.build
@@ -633,7 +633,7 @@ def _noting_host_side(pg, args):
 
 def test_optimizer_cpu_offload_equals_the_run_without():
     """``--optimizer-cpu-offload`` (fraction 1.0, and 0.3 with ``--no-pin-cpu-grads``) on GPTModel
-    tp1 x dp2, fp32: VeScaleFSDP equals megatron-core DDP and its own run without the flag step by
+    tp1 x dp2, fp32: RaggedFSDP equals megatron-core DDP and its own run without the flag step by
     step, bit for bit (losses, reduced gradients, weights): offload moves buffers, not arithmetic.
     The offloaded groups are whole groups in module order up to the fraction, and their sharded
     parameters, gradients and optimizer state are the host-side buffers (by data pointers)."""
@@ -712,7 +712,7 @@ def _resume_and_interchange(rank: int, world_size: int, argv: List[str], ckpt_di
         ours = resumed.state_dict()
         resumed_vs_ddp = max(_relative_error(ours[k], ddp_state[k]) for k in ddp_state)
 
-        # A DDP state dict loads into VeScaleFSDP, and ours into DDP, exactly.
+        # A DDP state dict loads into RaggedFSDP, and ours into DDP, exactly.
         fresh, _, _ = pg.build(args)
         fresh.load_state_dict(ddp_full)
         into_ours = max(_relative_error(v, ddp_state[k]) for k, v in fresh.state_dict().items()
@@ -729,7 +729,7 @@ def _resume_and_interchange(rank: int, world_size: int, argv: List[str], ckpt_di
 def test_checkpoint_resume_and_ddp_state_dict_interchange(tmp_path):
     """Stop after 2 of 3 steps, save the shards (``vescale_zero.checkpoint``), resume in a
     new model: bit-identical to DDP's uninterrupted run. Full state dicts move between
-    megatron-core DDP and VeScaleFSDP both ways without change (tp=2 x dp=2)."""
+    megatron-core DDP and RaggedFSDP both ways without change (tp=2 x dp=2)."""
     argv = SMALL + ["--clip-grad", "0", "--global-batch-size", "8", "--tensor-model-parallel-size", "2"]
     for res in run_on_ranks(_resume_and_interchange, 4, argv, str(tmp_path / "ckpt"), timeout=300):
         assert res["resumed_vs_ddp"] == 0.0, res
@@ -744,7 +744,7 @@ def _bad_inputs(rank: int, world_size: int) -> Dict[str, str]:
     install_cuda_shim()
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    from vescale_zero.integrations.megatron import VeScaleFSDP, get_vescale_optimizer
+    from vescale_zero.integrations.megatron import RaggedFSDP, get_vescale_optimizer
 
     with _megatron_job(SMALL + ["--global-batch-size", "4"]) as (pg, args):
         outcome: Dict[str, str] = {}
@@ -763,7 +763,7 @@ def _bad_inputs(rank: int, world_size: int) -> Dict[str, str]:
             module = pg.build_model_unwrapped(args, config)
             for key in [k for k in ddp_kwargs if hasattr(config, k)]:  # as if set on the command line
                 setattr(config, key, ddp_kwargs.pop(key))
-            return VeScaleFSDP(config, DistributedDataParallelConfig(**ddp_kwargs), module)
+            return RaggedFSDP(config, DistributedDataParallelConfig(**ddp_kwargs), module)
 
         expect("megatron fsdp", lambda: wrap(use_megatron_fsdp=True), "use_megatron_fsdp", "--use-megatron-fsdp")
         expect("outer dp sharding", lambda: wrap(num_distributed_optimizer_instances=2,
@@ -782,7 +782,7 @@ def _bad_inputs(rank: int, world_size: int) -> Dict[str, str]:
                "'lamb'", "adam", "sgd", "adamw8bit", "shampoo", "muon")
         offload = dataclasses.replace(config, optimizer_cpu_offload=True, optimizer_offload_fraction=1.0)
         expect("offload not sharded so", lambda: get_vescale_optimizer(offload, [model]),
-               "optimizer_cpu_offload=True", "VeScaleFSDPOptions(optimizer_offload=", "--optimizer-cpu-offload")
+               "optimizer_cpu_offload=True", "RaggedFSDPOptions(optimizer_offload=", "--optimizer-cpu-offload")
         state = model.state_dict()
         key = next(k for k, v in state.items() if torch.is_tensor(v) and v.dim() == 2)
         expect("shape", lambda: model.load_state_dict({**state, key: torch.zeros(3, 3)}), key, "(3, 3)")
@@ -849,7 +849,7 @@ class _FirstStepGrads:
 def _bf16_accumulation(rank: int, world_size: int, argv: List[str]) -> Dict:
     """``--bf16 --accumulate-allreduce-grads-in-fp32``, 4 micro-batches (3 under ``no_sync``):
     megatron-core DDP + Megatron's own mixed-precision optimizer (fp32 masters), then
-    VeScaleFSDP + VeScaleOptimizer. The first step's reduced gradients (DDP's ``main_grad``;
+    RaggedFSDP + RaggedOptimizer. The first step's reduced gradients (DDP's ``main_grad``;
     ours gathered from the sharded ``main_grad``), ``sum over ranks of |R_r|`` (``R_r`` a rank's
     fp32 sum of its micro-gradients, read from DDP's buffer before its all-reduce), and the
     fp32 masters after the last step."""
@@ -970,8 +970,8 @@ def _megatron_lm_switch(rank: int, world_size: int, save_dir: str) -> Dict[str, 
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from vescale_zero.integrations.megatron import (
-        VeScaleFSDP,
-        VeScaleOptimizer,
+        RaggedFSDP,
+        RaggedOptimizer,
         add_vescale_fsdp_args,
         use_vescale_fsdp_in_megatron_lm,
     )
@@ -1024,7 +1024,7 @@ def _megatron_lm_switch(rank: int, world_size: int, save_dir: str) -> Dict[str, 
                              module=pg.build_model_unwrapped(args, pg.transformer_config(args)),
                              disable_bucketing=False)
         return {
-            "wrapper": isinstance(chunk, VeScaleFSDP), "optimizer": isinstance(optimizer, VeScaleOptimizer),
+            "wrapper": isinstance(chunk, RaggedFSDP), "optimizer": isinstance(optimizer, RaggedOptimizer),
             "unwrapped": training.unwrap_model(chunk) is inner, "rows": granularity_rows,
             "off": type(plain) is DistributedDataParallel, "saved": saved_ok, "optimizer resumed": optim_ok,
         }
@@ -1159,7 +1159,7 @@ def _full_adam_state(model, optimizer) -> Dict[str, Dict[str, torch.Tensor]]:
 def _converted_compared(pg, args, converted: str, loaded: Dict[str, torch.Tensor],
                         state: Optional[Dict[str, Dict[str, torch.Tensor]]], rank: int) -> tuple:
     """How far the offline-converted checkpoint (vescale-zero convert --from megatron), loaded
-    into a new VeScaleFSDP, is from the ``loaded`` weights and Adam ``state`` (None: only
+    into a new RaggedFSDP, is from the ``loaded`` weights and Adam ``state`` (None: only
     that every trained parameter has state); and whether it consolidates (rank 0) to the
     same plain state dict: ``(weights, state or keys, step, same keys, consolidated)``."""
     from vescale_zero import checkpoint
@@ -1198,7 +1198,7 @@ def _converted_moe_at_ep1(rank: int, world_size: int, argv: List[str], ckpt: str
 
 def _resume_from_megatron(rank: int, world_size: int, argv: List[str], ckpt: str, back: str, source: Dict,
                           converted: Optional[str], saved_by_tp: Optional[Dict[int, Dict]] = None) -> Dict:
-    """At another layout VeScaleFSDP loads the checkpoint and trains one more step, against
+    """At another layout RaggedFSDP loads the checkpoint and trains one more step, against
     Megatron's own: megatron-core DDP + its Adam loading it at this layout, or (distributed
     optimizer, whose torch fallback cannot reload on CPU) the source's continuation. The
     offline-converted checkpoint (``converted``) loads to the same state. Then ours saves
@@ -1292,7 +1292,7 @@ def _resume_from_megatron(rank: int, world_size: int, argv: List[str], ckpt: str
 
 
 def _vescale_writes_dist_checkpoint(rank: int, world_size: int, argv: List[str], ckpt: str) -> Dict:
-    """VeScaleFSDP + Adam, 2 steps, saved torch_dist by the streamed save (each rank its own
+    """RaggedFSDP + Adam, 2 steps, saved torch_dist by the streamed save (each rank its own
     shard), then a third step: the TP rank, the full weights and Adam state saved (gathered
     here, for the comparison) and the final weights."""
     from megatron.core import dist_checkpointing, parallel_state
@@ -1399,7 +1399,7 @@ def test_megatron_dist_checkpoint_resumes_in_vescale_fsdp_and_back(tmp_path, meg
     """Megatron writes a torch_dist checkpoint (tp2 x dp1 or pp2 x dp1 with its Adam, dp2 with its
     distributed optimizer, ``fully_reshardable`` (fp32, and bf16: its masters named
     ``optimizer.state.param.*``), dp2 bf16 with its mixed-precision Adam, or MoE at ep2 with its
-    chained dense and expert Adams); VeScaleFSDP loads it at tp1 x dp3 (ep1: experts over 3
+    chained dense and expert Adams); RaggedFSDP loads it at tp1 x dp3 (ep1: experts over 3
     ranks) (the Adam cases: weights -- the fp32 masters in bf16 -- and moments exactly as
     Megatron loads them), and the next step follows Megatron's own continuation: the same loss,
     in fp32 against Megatron's DDP at this layout the reduced gradients within the summation-order
@@ -1459,8 +1459,8 @@ def test_megatron_dist_checkpoint_resumes_in_vescale_fsdp_and_back(tmp_path, meg
 @pytest.mark.parametrize("case", list(VESCALE_SAVED_CASES))
 @pytest.mark.slow
 def test_streamed_dist_checkpoint_resumes_at_another_layout(megatron_dist_checkpoints, case):
-    """VeScaleFSDP + Adam writes torch_dist with the streamed save (each rank its boxes, no
-    gather) at dp2 or tp2 x dp2; at dp3 or tp2 x dp1 VeScaleFSDP loads exactly the weights and
+    """RaggedFSDP + Adam writes torch_dist with the streamed save (each rank its boxes, no
+    gather) at dp2 or tp2 x dp2; at dp3 or tp2 x dp1 RaggedFSDP loads exactly the weights and
     Adam state saved (step 2), and so does megatron-core DDP + its Adam; the next step stays
     within one AdamW step of the uninterrupted run (another data-parallel size sums the
     gradients in another order) and Megatron's own continuation (the same loss,
@@ -1485,7 +1485,7 @@ def test_streamed_dist_checkpoint_resumes_at_another_layout(megatron_dist_checkp
 
 
 def _converted_loads_at_tp2(rank: int, world_size: int, argv: List[str], converted: str) -> str:
-    """The error of loading a converted (tp1) checkpoint into VeScaleFSDP at tp2."""
+    """The error of loading a converted (tp1) checkpoint into RaggedFSDP at tp2."""
     from vescale_zero import checkpoint
 
     with _megatron_job(argv) as (pg, args):
@@ -1594,7 +1594,7 @@ def _megatron_lm_torch_dist(rank: int, world_size: int, save_dir: str, name: str
 
 @pytest.mark.parametrize("name", ["adam", "adam-glu", "muon"])
 def test_megatron_lm_torch_dist_checkpoints_resume(tmp_path, name):
-    """Under the switch, Megatron-LM's torch_dist save/load flow works with VeScaleFSDP (the
+    """Under the switch, Megatron-LM's torch_dist save/load flow works with RaggedFSDP (the
     save streamed, each rank its own boxes; with a gated MLP, boxes of the halves Megatron's
     factory splits fc1 into): weights and optimizer state come back exactly; Adam's state
     lives in the dist-checkpoint (model space), Muon's per-rank shards beside it."""

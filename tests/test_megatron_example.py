@@ -84,7 +84,7 @@ def test_readme_command_trains_on_two_ranks():
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-4000:]
     assert "unrecognized arguments" not in out
-    done = re.search(r"done: VeScaleFSDP \(ragged\), tp=1 pp=1 dp=2, loss ([\d.]+) -> ([\d.]+)", out)
+    done = re.search(r"done: RaggedFSDP \(ragged\), tp=1 pp=1 dp=2, loss ([\d.]+) -> ([\d.]+)", out)
     assert done, out[-4000:]
     assert float(done.group(2)) < float(done.group(1)), done.group(0)
     assert len(re.findall(r" iteration +\d+/ +3 \| consumed samples: ", out)) == 3, out[-4000:]
@@ -107,7 +107,7 @@ def _state(model) -> Dict[str, torch.Tensor]:
 
 
 def _ddp_and_ours(pg, args) -> Dict[str, Any]:
-    """megatron-core DDP + Megatron's FP32 step and VeScaleFSDP + its optimizer, each driven by
+    """megatron-core DDP + Megatron's FP32 step and RaggedFSDP + its optimizer, each driven by
     the example's OptimizerParamScheduler: per-step losses, learning rates, final weights."""
     from devtools.megatron_shim import MegatronFP32Step
 
@@ -187,7 +187,7 @@ FUSION = ["--gradient-accumulation-fusion", "--global-batch-size", "8", "--train
 
 
 def _fusion(rank: int, world_size: int, extra: List[str]) -> Dict[str, Any]:
-    """--gradient-accumulation-fusion: megatron-core DDP + Megatron's FP32 step and VeScaleFSDP,
+    """--gradient-accumulation-fusion: megatron-core DDP + Megatron's FP32 step and RaggedFSDP,
     both through megatron-core's fused wgrad path (the test-only CPU kernel, counted): the first
     step's reduced gradients (main_grad) and the weights after 2 steps."""
     from devtools.megatron_shim import MegatronFP32Step, _FusedWeightGradientOnCPU, fused_wgrad_on_cpu
@@ -266,7 +266,7 @@ def _megatron_lm_learning_rates(iters: int, global_batch: int) -> List[float]:
 def test_learning_rate_schedule_is_megatron_lms(runs):
     """--lr-decay-style cosine --lr-warmup-iters 1 --lr-decay-iters 3 --min-lr: each step's
     learning rate is OptimizerParamScheduler's as Megatron-LM sets it up (warmup from 0, cosine
-    to --min-lr, then --min-lr), and VeScaleFSDP trains bit-identically to megatron-core DDP
+    to --min-lr, then --min-lr), and RaggedFSDP trains bit-identically to megatron-core DDP
     under the same schedule."""
     expected = _megatron_lm_learning_rates(4, 4)
     assert len(set(expected)) == 4, expected
@@ -278,7 +278,7 @@ def test_learning_rate_schedule_is_megatron_lms(runs):
 
 def test_moe_aux_loss_coefficient_takes_effect_like_megatron_ddp(runs):
     """--moe-aux-loss-coeff reaches megatron-core's router (no longer 0): the weights after a
-    step change with it, and VeScaleFSDP's equal megatron-core DDP's with the same flag."""
+    step change with it, and RaggedFSDP's equal megatron-core DDP's with the same flag."""
     for res in runs["aux"]:
         assert res["differ"] == {"0.1": [], "0": []}, res["differ"]
         for ref, ours in res["losses"].values():

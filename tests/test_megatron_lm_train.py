@@ -289,7 +289,7 @@ def _isinstance_ddp(rank: int, world_size: int) -> Dict[str, Any]:
     from megatron.core.distributed import DistributedDataParallel
 
     from tests.test_megatron import _ddp_grads, _our_grads
-    from vescale_zero.integrations.megatron import VeScaleFSDP
+    from vescale_zero.integrations.megatron import RaggedFSDP
 
     out: Dict[str, Any] = {}
     grads = {}
@@ -307,7 +307,7 @@ def _isinstance_ddp(rank: int, world_size: int) -> Dict[str, Any]:
             grads[flag] = _our_grads(model[0]) if flag else _ddp_grads(model[0])
             out[flag] = {
                 "class": isinstance(training.DDP, type),
-                "wrapper": type(model[0]) is (VeScaleFSDP if flag else DistributedDataParallel),
+                "wrapper": type(model[0]) is (RaggedFSDP if flag else DistributedDataParallel),
                 "isinstance": isinstance(model[0], training.DDP),
                 "no_sync": config.no_sync_func == model[0].no_sync,
                 "issubclass": issubclass(type(model[0]), training.DDP),
@@ -596,13 +596,13 @@ FLAGS_WITHOUT_EFFECT = {  # flag: (args field, a value that sets it, words of th
     "--main-params-dtype": ("main_params_dtype", torch.float16, "fp32 optimizer states"),
     "--exp-avg-dtype": ("exp_avg_dtype", torch.bfloat16, "--vescale-optimizer adamw8bit"),
     "--exp-avg-sq-dtype": ("exp_avg_sq_dtype", torch.uint8, "--vescale-optimizer adamw8bit"),
-    # beside --vescale-no-prefetch only (set below): otherwise it asks for what VeScaleFSDP does
+    # beside --vescale-no-prefetch only (set below): otherwise it asks for what RaggedFSDP does
     "--overlap-param-gather": ("overlap_param_gather", True, "--vescale-no-prefetch"),
 }
 
 
 def _flags(rank: int, world_size: int) -> Dict[str, Any]:
-    """Megatron-LM's get_model twice with every flag VeScaleFSDP does not use, then the
+    """Megatron-LM's get_model twice with every flag RaggedFSDP does not use, then the
     example's build twice with --min-lr (which its learning-rate scheduler uses): the warnings each time."""
     import warnings
 
@@ -769,7 +769,7 @@ def _params_norm(rank: int, world_size: int) -> Dict[str, Any]:
 
 # ---- E: --optimizer muon -------------------------------------------------------------
 def _muon(rank: int, world_size: int) -> Dict[str, Any]:
-    from vescale_zero.integrations.megatron import VeScaleOptimizer
+    from vescale_zero.integrations.megatron import RaggedOptimizer
     from vescale_zero.optim import Muon
 
     out: Dict[str, Any] = {}
@@ -791,7 +791,7 @@ def _muon(rank: int, world_size: int) -> Dict[str, Any]:
             out["built"] = str(e)
             return out
         out["built"] = "ok"
-        out["ours"] = isinstance(optimizer, VeScaleOptimizer) and any(
+        out["ours"] = isinstance(optimizer, RaggedOptimizer) and any(
             isinstance(o, Muon) for o in getattr(optimizer, "optimizers", [optimizer.optimizer]))
         args.vescale_optimizer = "shampoo"
         try:
@@ -858,13 +858,13 @@ def results(tmp_path_factory) -> Dict[str, List[Any]]:
 def test_megatron_lm_train_isinstance_ddp(results):
     """A: training.DDP stays a class: Megatron-LM's isinstance in train() passes, flag on or off."""
     for res in results["isinstance"]:
-        assert res.pop("grads equal"), "VeScaleFSDP's reduced gradients differ from megatron-core DDP's"
+        assert res.pop("grads equal"), "RaggedFSDP's reduced gradients differ from megatron-core DDP's"
         for flag, checks in res.items():
             assert all(checks.values()), (flag, checks)
 
 
 def test_megatron_lm_init_model_with_meta_device(results):
-    """1: Megatron-LM's get_model with --init-model-with-meta-device builds VeScaleFSDP's
+    """1: Megatron-LM's get_model with --init-model-with-meta-device builds RaggedFSDP's
     weights equal to megatron-core DDP's eager build, bit for bit, and 2 AdamW steps (fp32, 2
     micro-batches, dp 2: every reduction has two addends) stay bit-identical."""
     for res in results["meta"]:
@@ -891,7 +891,7 @@ def test_megatron_lm_ckpt_format_torch(results):
 
 def test_megatron_lm_use_distributed_optimizer(results):
     """--use-distributed-optimizer (with --overlap-grad-reduce --overlap-param-gather) is accepted
-    under the switch, without a warning (VeScaleFSDP shards the optimizer state and prefetches the
+    under the switch, without a warning (RaggedFSDP shards the optimizer state and prefetches the
     next group's gather), and Megatron-LM's train() runs through its pre-hook calls: 3 steps equal
     megatron-core DDP + distributed optimizer's bit for bit (fp32, dp 2: each reduction has two
     addends; AdamW on the same elements in the same order); ours saved at 2 (torch format)
@@ -923,7 +923,7 @@ def test_megatron_lm_resumes_ddp_distributed_optimizer_torch_checkpoint(results)
 
 
 def test_megatron_lm_weight_hash_check(results):
-    """F: Megatron-LM's weight-hash check passes on a correct VeScaleFSDP model (the shards
+    """F: Megatron-LM's weight-hash check passes on a correct RaggedFSDP model (the shards
     differ by design: the full parameters are hashed), as on megatron-core DDP; a replica that
     diverges (HSDP: one instance's shard changed) fails it as DDP's changed copy does. At dp2
     without HSDP no rank holds another's shard: a changed shard reaches every rank's gather alike."""
@@ -948,7 +948,7 @@ def test_megatron_lm_grad_reduce_once_per_step(results):
 def test_megatron_lm_gradient_accumulation_fusion(results):
     """Issue 27: --gradient-accumulation-fusion (Megatron-LM's default) under the switch, bf16 with
     fp32 main_grad, 4 micro-batches, with and without --overlap-grad-reduce: megatron-core's fused
-    wgrad GEMM adds into the full-size main_grad views of VeScaleFSDP's gradient buffers, and the
+    wgrad GEMM adds into the full-size main_grad views of RaggedFSDP's gradient buffers, and the
     reduced gradients equal megatron-core DDP's with the same flag bit for bit."""
     for res in results["grad_reduce"]:
         for overlap in (False, True):
@@ -956,7 +956,7 @@ def test_megatron_lm_gradient_accumulation_fusion(results):
 
 
 def test_megatron_lm_flags_without_effect(results):
-    """6: each Megatron-LM flag VeScaleFSDP does not use is named once (rank 0, however many
+    """6: each Megatron-LM flag RaggedFSDP does not use is named once (rank 0, however many
     models are built), with its reason; none under megatron-core DDP; none for the example's
     --min-lr, which its OptimizerParamScheduler decays to (tests/test_megatron_example.py)."""
     rank0, rank1 = results["flags"]
@@ -975,7 +975,7 @@ def test_megatron_lm_clash_with_other_fsdp(results):
 
 
 def test_megatron_lm_check_for_nan_in_grad(results):
-    """3: a NaN gradient stops VeScaleFSDP as it stops megatron-core's DDP; off: no check."""
+    """3: a NaN gradient stops RaggedFSDP as it stops megatron-core's DDP; off: no check."""
     for res in results["nan"]:
         assert "found NaN in local grad norm" in res["ddp"], res
         assert "found NaN or Inf in the gradients" in res["vescale"], res
@@ -986,7 +986,7 @@ def test_megatron_lm_check_for_nan_in_grad(results):
 
 
 def test_megatron_lm_params_norm(results):
-    """4: Megatron-LM's calc_params_l2_norm gives DDP's figure on VeScaleFSDP's shards (same
+    """4: Megatron-LM's calc_params_l2_norm gives DDP's figure on RaggedFSDP's shards (same
     weights; norm^2 is a sum of N squares in another order: within gamma_N relative)."""
     for res in results["params_norm"]:
         for variant in NORM_VARIANTS:

@@ -1,9 +1,9 @@
-"""Megatron ``--init-model-with-meta-device`` under ``VeScaleFSDP``.
+"""Megatron ``--init-model-with-meta-device`` under ``RaggedFSDP``.
 
 A megatron-core GPTModel (``examples/megatron/pretrain_gpt.py``, local spec,
-``use_cpu_initialization``) built on the meta device and materialised by ``VeScaleFSDP``
+``use_cpu_initialization``) built on the meta device and materialised by ``RaggedFSDP``
 (integrations/megatron/meta_init.py) against the same model built eagerly under
-``VeScaleFSDP`` with the same seeds:
+``RaggedFSDP`` with the same seeds:
 
 1. the initial full parameters are bit-identical (each module is initialised in
    construction order, drawing the same random numbers), and so are the losses, gradient
@@ -65,11 +65,11 @@ def _meta_equals_eager(rank: int, world_size: int, argv: List[str]) -> Dict:
 
 
 def _materialise_peak(rank: int, world_size: int, argv: List[str]) -> Dict:
-    """Live bytes while ``VeScaleFSDP`` shards and materialises a meta GPTModel."""
+    """Live bytes while ``RaggedFSDP`` shards and materialises a meta GPTModel."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from devtools.live_bytes import LiveBytes
-    from vescale_zero.integrations.megatron import VeScaleFSDP, data_parallel
+    from vescale_zero.integrations.megatron import RaggedFSDP, data_parallel
 
     with _megatron_job(argv) as (pg, args):
         args.init_model_with_meta_device = True
@@ -91,7 +91,7 @@ def _materialise_peak(rank: int, world_size: int, argv: List[str]) -> Dict:
         try:
             with LiveBytes() as live:
                 before = live.live
-                model = VeScaleFSDP(config, DistributedDataParallelConfig(), unwrapped)
+                model = RaggedFSDP(config, DistributedDataParallelConfig(), unwrapped)
                 after = live.live
         finally:
             data_parallel.materialize_megatron = materialize
@@ -117,7 +117,7 @@ class _NoInit(nn.Module):
 def _refused(rank: int, world_size: int, argv: List[str]) -> Dict[str, str]:
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    from vescale_zero.integrations.megatron import VeScaleFSDP
+    from vescale_zero.integrations.megatron import RaggedFSDP
 
     out = {}
     with _megatron_job(argv) as (pg, args):
@@ -127,14 +127,14 @@ def _refused(rank: int, world_size: int, argv: List[str]) -> Dict[str, str]:
         with torch.device("meta"):
             model.decoder.layers[1].odd = _NoInit()
         try:
-            VeScaleFSDP(config, DistributedDataParallelConfig(), model)
+            RaggedFSDP(config, DistributedDataParallelConfig(), model)
             out["no_init"] = "accepted"
         except ValueError as e:
             out["no_init"] = str(e)
         model = pg.build_model_unwrapped(args, config)
         model.decoder.final_layernorm.to_empty(device="cpu")
         try:
-            VeScaleFSDP(config, DistributedDataParallelConfig(), model)
+            RaggedFSDP(config, DistributedDataParallelConfig(), model)
             out["partly"] = "accepted"
         except ValueError as e:
             out["partly"] = str(e)

@@ -1,16 +1,16 @@
-"""The memory a Megatron ``torch_dist`` save of ``VeScaleFSDP`` takes beyond what training holds.
+"""The memory a Megatron ``torch_dist`` save of ``RaggedFSDP`` takes beyond what training holds.
 
-The streamed save (``VeScaleFSDP.sharded_state_dict()``, Megatron-LM's ``save_checkpoint``
+The streamed save (``RaggedFSDP.sharded_state_dict()``, Megatron-LM's ``save_checkpoint``
 under the switch: integrations/megatron/dist_checkpoint.py) writes each rank's boxes as views
 of its shards -- parameters and Adam's state alike -- so the live tensor bytes (LiveBytes,
 exact) during ``dist_checkpointing.save`` grow by less than 3/4 of one full copy of the model's
 TP-local parameters (what is left is PyTorch's checkpoint writer copying the views it writes:
-about this rank's shard). The gathering save (inside ``VeScaleFSDP.full_parameters()``, what the
+about this rank's shard). The gathering save (inside ``RaggedFSDP.full_parameters()``, what the
 save did before) holds the whole model, and Adam's state gathered on top of it: measured
 here too, it must exceed the same bound, so the bound tells the two apart.
 
 Megatron-LM's ``torch`` format writes the whole model from data-parallel rank 0, so that rank
-holds one full copy (on the CPU); the gather for it (``VeScaleFSDP.prepare_state_dict``) is
+holds one full copy (on the CPU); the gather for it (``RaggedFSDP.prepare_state_dict``) is
 streamed: every rank holds one group's full buffer at a time, the other ranks keep nothing.
 
 A 4-layer megatron-core GPTModel at dp2, both ranks.

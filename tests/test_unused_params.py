@@ -6,7 +6,7 @@ without tokens on some ranks only; one parameter (in the first block) is used on
 If a rank issued its reduce-scatters in another order than its peers, the collectives would
 pair up wrongly: silently averaging the wrong gradients where the sizes agree (on NCCL as
 on gloo), a crash or a hang where they do not. A spy checks the sequence of reduce-scatters
-on every rank directly (runtime [Note: one order of reduce-scatters]), and the result is
+on every rank directly (scheduler [Note: one order of reduce-scatters]), and the result is
 compared with ``DistributedDataParallel(find_unused_parameters=True)``. Every launch has a
 hard timeout: a hang fails the test.
 """

@@ -1,28 +1,77 @@
-"""Every host attribute the adapters replace (monkey-patches of DeepSpeed, accelerate,
-transformers and Megatron internals, and the torch functions ``vescale_zero.primitives.dtensor_interop``
-routes; TRL and PEFT are read, not patched), the host version each was checked against, and the
-signature of the host function it relies on: the one list (``HOST_PATCHES``).
+"""Every change vescale-zero makes to a host's code, in one registry, applied by :func:`install`
+and undone by :func:`uninstall`.
 
-[Note: host patches] A patch site says in one line, right above the assignment::
+The hosts are torch, DeepSpeed, accelerate, transformers, megatron-core and Megatron-LM (TRL and
+PEFT are read, not patched). ``HOST_PATCHES`` lists, for every replaced host attribute, every
+private host method our subclasses override and every private host name we import: what it is,
+the host version it was checked against (``HOST_VERSIONS``) and the signature relied on.
 
-    # host patch deepspeed.initialize: checked against deepspeed 0.19.8
+[Note: host patches]
+One registry, one owner. Nothing else in the package or the adapters assigns to a host module or
+class (``tests/test_host_patches.py`` parses the tree and fails on any such assignment, and on
+any private method of a host class overridden without an entry here); a replacement's code lives
+with its adapter, named by ``by``. An entry's ``kind`` says how it reaches the host:
 
-naming its entry here (under ``integrations/`` or ``vescale_zero/``); ``tests/test_host_patches.py``
-checks that every site names an entry
-with the same version, that every entry has a site, and -- in a fresh interpreter, where no
-patch is applied yet -- that each installed host function still has the signature recorded
-here (parameter names, kinds and defaults; annotations left out), failing with the function,
-the expected and the found signature and the installed version. A host upgrade that changes
-one of them needs the patch re-read against the new version, then its entry and site updated.
-This module imports no host.
+==========  ======================================================================================
+kind        what :func:`install` does with ``by`` (``"module:name"``, imported when installed)
+==========  ======================================================================================
+replace     puts ``by`` in place of the attribute
+wrap        puts ``by(original)`` in place (``None``: left alone, the host's own stays)
+everywhere  as ``wrap``, in every loaded module that holds the original under that name
+            (megatron-core's ``unwrap_model``, imported by name into many modules)
+route       the host function's code is replaced in place by a forwarder to ``by(original)``: the
+            function object stays, so a reference bound before the install is routed too
+            (DeepSpeed's ``safe_get_*`` accessors); the original body runs as a copy
+scoped      nothing: the adapter puts ``by`` there for the length of a ``with`` (:func:`scoped`)
+setting     nothing: the adapter sets a host's setting through :func:`assign`
+instance    nothing: the code at ``by`` sets the attribute on host *instances* (no class changes),
+            its marker right above the assignment
+override    nothing: ``by`` (a class of ours) overrides the host's private method in a subclass
+import      nothing: the private host name is imported by ``by``'s module
+==========  ======================================================================================
+
+``install(host)`` applies every ``replace`` / ``wrap`` / ``everywhere`` / ``route`` entry of a
+patch set (a host's name: ``"torch"``, ``"deepspeed"``, ``"accelerate"``, ``"transformers"``,
+``"megatron"``; or a part of one applied at another time: ``"torch.optim"`` on the first
+``fully_shard``, ``"deepspeed.zero_to_fp32"`` in a checkpoint's own converter script) and keeps
+the originals (one bookkeeping for every patch: :func:`installed`); it is idempotent, and an
+owner replaced since (a module loaded again) is patched anew. ``uninstall(host)`` puts every
+original back, the very objects. Who installs what, and when:
+
+    import vescale_zero                              install("torch")
+    the first fully_shard                            install("torch.optim")
+    import vescale_zero.integrations.deepspeed       install("deepspeed"), install("deepspeed.zero_to_fp32"),
+                                                     install("accelerate")
+    a ragged DeepSpeed engine is built               install("accelerate"), install("transformers")
+                                                     (what was not loaded before)
+    use_vescale_fsdp_in_megatron_lm()                install("megatron")
+
+An entry the host does not have is an error, unless ``optional`` (accelerate and transformers
+are optional hosts; Megatron-LM's names differ between its versions); ``loaded_only`` names a
+module that must already be imported (a heavy one we never import ourselves); ``when`` names a
+predicate (``"module:function"``) that must hold (torch 2.11's dispatch rule lookup).
+``tests/test_host_patches.py`` checks, in a fresh interpreter, that every installed host
+function still has the signature recorded here (parameter names, kinds and defaults;
+annotations left out), and that :func:`uninstall` restores every original. A host upgrade that
+changes one of them needs the patch re-read against the new version, then its entry updated.
+
+Each entry's ``by`` carries, at its definition, the line ``# host patch KEY: checked against HOST
+VERSION`` (the test checks that every entry has one and that they agree). This module imports no
+host and none of ours at import time.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import inspect
+import sys
+import types
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-__all__ = ["HOST_PATCHES", "HOST_VERSIONS", "HostPatch"]
+__all__ = ["HOST_PATCHES", "HOST_VERSIONS", "HostPatch", "KINDS", "install", "uninstall", "installed", "scoped",
+           "assign"]
 
 HOST_VERSIONS: Dict[str, str] = {
     "torch": "2.11.0-2.15.0",  # every release CI tests (setup.py): the signatures are checked on each
@@ -40,25 +89,48 @@ versions here and is answered for ragged parameters: integrations/deepspeed/zero
 [Note: ZeRO-3 attributes on ragged parameters], accelerate_stage.py [Note: the stage accelerate
 compares], ``integrations/deepspeed/__init__.py`` [Note: a model built partitioned for ragged]."""
 
+KINDS = ("replace", "wrap", "everywhere", "route", "scoped", "setting", "instance", "override", "import")
+INSTALLED_KINDS = ("replace", "wrap", "everywhere", "route")
+
 
 @dataclass(frozen=True)
 class HostPatch:
-    """One replaced host attribute.
+    """One change to a host's code.
 
     Attributes:
-        patched: the dotted path of what is assigned (``module.attr`` or ``module.Class.attr``).
+        patched: the dotted path of the host attribute (``module.attr`` or ``module.Class.attr``).
         host: its distribution, a key of :data:`HOST_VERSIONS`.
         signature_of: the dotted path of the host callable whose signature the patch relies on
             (the replaced function itself, or what the patched name holds).
         signature: that signature at the checked version, annotations left out; ``None``: not
-            checkable on our machines (the host is not installable here), or not a callable
-            (then only its existence is checked).
+            checkable on our machines (the host is not installable here), not a callable (then
+            only its existence is checked), or checked by ``by`` itself when installed.
+        by: ``"module:name"`` of ours: what is put there, or what puts it (see ``kind``).
+        kind: one of :data:`KINDS` ([Note: host patches]).
+        patch_set: what :func:`install` is given to apply it (default: a host's own name).
+        optional: a missing owner or attribute skips the entry (else it is an error).
+        loaded_only: a module that must already be imported for the entry to be installed.
+        when: ``"module:function"``, a predicate that must hold for the entry to be installed.
     """
 
     patched: str
     host: str
     signature_of: str
     signature: Optional[str]
+    by: str = ""
+    kind: str = "replace"
+    patch_set: str = ""
+    optional: bool = False
+    loaded_only: Optional[str] = None
+    when: Optional[str] = None
+
+    @property
+    def installed_by(self) -> str:
+        """The patch set :func:`install` applies it with."""
+        return self.patch_set or _DEFAULT_SETS.get(self.host, self.host)
+
+
+_DEFAULT_SETS = {"megatron-core": "megatron", "Megatron-LM": "megatron"}
 
 
 _DS_INIT = ("(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None, "
@@ -98,74 +170,318 @@ _FROM_LOCAL = "(local_tensor, device_mesh=None, placements=None, *, run_check=Fa
 _REDISTRIBUTE = "(self, device_mesh=None, placements=None, *, async_op=False, forward_dtype=None, backward_dtype=None)"
 _DISTRIBUTE = "(tensor, device_mesh=None, placements=None, *, src_data_rank=0)"
 
+_DS = "vescale_zero.integrations.deepspeed"
+_MEG = "vescale_zero.integrations.megatron"
+_TORCH_OPTIM = ("adam", "adamw", "sgd", "adagrad", "adamax", "adadelta", "asgd", "nadam", "radam", "rmsprop", "rprop")
+_DS_ENGINE_OVERRIDES = {  # DeepSpeedEngine's private methods RaggedEngineMixin overrides (engine.py)
+    "_configure_distributed_model": "(self, model)",
+    "_configure_basic_optimizer": "(self, model_parameters)",
+    "_configure_optimizer": "(self, client_optimizer, model_parameters)",
+    "_is_supported_optimizer": "(self, optimizer_name)",
+    "_broadcast_model": "(self)",
+    "_backward_prologue": "(self)",
+    "_take_model_step": "(self, lr_kwargs)",
+    "_zero3_consolidated_16bit_state_dict": "(self, exclude_frozen_parameters=False)",
+    "_consolidated_16bit_state_dict": "(self, exclude_frozen_parameters=False)",
+}
+_ENGINE = "deepspeed.runtime.engine.DeepSpeedEngine"
+_INIT = "deepspeed.runtime.zero.partition_parameters.Init"
+_FRAGMENT = "deepspeed.utils.tensor_fragment"
+
+
+def _same(patched: str, host: str, signature: Optional[str], by: str, kind: str = "replace", **more: Any) -> HostPatch:
+    """An entry whose signature is the patched callable's own."""
+    return HostPatch(patched, host, patched, signature, by, kind, **more)
+
+
 HOST_PATCHES: Dict[str, HostPatch] = {p.patched: p for p in (
-    # torch: vescale_zero/primitives/dtensor_interop.py ([Note: torch's DTensor functions meet RaggedShard])
-    HostPatch(f"{_DTENSOR}.DTensor.from_local", "torch", f"{_DTENSOR}.DTensor.from_local", _FROM_LOCAL),
-    HostPatch(f"{_DTENSOR}.DTensor.redistribute", "torch", f"{_DTENSOR}.DTensor.redistribute", _REDISTRIBUTE),
-    HostPatch(f"{_DTENSOR}.distribute_tensor", "torch", f"{_DTENSOR}.distribute_tensor", _DISTRIBUTE),
-    HostPatch(f"{_DTENSOR}._api.distribute_tensor", "torch", f"{_DTENSOR}._api.distribute_tensor", _DISTRIBUTE),
-    HostPatch("torch.distributed._state_dict_utils.distribute_tensor", "torch",
-              "torch.distributed._state_dict_utils.distribute_tensor", _DISTRIBUTE),
-    HostPatch("torch.distributed._state_dict_utils._distribute_tensors", "torch",
-              "torch.distributed._state_dict_utils._distribute_tensors", "(local_state_dict, keys, device, pg=None)"),
-    # torch (2.11 only: its DTensor fast path skips a subclass's __torch_dispatch__): vescale_zero/torch_compat.py
-    HostPatch("torch._library.simple_registry.GenericTorchDispatchRuleHolder.find", "torch",
-              "torch._library.simple_registry.GenericTorchDispatchRuleHolder.find", "(self, torch_dispatch_class)"),
-    # DeepSpeed: integrations/deepspeed/__init__.py, parser.py
-    HostPatch("deepspeed.initialize", "deepspeed", "deepspeed.initialize", _DS_INIT),
-    HostPatch("deepspeed.DeepSpeedEngine", "deepspeed", "deepspeed.DeepSpeedEngine", _DS_ENGINE),
-    HostPatch("deepspeed.PipelineEngine", "deepspeed", "deepspeed.PipelineEngine",
-              "(has_bool_tensors=False, *super_args, **super_kwargs)"),
-    HostPatch("deepspeed.runtime.zero.config.get_zero_config", "deepspeed",
-              "deepspeed.runtime.zero.config.get_zero_config", "(param_dict)"),
-    HostPatch("deepspeed.runtime.config.get_zero_config", "deepspeed", "deepspeed.runtime.config.get_zero_config",
-              "(param_dict)"),
-    HostPatch("deepspeed.runtime.zero.partition_parameters.Init.__init__", "deepspeed",
-              "deepspeed.runtime.zero.partition_parameters.Init.__init__", _ZERO_INIT),
-    HostPatch("deepspeed.runtime.zero.partition_parameters.GatheredParameters", "deepspeed",
-              "deepspeed.runtime.zero.partition_parameters.GatheredParameters", _GATHERED),
-    HostPatch("deepspeed.zero.GatheredParameters", "deepspeed", "deepspeed.zero.GatheredParameters", _GATHERED),
-    HostPatch("deepspeed.runtime.engine.DeepSpeedEngine._do_sanity_check", "deepspeed",
-              "deepspeed.runtime.engine.DeepSpeedEngine._do_sanity_check", "(self)"),
-    HostPatch("deepspeed.runtime.zero.partition_parameters.Init._convert_to_deepspeed_param", "deepspeed",
-              "deepspeed.runtime.zero.partition_parameters.Init._convert_to_deepspeed_param", "(self, param)"),
-    # DeepSpeed's accessors (their code routed in place) and zero_to_fp32's reader:
-    # integrations/deepspeed/safe_accessors.py, zero_to_fp32.py
-    *(HostPatch(f"deepspeed.utils.tensor_fragment.{name}", "deepspeed", f"deepspeed.utils.tensor_fragment.{name}",
-                signature) for name, signature in _DS_ACCESSORS.items()),
-    HostPatch("deepspeed.utils.zero_to_fp32._get_fp32_state_dict_from_zero_checkpoint", "deepspeed",
-              "deepspeed.utils.zero_to_fp32._get_fp32_state_dict_from_zero_checkpoint",
-              "(ds_checkpoint_dir, exclude_frozen_parameters)"),
-    # accelerate and transformers: integrations/deepspeed/accelerate_stage.py, saving.py
-    HostPatch("accelerate.utils.DeepSpeedPlugin.zero_stage", "accelerate",
-              "accelerate.utils.DeepSpeedPlugin.zero_stage", None),  # a field set on plugin instances: no signature
-    HostPatch("accelerate.utils.DeepSpeedPlugin.__post_init__", "accelerate",
-              "accelerate.utils.DeepSpeedPlugin.__post_init__", "(self)"),
-    HostPatch("accelerate.utils.deepspeed.HfDeepSpeedConfig.is_zero3", "accelerate",
-              "accelerate.utils.deepspeed.HfDeepSpeedConfig.is_zero3", "(self)"),
-    HostPatch("accelerate.Accelerator.get_state_dict", "accelerate", "accelerate.Accelerator.get_state_dict",
-              "(self, model, unwrap=True)"),
-    HostPatch("transformers.modeling_utils.PreTrainedModel.save_pretrained", "transformers",
-              "transformers.modeling_utils.PreTrainedModel.save_pretrained", _SAVE_PRETRAINED),
-    # megatron-core: integrations/megatron/dist_checkpoint.py, megatron_lm.py
-    HostPatch("megatron.core.transformer.module.MegatronModule.sharded_state_dict", "megatron-core",
-              "megatron.core.transformer.module.MegatronModule.sharded_state_dict",
-              "(self, prefix='', sharded_offsets=(), metadata=None)"),
-    HostPatch("megatron.core.utils.unwrap_model", "megatron-core", "megatron.core.utils.unwrap_model",
-              "(model, module_instances=None)"),
-    HostPatch(f"{_TRAINING}.DDP", "megatron-core", "megatron.core.distributed.DistributedDataParallel", _MCORE_DDP),
+    # ---- torch, at `import vescale_zero` ----------------------------------------------------------------------
+    # DTensor functions meet RaggedShard: vescale_zero/primitives/dtensor_interop.py
+    # ([Note: torch's DTensor functions meet RaggedShard])
+    _same(f"{_DTENSOR}.DTensor.from_local", "torch", _FROM_LOCAL,
+          "vescale_zero.primitives.dtensor_interop:routed_from_local", "wrap"),
+    _same(f"{_DTENSOR}.DTensor.redistribute", "torch", _REDISTRIBUTE,
+          "vescale_zero.primitives.dtensor_interop:routed_redistribute", "wrap"),
+    _same(f"{_DTENSOR}.distribute_tensor", "torch", _DISTRIBUTE,
+          "vescale_zero.primitives.dtensor_interop:routed_distribute_tensor", "wrap"),
+    _same(f"{_DTENSOR}._api.distribute_tensor", "torch", _DISTRIBUTE,
+          "vescale_zero.primitives.dtensor_interop:routed_distribute_tensor", "wrap"),
+    _same("torch.distributed._state_dict_utils.distribute_tensor", "torch", _DISTRIBUTE,
+          "vescale_zero.primitives.dtensor_interop:routed_distribute_tensor", "wrap"),
+    _same("torch.distributed._state_dict_utils._distribute_tensors", "torch",
+          "(local_state_dict, keys, device, pg=None)",
+          "vescale_zero.primitives.dtensor_interop:routed_distribute_tensors", "wrap"),
+    # torch 2.11 only (its DTensor fast path skips a subclass's __torch_dispatch__): vescale_zero/torch_compat.py
+    _same("torch._library.simple_registry.GenericTorchDispatchRuleHolder.find", "torch",
+          "(self, torch_dispatch_class)", "vescale_zero.torch_compat:rule_lookups_answered", "wrap",
+          when="vescale_zero.torch_compat:dispatch_rule_lookup_needed"),
+    # the private members of FSDP2's FSDPModule that RaggedFSDPModule overrides: vescale_zero/api/fsdp_module.py
+    *(_same(f"torch.distributed.fsdp.FSDPModule.{name}", "torch", signature,
+            "vescale_zero.api.fsdp_module:RaggedFSDPModule", "override")
+      for name, signature in (("_get_fsdp_state", "(self)"), ("_set_unshard_async_op", "(self, async_op)"),
+                              ("_apply", "(self, *args, **kwargs)"), ("_orig_cls_mro_index", None))),
+    # on the CUDA sanitizer's event handler (an instance), for the GPU check: vescale_zero/torch_compat.py
+    _same("torch.cuda._sanitizer.EventHandler._handle_kernel_launch", "torch",
+          "(self, stream, read_only, read_write, outputs, operator, tensor_aliases)",
+          "vescale_zero.torch_compat:collect_sanitizer_reports", "instance"),
+    # ---- torch.optim, on the first fully_shard: vescale_zero/api/local_optim_steps.py --------------------------
+    # ([Note: torch's optimizers step the local pieces]). The signature relied on (its leading positional
+    # parameters are the tensor lists, ``params`` first) is checked by the wrap itself, which leaves a
+    # functional that does not have it alone: torch's releases may differ here, so none is recorded.
+    *(_same(f"torch.optim.{name}.{name}", "torch", None, "vescale_zero.api.local_optim_steps:local_steps_of",
+            "wrap", patch_set="torch.optim") for name in _TORCH_OPTIM),
+    # ---- DeepSpeed, at `import vescale_zero.integrations.deepspeed` ----------------------------------------------
+    # its initialize and parser: integrations/deepspeed/__init__.py, parser.py
+    _same("deepspeed.initialize", "deepspeed", _DS_INIT, f"{_DS}:initialize"),
+    _same("deepspeed.runtime.zero.config.get_zero_config", "deepspeed", "(param_dict)",
+          f"{_DS}.parser:get_zero_config"),
+    _same("deepspeed.runtime.config.get_zero_config", "deepspeed", "(param_dict)", f"{_DS}.parser:get_zero_config"),
+    _same(f"{_INIT}.__init__", "deepspeed", _ZERO_INIT, f"{_DS}.parser:ragged_zero_init"),
+    _same("deepspeed.runtime.zero.partition_parameters.GatheredParameters", "deepspeed", _GATHERED,
+          f"{_DS}.zero_init:GatheredParameters"),
+    _same("deepspeed.zero.GatheredParameters", "deepspeed", _GATHERED, f"{_DS}.zero_init:GatheredParameters"),
+    _same(f"{_ENGINE}._do_sanity_check", "deepspeed", "(self)", f"{_DS}.parser:engine_sanity_check"),
+    # the engine class deepspeed.initialize builds, for one call: integrations/deepspeed/__init__.py
+    _same("deepspeed.DeepSpeedEngine", "deepspeed", _DS_ENGINE, f"{_DS}:initialize", "scoped"),
+    _same("deepspeed.PipelineEngine", "deepspeed", "(has_bool_tensors=False, *super_args, **super_kwargs)",
+          f"{_DS}:initialize", "scoped"),
+    # on each zero.Init instance under a ragged config: integrations/deepspeed/zero_init.py
+    _same(f"{_INIT}._convert_to_deepspeed_param", "deepspeed", "(self, param)",
+          f"{_DS}.zero_init:mark_ragged_partitions", "instance"),
+    # the private methods of DeepSpeed's engine the ragged engines override: integrations/deepspeed/engine.py
+    *(_same(f"{_ENGINE}.{name}", "deepspeed", signature, f"{_DS}.engine:RaggedEngineMixin", "override")
+      for name, signature in _DS_ENGINE_OVERRIDES.items()),
+    # DeepSpeed's accessors, their code routed in place: integrations/deepspeed/safe_accessors.py
+    *(_same(f"{_FRAGMENT}.{name}", "deepspeed", signature, f"{_DS}.safe_accessors:routed_accessor", "route")
+      for name, signature in _DS_ACCESSORS.items()),
+    # zero_to_fp32's reading step (also in a checkpoint's own zero_to_fp32.py): integrations/deepspeed/zero_to_fp32.py
+    _same("deepspeed.utils.zero_to_fp32._get_fp32_state_dict_from_zero_checkpoint", "deepspeed",
+          "(ds_checkpoint_dir, exclude_frozen_parameters)", f"{_DS}.zero_to_fp32:ragged_reader", "wrap",
+          patch_set="deepspeed.zero_to_fp32"),
+    _same("deepspeed.utils.zero_to_fp32.debug", "deepspeed", None, f"{_DS}.zero_to_fp32:main", "setting"),
+    # the CPU communication op's JIT build, switched off by the GPU check's CPU dry mode: vescale_zero/tools/gpu_check
+    _same("deepspeed.ops.__compatible_ops__", "deepspeed", None,
+          "vescale_zero.tools.gpu_check.hosts:deepspeed_torch_adam",
+          "setting"),
+    # ---- accelerate and transformers: integrations/deepspeed/accelerate_stage.py, saving.py --------------------
+    _same("accelerate.utils.DeepSpeedPlugin.__post_init__", "accelerate", "(self)",
+          f"{_DS}.accelerate_stage:plugin_reads_3", "wrap", optional=True),
+    _same("accelerate.utils.deepspeed.HfDeepSpeedConfig.is_zero3", "accelerate", "(self)",
+          f"{_DS}.accelerate_stage:ragged_is_zero3", "wrap", optional=True),
+    _same("accelerate.utils.DeepSpeedPlugin.zero_stage", "accelerate", None,  # a field of plugin instances
+          f"{_DS}.accelerate_stage:present_ragged_stage_to_accelerate", "instance"),
+    _same("accelerate.Accelerator.get_state_dict", "accelerate", "(self, model, unwrap=True)",
+          f"{_DS}.saving:wrap_get_state_dict", "wrap", optional=True, loaded_only="accelerate.accelerator"),
+    _same("transformers.modeling_utils.PreTrainedModel.save_pretrained", "transformers", _SAVE_PRETRAINED,
+          f"{_DS}.saving:wrap_save_pretrained", "wrap", optional=True, loaded_only="transformers.modeling_utils"),
+    # ---- megatron-core: integrations/megatron/ -----------------------------------------------------------------
+    _same("megatron.core.utils.unwrap_model", "megatron-core", "(model, module_instances=None)",
+          f"{_MEG}.megatron_lm:unwrap_vescale", "everywhere"),
+    _same("megatron.core.transformer.module.MegatronModule.sharded_state_dict", "megatron-core",
+          "(self, prefix='', sharded_offsets=(), metadata=None)", f"{_MEG}.dist_checkpoint:checkpoint_parameters",
+          "instance"),
+    _same("megatron.core.distributed.data_parallel_base._BaseDataParallel", "megatron-core", "(config, module)",
+          f"{_MEG}.data_parallel:RaggedFSDP", "import"),
+    _same("megatron.core.optimizer._get_param_groups", "megatron-core", "(model_chunks, config, config_overrides)",
+          f"{_MEG}.optimizer:RaggedOptimizer", "import"),
+    _same("megatron.core.tensor_parallel.layers._initialize_affine_weight_cpu", "megatron-core",
+          "(weight, output_size, input_size, per_partition_size, partition_dim, init_method, stride=1, "
+          "return_master_weight=False, *, params_dtype=torch.float32, rank=None, world_size=None, "
+          "skip_set_tensor_parallel_attributes=False)", f"{_MEG}.meta_init:_parallel_weight", "import"),
+    # ---- Megatron-LM (megatron.training, not installable here), at use_vescale_fsdp_in_megatron_lm():
+    # integrations/megatron/megatron_lm.py. Its module-level names, some of which its versions lack.
+    HostPatch(f"{_TRAINING}.DDP", "megatron-core", "megatron.core.distributed.DistributedDataParallel", _MCORE_DDP,
+              f"{_MEG}.megatron_lm:data_parallel_switch", "wrap"),
     HostPatch(f"{_TRAINING}.get_megatron_optimizer", "megatron-core", "megatron.core.optimizer.get_megatron_optimizer",
-              _MCORE_OPTIMIZER),
-    # Megatron-LM (megatron.training, not installable here): integrations/megatron/megatron_lm.py
-    HostPatch(f"{_TRAINING}.get_megatron_muon_optimizer", "Megatron-LM", f"{_TRAINING}.get_megatron_muon_optimizer",
-              None),
-    HostPatch(f"{_TRAINING}.get_model", "Megatron-LM", f"{_TRAINING}.get_model", None),
-    HostPatch(f"{_TRAINING}.to_empty_if_meta_device", "Megatron-LM", f"{_TRAINING}.to_empty_if_meta_device", None),
+              _MCORE_OPTIMIZER, f"{_MEG}.megatron_lm:optimizer_switch", "wrap"),
     HostPatch(f"{_TRAINING}.check_param_hashes_across_dp_replicas", "Megatron-LM",
-              "megatron.core.utils.check_param_hashes_across_dp_replicas", "(model, cross_check=False)"),
-    HostPatch(f"{_TRAINING}.calc_params_l2_norm", "Megatron-LM", f"{_TRAINING}.calc_params_l2_norm", None),
-    HostPatch("megatron.training.checkpointing.save_checkpoint", "Megatron-LM",
-              "megatron.training.checkpointing.save_checkpoint", None),
-    HostPatch("megatron.training.checkpointing.load_checkpoint", "Megatron-LM",
-              "megatron.training.checkpointing.load_checkpoint", None),
+              "megatron.core.utils.check_param_hashes_across_dp_replicas", "(model, cross_check=False)",
+              f"{_MEG}.megatron_lm:hashes_of_full_parameters", "wrap", optional=True),
+    *(_same(f"{_TRAINING}.{name}", "Megatron-LM", None, f"{_MEG}.megatron_lm:{by}", "wrap", optional=True)
+      for name, by in (("get_megatron_muon_optimizer", "muon_optimizer_switch"), ("get_model", "checked_get_model"),
+                       ("to_empty_if_meta_device", "kept_on_meta"), ("calc_params_l2_norm", "params_norm_of_shards"),
+                       ("save_checkpoint", "checkpoint_saver"), ("load_checkpoint", "checkpoint_loader"))),
+    _same("megatron.training.checkpointing.save_checkpoint", "Megatron-LM", None,
+          f"{_MEG}.megatron_lm:checkpoint_saver", "wrap", optional=True),
+    _same("megatron.training.checkpointing.load_checkpoint", "Megatron-LM", None,
+          f"{_MEG}.megatron_lm:checkpoint_loader", "wrap", optional=True),
 )}
+
+
+# ---- install / uninstall: the one bookkeeping of what is in place ---------------------------------------------
+
+_MISSING = object()
+
+
+@dataclass
+class _Installed:
+    """What :func:`install` changed for one entry, to undo it."""
+
+    patch: HostPatch
+    owner: Any  # the module or class holding the attribute (for ``everywhere``: the first one)
+    undo: List[Callable[[], None]]
+
+
+_INSTALLED: Dict[str, _Installed] = {}
+
+
+def _object(path: str) -> Any:
+    """``module:name`` -> the object (its module imported)."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _owner(patch: HostPatch) -> Tuple[Any, str]:
+    """``(the module or class holding the patched attribute, its name)``; ``(None, name)`` where the
+    host or the owner is missing (or not loaded, for ``loaded_only``)."""
+    path, _, attr = patch.patched.rpartition(".")
+    if patch.loaded_only is not None and patch.loaded_only not in sys.modules:
+        return None, attr
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        name = ".".join(parts[:i])
+        try:
+            owner = sys.modules.get(name) or importlib.import_module(name)
+            break
+        except ImportError:
+            continue
+    else:
+        return None, attr
+    for part in parts[i:]:
+        owner = getattr(owner, part, None)
+        if owner is None:
+            return None, attr
+    return owner, attr
+
+
+def _raw(owner: Any, attr: str) -> Any:
+    """The attribute as the owner holds it (a class's ``staticmethod`` object, not its function)."""
+    if isinstance(owner, type):
+        return owner.__dict__.get(attr, _MISSING)
+    return getattr(owner, attr, _MISSING)
+
+
+def _put(owner: Any, attr: str, raw: Any) -> Callable[[], None]:
+    """Set ``owner.attr``; returns what puts the original back."""
+    before = _raw(owner, attr)
+    setattr(owner, attr, raw)
+
+    def undo() -> None:
+        if before is _MISSING:
+            delattr(owner, attr)
+        else:
+            setattr(owner, attr, before)
+    return undo
+
+
+def _forwarder(*args: Any, **kwargs: Any) -> Any:
+    return _ROUTE_TARGET(*args, **kwargs)  # noqa: F821 - the name is renamed per routed function (_route)
+
+
+def _route(function: types.FunctionType, by: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:
+    """Replace ``function``'s code by a forwarder to ``by(a copy of the original)`` (the function
+    object stays, so references bound before are routed too); returns the undo."""
+    copy = types.FunctionType(function.__code__, function.__globals__, function.__name__, function.__defaults__,
+                              function.__closure__)
+    routed = by(copy)
+    target = f"_vescale_zero_routed_{function.__name__}"
+    code, had_signature = function.__code__, "__signature__" in function.__dict__
+    function.__globals__[target] = routed  # the forwarder's one global, looked up in the host's module
+    function.__code__ = _forwarder.__code__.replace(co_names=(target,), co_name=function.__name__,
+                                                    co_qualname=function.__qualname__)
+    function.__signature__ = inspect.signature(copy)  # inspect / help() still show the host's parameters
+
+    def undo() -> None:
+        function.__code__ = code
+        function.__globals__.pop(target, None)
+        if not had_signature:
+            del function.__signature__
+    return undo
+
+
+def _install_one(patch: HostPatch) -> bool:
+    record = _INSTALLED.get(patch.patched)
+    owner, attr = _owner(patch)
+    if record is not None and (owner is None or record.owner is owner):
+        return False  # in place (or its owner is gone: nothing to patch again)
+    _INSTALLED.pop(patch.patched, None)  # an owner loaded anew: patched anew
+    if patch.when is not None and not _object(patch.when)():
+        return False
+    original = _MISSING if owner is None else getattr(owner, attr, _MISSING)
+    if original is _MISSING:
+        if patch.optional:
+            return False
+        raise RuntimeError(f"host patch {patch.patched}: the host has no such attribute (checked against "
+                           f"{patch.host} {HOST_VERSIONS[patch.host]}); install that version, or re-read the patch")
+    by = _object(patch.by)
+    if patch.kind == "replace":
+        undo = [_put(owner, attr, by)]
+    elif patch.kind == "wrap":
+        new = by(original)
+        if new is None:
+            return False
+        undo = [_put(owner, attr, new)]
+    elif patch.kind == "everywhere":
+        new = by(original)
+        undo = [_put(module, attr, new) for module in list(sys.modules.values())
+                if module is not None and getattr(module, attr, None) is original]
+    elif patch.kind == "route":
+        undo = [_route(original, by)]
+    else:
+        raise ValueError(f"host patch {patch.patched}: a {patch.kind!r} entry is not installed")
+    _INSTALLED[patch.patched] = _Installed(patch, owner, undo)
+    return True
+
+
+def install(host: str) -> List[str]:
+    """Apply every entry of patch set ``host`` that is not in place yet ([Note: host patches]);
+    returns the entries installed by this call."""
+    entries = [p for p in HOST_PATCHES.values() if p.installed_by == host and p.kind in INSTALLED_KINDS]
+    if not entries:
+        raise ValueError(f"no host patches to install for {host!r}: choose one of "
+                         f"{sorted({p.installed_by for p in HOST_PATCHES.values() if p.kind in INSTALLED_KINDS})}")
+    return [p.patched for p in entries if _install_one(p)]
+
+
+def uninstall(host: str) -> List[str]:
+    """Put back the originals of every installed entry of patch set ``host``, in reverse order
+    of installation; returns the entries undone."""
+    done = [key for key, record in _INSTALLED.items() if record.patch.installed_by == host]
+    for key in reversed(done):
+        for undo in reversed(_INSTALLED.pop(key).undo):
+            undo()
+    return done
+
+
+def installed(host: Optional[str] = None) -> List[str]:
+    """The entries in place (of patch set ``host``, or of all), in the order they were installed."""
+    return [key for key, record in _INSTALLED.items() if host is None or record.patch.installed_by == host]
+
+
+def _declared(patched: str, kind: str) -> HostPatch:
+    patch = HOST_PATCHES.get(patched)
+    if patch is None or patch.kind != kind:
+        raise KeyError(f"{patched} is not a {kind!r} entry of HOST_PATCHES: declare it there first")
+    return patch
+
+
+@contextlib.contextmanager
+def scoped(patched: str, value: Any) -> Iterator[None]:
+    """``patched`` (a ``scoped`` entry) holds ``value`` inside the ``with`` block, its own outside."""
+    patch = _declared(patched, "scoped")
+    owner, attr = _owner(patch)
+    undo = _put(owner, attr, value)
+    try:
+        yield
+    finally:
+        undo()
+
+
+def assign(patched: str, value: Any, key: Any = _MISSING) -> None:
+    """Set a host's setting (a ``setting`` entry): ``patched = value``, or ``patched[key] = value``."""
+    patch = _declared(patched, "setting")
+    owner, attr = _owner(patch)
+    if key is _MISSING:
+        setattr(owner, attr, value)
+    else:
+        getattr(owner, attr)[key] = value

@@ -40,7 +40,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
-from torch._library import simple_registry
 from torch.distributed import _state_dict_utils as state_dict_utils
 from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.tensor import DTensor
@@ -56,6 +55,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = [
     "DTensorSpec", "TensorMeta", "NormPartial", "Placement", "init_placement_base", "honour_torch_dispatch",
+    "dispatch_rule_lookup_needed", "rule_lookups_answered",
     "optim_foreach_supported_types", "utils_foreach_supported_types", "TorchDispatchMode",
     "tree_flatten", "tree_map", "tree_unflatten", "autograd_graph_task_id", "queue_backward_callback",
     "read_dcp_state_dict", "init_fake_process_group", "compile_counter", "work_class", "all_gather_single",
@@ -102,16 +102,21 @@ _HONOURED: Set[type] = set()
 
 def honour_torch_dispatch(cls: type) -> None:
     """Make every op on instances of the DTensor subclass ``cls`` run ``cls.__torch_dispatch__``
-    ([Note: one door to torch internals], DTensor's C++ dispatch fast path)."""
+    ([Note: one door to torch internals], DTensor's C++ dispatch fast path): where the probe shows
+    the fast path skips it, ``vescale_zero.host_patches.install("torch")`` (at ``import
+    vescale_zero``) answers the rule lookup for the classes named here (:func:`rule_lookups_answered`)."""
     _HONOURED.add(cls)
-    if not _subclass_dispatch_honoured():
-        _answer_rule_lookups()
 
 
-@functools.lru_cache(maxsize=None)  # once
-def _answer_rule_lookups() -> None:
-    holder = simple_registry.GenericTorchDispatchRuleHolder
-    registered = holder.find
+def dispatch_rule_lookup_needed() -> bool:
+    """Whether a class named to :func:`honour_torch_dispatch` needs the rule lookup answered (2.11)."""
+    return bool(_HONOURED) and not _subclass_dispatch_honoured()
+
+
+# host patch torch._library.simple_registry.GenericTorchDispatchRuleHolder.find: checked against torch 2.11.0-2.15.0
+def rule_lookups_answered(registered: Callable[..., Any]) -> Callable[..., Any]:
+    """``GenericTorchDispatchRuleHolder.find`` (``registered``) that answers, for the classes named
+    to :func:`honour_torch_dispatch` without a registered rule, with their own ``__torch_dispatch__``."""
 
     def find(self: Any, torch_dispatch_class: type) -> Optional[Callable[..., Any]]:
         rule = registered(self, torch_dispatch_class)
@@ -119,8 +124,7 @@ def _answer_rule_lookups() -> None:
             return torch_dispatch_class.__torch_dispatch__.__func__
         return rule
 
-    # host patch torch._library.simple_registry.GenericTorchDispatchRuleHolder.find: checked against torch 2.11.0-2.15.0
-    holder.find = find
+    return find
 
 
 def autograd_graph_task_id() -> int:
@@ -199,4 +203,5 @@ def collect_sanitizer_reports(into: List[Exception]) -> None:
         into.extend(launch(*args, **kwargs))
         return []
 
-    handler._handle_kernel_launch = noting
+    # host patch torch.cuda._sanitizer.EventHandler._handle_kernel_launch: checked against torch 2.11.0-2.15.0
+    handler._handle_kernel_launch = noting  # on this instance only

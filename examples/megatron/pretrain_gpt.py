@@ -6,7 +6,7 @@ Built on megatron-core alone (Megatron-LM is not on the package index); the flag
 Megatron-LM's names, so an argument file moves between the two. Tensor and pipeline
 parallelism, schedules, ``finalize_model_grads`` and mixed precision (``Float16Module``)
 are megatron-core's; only the data-parallel wrapper and the optimizer change with
-``--use-vescale-fsdp`` (``VeScaleFSDP`` + ``get_vescale_optimizer`` instead of
+``--use-vescale-fsdp`` (``RaggedFSDP`` + ``get_vescale_optimizer`` instead of
 ``DistributedDataParallel`` + ``get_megatron_optimizer``). Data: a synthetic corpus of
 repeated phrases, so the loss falls quickly.
 
@@ -56,7 +56,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from vescale_zero.integrations.megatron import (
-    VeScaleFSDP,
+    RaggedFSDP,
     add_vescale_fsdp_args,
     get_vescale_optimizer,
     validate_vescale_args,
@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--moe-z-loss-coeff", type=float, default=None)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--init-model-with-meta-device", action="store_true",
-                   help="build the model on the meta device; VeScaleFSDP materialises it group by group")
+                   help="build the model on the meta device; RaggedFSDP materialises it group by group")
     g = p.add_argument_group("activation recompute")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bf16", action=_HalfPrecision, nargs=0, default=False)
     g.add_argument("--fp16", action=_HalfPrecision, nargs=0, default=False)
     g.add_argument("--seed", type=int, default=1234)
-    # Megatron-LM's optimizer offload flags (core_v0.16.1 names and defaults); VeScaleFSDP keeps the
+    # Megatron-LM's optimizer offload flags (core_v0.16.1 names and defaults); RaggedFSDP keeps the
     # offloaded groups' shards and optimizer state in host memory (integrations/megatron/optimizer_offload.py)
     g.add_argument("--optimizer-cpu-offload", action="store_true")
     g.add_argument("--optimizer-offload-fraction", type=float, default=1.0)
@@ -214,7 +214,7 @@ def build_model_unwrapped(args: argparse.Namespace, config: TransformerConfig) -
     """This pipeline stage's ``GPTModel`` (inside ``Float16Module`` under bf16/fp16)."""
     spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False)
     # As Megatron-LM's get_model: under --init-model-with-meta-device the model is built on
-    # meta and stays there; VeScaleFSDP materialises it (integrations/megatron/meta_init.py).
+    # meta and stays there; RaggedFSDP materialises it (integrations/megatron/meta_init.py).
     meta = config.init_model_with_meta_device
     with torch.device("meta") if meta else contextlib.nullcontext():
         model: torch.nn.Module = GPTModel(
@@ -232,7 +232,7 @@ def build_model_unwrapped(args: argparse.Namespace, config: TransformerConfig) -
 
 
 def build_model(args: argparse.Namespace, config: TransformerConfig) -> torch.nn.Module:
-    """The model chunk in its data-parallel wrapper: ``VeScaleFSDP`` or Megatron's DDP."""
+    """The model chunk in its data-parallel wrapper: ``RaggedFSDP`` or Megatron's DDP."""
     if config.init_model_with_meta_device and not args.use_vescale_fsdp:
         raise ValueError("--init-model-with-meta-device needs --use-vescale-fsdp in this example: Megatron's DDP "
                          "cannot hold a model on the meta device")
@@ -243,7 +243,7 @@ def build_model(args: argparse.Namespace, config: TransformerConfig) -> torch.nn
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
     )
     if args.use_vescale_fsdp:
-        return VeScaleFSDP(config, ddp_config, model, options=vescale_options_from_args(args))
+        return RaggedFSDP(config, ddp_config, model, options=vescale_options_from_args(args))
     return DistributedDataParallel(config, ddp_config, model)
 
 
@@ -306,7 +306,7 @@ def seed(args: argparse.Namespace) -> None:
 
 def build(args: argparse.Namespace) -> Tuple[torch.nn.Module, Any, TransformerConfig]:
     """``(model, optimizer, config)``: the wrapped model chunk and Megatron's optimizer, or
-    ``VeScaleFSDP`` and ``VeScaleOptimizer`` with ``--use-vescale-fsdp``."""
+    ``RaggedFSDP`` and ``RaggedOptimizer`` with ``--use-vescale-fsdp``."""
     seed(args)
     config = transformer_config(args)
     model = build_model(args, config)
@@ -351,7 +351,7 @@ def _iteration_dir(root: str, iteration: int) -> str:
 
 def _sharded_state_dict(args: argparse.Namespace, model: torch.nn.Module, optimizer: Any,
                         metadata: Optional[dict], is_loading: bool = False) -> Dict[str, Any]:
-    # VeScaleFSDP writes its own shards (integrations/megatron/dist_checkpoint.py); megatron-core
+    # RaggedFSDP writes its own shards (integrations/megatron/dist_checkpoint.py); megatron-core
     # DDP's state is its module's, as Megatron-LM's unwrap_model(model)[0].sharded_state_dict()
     chunk = model if args.use_vescale_fsdp else model.module
     model_sd = chunk.sharded_state_dict(is_loading=is_loading) if args.use_vescale_fsdp else chunk.sharded_state_dict()
@@ -489,7 +489,7 @@ def train_loop(
     if save and args.save and iteration > first_step and not saved:
         save_checkpoint(args, iteration, consumed, model, optimizer, scheduler)
     if printer and losses:
-        wrapper = "VeScaleFSDP (ragged)" if args.use_vescale_fsdp else "DistributedDataParallel"
+        wrapper = "RaggedFSDP (ragged)" if args.use_vescale_fsdp else "DistributedDataParallel"
         print(f"done: {wrapper}, tp={args.tensor_model_parallel_size} pp={args.pipeline_model_parallel_size} "
               f"dp={dp_size}, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
               f"median {1e3 * statistics.median(times):.1f} ms/iteration", flush=True)

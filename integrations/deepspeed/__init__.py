@@ -22,23 +22,21 @@ partitioned under a ragged config as under ZeRO-3 (:mod:`.accelerate_stage`), an
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import json
 import os
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import deepspeed
 
-from .accelerate_stage import present_ragged_as_zero3_to_transformers, present_ragged_plugins_as_zero3
+from vescale_zero import host_patches
+
 from .checkpoint_conversion import from_deepspeed
 from .config import RAGGED_STAGE, RaggedOptions, apply_top_level_keys, parse_precision, parse_ragged_section
 from .engine import RaggedDeepSpeedEngine, RaggedPipelineEngine, RaggedPrecision
 from .offload import stage0_offload_keys
-from .parser import RaggedZeroConfig, install, is_ragged_config
-from .recovery_scripts import install_zero_to_fp32
-from .safe_accessors import install_safe_accessors
+from .parser import RaggedZeroConfig, is_ragged_config
 from .zero_init import partitioned_for_ragged
 
 __all__ = ["RaggedDeepSpeedEngine", "RaggedPipelineEngine", "RaggedOptions", "RaggedZeroConfig", "is_ragged_config",
@@ -90,18 +88,9 @@ def _as_ragged(zero: Dict[str, Any]) -> Dict[str, Any]:
     return section
 
 
-@contextlib.contextmanager
-def _engine_class(name: str, cls: type) -> Iterator[None]:
-    saved = getattr(deepspeed, name)
-    # host patch deepspeed.DeepSpeedEngine: checked against deepspeed 0.19.8
-    # host patch deepspeed.PipelineEngine: checked against deepspeed 0.19.8
-    setattr(deepspeed, name, cls)  # deepspeed.initialize builds the engine through this name
-    try:
-        yield
-    finally:
-        setattr(deepspeed, name, saved)
-
-
+# host patch deepspeed.initialize: checked against deepspeed 0.19.8
+# host patch deepspeed.DeepSpeedEngine: checked against deepspeed 0.19.8 (for one call)
+# host patch deepspeed.PipelineEngine: checked against deepspeed 0.19.8 (for one call)
 @functools.wraps(_original_initialize)
 def initialize(*args: Any, **kwargs: Any):
     names = ("args", "model", "optimizer", "model_parameters")
@@ -125,14 +114,13 @@ def initialize(*args: Any, **kwargs: Any):
     pipeline = isinstance(kwargs.get("model"), deepspeed.PipelineModule)
     base, name = (RaggedPipelineEngine, "PipelineEngine") if pipeline else (RaggedDeepSpeedEngine, "DeepSpeedEngine")
     engine_cls = type(base.__name__, (base,), {"ragged_options": options, "ragged_precision": precision})
-    with _engine_class(name, engine_cls):
+    with host_patches.scoped(f"deepspeed.{name}", engine_cls):  # deepspeed.initialize builds it by this name
         return _original_initialize(**kwargs)
 
 
-# host patch deepspeed.initialize: checked against deepspeed 0.19.8
-deepspeed.initialize = initialize
-install()
-install_safe_accessors()  # deepspeed.utils.safe_get_* / safe_set_* on ragged parameters (see .safe_accessors)
-install_zero_to_fp32()  # get_fp32_state_dict_from_zero_checkpoint reads ragged checkpoints (see .recovery_scripts)
-present_ragged_as_zero3_to_transformers()  # from_pretrained builds under zero.Init (see .accelerate_stage)
-present_ragged_plugins_as_zero3()  # TRL / transformers compare the plugin's zero_stage with 3 (see .accelerate_stage)
+# [Note: host patches] deepspeed.initialize, DeepSpeed's parser, zero.Init, GatheredParameters and its
+# accessors (.parser, .zero_init, .safe_accessors); zero_to_fp32's reader (.zero_to_fp32); accelerate's
+# stage and is_zero3 (.accelerate_stage), which nothing needs without accelerate
+host_patches.install("deepspeed")
+host_patches.install("deepspeed.zero_to_fp32")
+host_patches.install("accelerate")

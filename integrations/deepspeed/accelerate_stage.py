@@ -23,7 +23,7 @@ reduce-scatter as DeepSpeed's engine decides when to reduce: by
 ``is_gradient_accumulation_boundary()``, which accelerate's engine wrapper sets from
 ``sync_gradients`` before every ``engine.backward`` (Trainer never enters ``no_sync`` with
 DeepSpeed). So the plugin's ``zero_stage`` reads 3 from the plugin's creation on
-(``TrainingArguments``, ``Accelerator``: :func:`present_ragged_plugins_as_zero3`), and again
+(``TrainingArguments``, ``Accelerator``: :func:`plugin_reads_3`), and again
 when the engine is built for plugins made before this module was imported.
 
 [Note: the stage transformers compares]
@@ -47,14 +47,13 @@ and the engine's saves go through :mod:`.saving`.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import sys
 from typing import Any, Callable
 
 from .config import RAGGED_STAGE
 
-__all__ = ["ZERO_STAGE_SEEN_BY_ACCELERATE", "present_ragged_stage_to_accelerate",
-           "present_ragged_as_zero3_to_transformers", "present_ragged_plugins_as_zero3"]
+__all__ = ["ZERO_STAGE_SEEN_BY_ACCELERATE", "present_ragged_stage_to_accelerate", "ragged_is_zero3",
+           "plugin_reads_3"]
 
 ZERO_STAGE_SEEN_BY_ACCELERATE = 3
 """``DeepSpeedPlugin.zero_stage`` of a ragged config (see the note above)."""
@@ -77,46 +76,27 @@ def present_ragged_stage_to_accelerate() -> None:
             plugin.zero_stage = ZERO_STAGE_SEEN_BY_ACCELERATE
 
 
-def _ragged_is_zero3(is_zero3: Callable[[Any], bool]) -> Callable[[Any], bool]:
+# host patch accelerate.utils.deepspeed.HfDeepSpeedConfig.is_zero3: checked against accelerate 1.15.0
+def ragged_is_zero3(is_zero3: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    """``HfDeepSpeedConfig.is_zero3`` that is True for a ragged config too (see [Note: the stage
+    transformers compares])."""
+
     @functools.wraps(is_zero3)
     def wrapper(self: Any) -> bool:
         return getattr(self, "_stage", None) == RAGGED_STAGE or is_zero3(self)
 
-    wrapper.__vescale_ragged__ = True
     return wrapper
 
 
-def _plugin_reads_3(post_init: Callable[[Any], None]) -> Callable[[Any], None]:
+# host patch accelerate.utils.DeepSpeedPlugin.__post_init__: checked against accelerate 1.15.0
+def plugin_reads_3(post_init: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``DeepSpeedPlugin.__post_init__`` after which a plugin made from a ragged config reads
+    ``zero_stage`` 3 from its creation (see [Note: the stage accelerate compares])."""
+
     @functools.wraps(post_init)
     def wrapper(self: Any) -> None:
         post_init(self)
         if self.zero_stage == RAGGED_STAGE:
             self.zero_stage = ZERO_STAGE_SEEN_BY_ACCELERATE
 
-    wrapper.__vescale_ragged__ = True
     return wrapper
-
-
-def present_ragged_plugins_as_zero3() -> None:
-    """Every accelerate ``DeepSpeedPlugin`` made from a ragged config reads ``zero_stage`` 3 from
-    its creation (see [Note: the stage accelerate compares]); idempotent, and nothing happens
-    without accelerate."""
-    if importlib.util.find_spec("accelerate") is None:
-        return
-    from accelerate.utils import DeepSpeedPlugin
-
-    if not getattr(DeepSpeedPlugin.__post_init__, "__vescale_ragged__", False):
-        # host patch accelerate.utils.DeepSpeedPlugin.__post_init__: checked against accelerate 1.15.0
-        DeepSpeedPlugin.__post_init__ = _plugin_reads_3(DeepSpeedPlugin.__post_init__)
-
-
-def present_ragged_as_zero3_to_transformers() -> None:
-    """Make ``HfDeepSpeedConfig.is_zero3()`` True for a ragged config (see [Note: the stage
-    transformers compares]); idempotent, and nothing happens without accelerate."""
-    if importlib.util.find_spec("accelerate") is None:
-        return
-    from accelerate.utils.deepspeed import HfDeepSpeedConfig
-
-    if not getattr(HfDeepSpeedConfig.is_zero3, "__vescale_ragged__", False):
-        # host patch accelerate.utils.deepspeed.HfDeepSpeedConfig.is_zero3: checked against accelerate 1.15.0
-        HfDeepSpeedConfig.is_zero3 = _ragged_is_zero3(HfDeepSpeedConfig.is_zero3)

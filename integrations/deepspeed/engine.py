@@ -45,7 +45,7 @@ from deepspeed.utils.torch import is_functorch_transforming
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import vescale_zero as vz
-from vescale_zero import checkpoint, local_piece
+from vescale_zero import checkpoint, host_patches, local_piece
 from vescale_zero.hosts import HSDP_DIM_NAMES, GroupState, StateOffloader, collective_device, groups_of
 from vescale_zero.integrations.loss_scaling import unscale_and_find_inf
 from vescale_zero.optim import AdamW8bit, Muon, Shampoo
@@ -60,7 +60,7 @@ from .offload import offload_policy
 from .optimizer_state import as_the_optimizer_keeps_it
 from .recovery_scripts import write_recovery_scripts, write_universal_notice
 from .safe_accessors import attach_optimizer
-from .saving import consolidated_state_dict, install_save_hooks
+from .saving import consolidated_state_dict
 from .zero3_attributes import answer_zero3_attributes
 from .zero_init import fill_from_zero3, zero3_to_meta
 
@@ -88,6 +88,7 @@ class RaggedEngineMixin:
     ragged_precision: RaggedPrecision = RaggedPrecision(None)
 
     # ---- construction ------------------------------------------------------------------
+    # host patch deepspeed.runtime.engine.DeepSpeedEngine._configure_distributed_model: checked against deepspeed 0.19.8
     def _configure_distributed_model(self, model: torch.nn.Module) -> None:
         super()._configure_distributed_model(model)
         opts, precision = self.ragged_options, self.ragged_precision
@@ -123,7 +124,8 @@ class RaggedEngineMixin:
         answer_zero3_attributes(self.module)  # TRL / PEFT read them: [Note: ZeRO-3 attributes on ragged parameters]
         self.module.set_prefetch(opts.prefetch)
         self.module.set_unused_grads("zero")  # as ZeRO-3: a parameter no rank used still gets stepped
-        install_save_hooks()  # accelerate's / transformers' saves get the full model (see .saving)
+        host_patches.install("accelerate")  # accelerate's / transformers' saves get the full model (see .saving),
+        host_patches.install("transformers")  # where they are loaded by now
         present_ragged_stage_to_accelerate()  # accelerate compares zero_stage with ints (see .accelerate_stage)
         self._ragged_scaler = self._make_loss_scaler() if precision.dtype == torch.float16 else None
         if self._is_pipeline():
@@ -209,6 +211,7 @@ class RaggedEngineMixin:
                 "already sharded with fully_shard: shard it with granularity=<the optimizer's block>, or pass the "
                 "unsharded model to deepspeed.initialize")
 
+    # host patch deepspeed.runtime.engine.DeepSpeedEngine._broadcast_model: checked against deepspeed 0.19.8
     def _broadcast_model(self) -> None:
         """Rank 0's parameters to every rank, as DeepSpeed does -- except a model sharded
         before ``deepspeed.initialize``, whose sharded parameters differ per rank by design."""
@@ -235,10 +238,12 @@ class RaggedEngineMixin:
         default = inspect.signature(self._structured_optimizer()).parameters["block"].default
         return int((self.optimizer_params() or {}).get("block", default))
 
+    # host patch deepspeed.runtime.engine.DeepSpeedEngine._is_supported_optimizer: checked against deepspeed 0.19.8
     def _is_supported_optimizer(self, optimizer_name: str) -> bool:
         name = (optimizer_name or "").lower()
         return name in STRUCTURED_OPTIMIZERS or super()._is_supported_optimizer(optimizer_name)
 
+    # host patch deepspeed.runtime.engine.DeepSpeedEngine._configure_basic_optimizer: checked against deepspeed 0.19.8
     def _configure_basic_optimizer(self, model_parameters: Any):
         cls = self._structured_optimizer()
         if cls is None:
@@ -249,6 +254,7 @@ class RaggedEngineMixin:
             params.setdefault("process_group", groups._get_data_parallel_group())
         return cls(model_parameters, **params)
 
+    # host patch deepspeed.runtime.engine.DeepSpeedEngine._configure_optimizer: checked against deepspeed 0.19.8
     def _configure_optimizer(self, client_optimizer: Any, model_parameters: Any) -> None:
         if isinstance(client_optimizer, torch.optim.Optimizer):
             if any(client_optimizer.state.values()):
@@ -298,6 +304,7 @@ class RaggedEngineMixin:
         scaled = super().scale(loss)  # DeepSpeed's checks; marks the next direct backward as scaled
         return scaled * self._ragged_scaler.loss_scale if self._ragged_scaler is not None else scaled
 
+    # host patch deepspeed.runtime.engine.DeepSpeedEngine._backward_prologue: checked against deepspeed 0.19.8
     def _backward_prologue(self) -> None:
         """[Note: backward without engine.backward] DeepSpeed 0.19 (checked against 0.19.8) runs
         this from hooks it puts on the forward's outputs, for ``engine.backward(loss)`` and for a
@@ -329,6 +336,7 @@ class RaggedEngineMixin:
         """Clip by the norm :meth:`_take_model_step` took for this step (no second all-reduce)."""
         vz.clip_grads_with_norm_(self.module, self.gradient_clipping(), self._global_grad_norm)
 
+    # host patch deepspeed.runtime.engine.DeepSpeedEngine._take_model_step: checked against deepspeed 0.19.8
     def _take_model_step(self, lr_kwargs: Any) -> None:
         """[Note: the reported gradient norm] ``get_global_grad_norm()`` after every step is
         what ZeRO-3 reports: the global norm of the (unscaled) gradients the step used, also
@@ -563,12 +571,14 @@ class RaggedEngineMixin:
         """Always: a ragged model is gathered group by group whenever the whole model is saved."""
         return True
 
+    # host patch deepspeed.runtime.engine.DeepSpeedEngine._zero3_consolidated_16bit_state_dict: checked against deepspeed 0.19.8  # noqa: E501
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> Optional[dict]:
         """The full state dict on rank 0 (CPU, compute dtype), ``None`` elsewhere, as ZeRO-3's.
         Collective: every rank must call it."""
         self._refuse_pipeline_consolidation("the consolidated state dict")
         return consolidated_state_dict(self.module, exclude_frozen_parameters)
 
+    # host patch deepspeed.runtime.engine.DeepSpeedEngine._consolidated_16bit_state_dict: checked against deepspeed 0.19.8  # noqa: E501
     _consolidated_16bit_state_dict = _zero3_consolidated_16bit_state_dict
 
     def module_state_dict(self, destination: Optional[dict] = None, prefix: str = "", keep_vars: bool = False,

@@ -5,7 +5,7 @@ Every DeepSpeed entry point that reads a config builds a ``DeepSpeedConfig``
 (``deepspeed.initialize``, ``deepspeed.checkpointing.configure``, ``deepspeed.zero.Init``,
 and other libraries that call it directly), and that class turns the ``zero_optimization``
 section into ZeRO's pydantic model (``stage`` 0-3, unknown keys forbidden) in one place:
-``get_zero_config``. We replace that one function, so that every parse agrees:
+``get_zero_config``. We replace that one function (``vescale_zero/host_patches.py``), so that every parse agrees:
 
 * a ragged section is validated by :func:`.config.parse_ragged_section` (our errors, naming
   the key and the fix; the top-level keys that concern us by :func:`.config.parse_precision`
@@ -39,7 +39,6 @@ import functools
 import inspect
 from typing import Any, Dict
 
-import deepspeed
 import deepspeed.runtime.config as ds_config
 import deepspeed.runtime.zero.config as ds_zero_config
 from deepspeed.runtime.engine import DeepSpeedEngine
@@ -48,9 +47,9 @@ from pydantic import Field, ValidationError
 
 from .config import RAGGED_STAGE, RaggedOptions, apply_top_level_keys, parse_precision, parse_ragged_section
 from .offload import stage0_offload_keys
-from .zero_init import GatheredParameters, check_zero_init_options, mark_ragged_partitions
+from .zero_init import check_zero_init_options, mark_ragged_partitions
 
-__all__ = ["RaggedZeroConfig", "is_ragged_config", "install"]
+__all__ = ["RaggedZeroConfig", "is_ragged_config", "get_zero_config", "ragged_zero_init", "engine_sanity_check"]
 
 
 class RaggedZeroConfig(ds_zero_config.DeepSpeedZeroConfig):
@@ -67,6 +66,8 @@ def is_ragged_config(config: ds_config.DeepSpeedConfig) -> bool:
 _original_get_zero_config = getattr(ds_zero_config.get_zero_config, "__wrapped__", ds_zero_config.get_zero_config)
 
 
+# host patch deepspeed.runtime.zero.config.get_zero_config: checked against deepspeed 0.19.8
+# host patch deepspeed.runtime.config.get_zero_config: checked against deepspeed 0.19.8 (DeepSpeedConfig's name)
 @functools.wraps(_original_get_zero_config)
 def get_zero_config(param_dict: Dict[str, Any]) -> ds_zero_config.DeepSpeedZeroConfig:
     section = param_dict.get(ds_zero_config.ZERO_OPTIMIZATION)
@@ -91,8 +92,9 @@ _original_init = getattr(partition_parameters.Init.__init__, "__wrapped__", part
 _init_signature = inspect.signature(_original_init)
 
 
+# host patch deepspeed.runtime.zero.partition_parameters.Init.__init__: checked against deepspeed 0.19.8
 @functools.wraps(_original_init)
-def _zero_init(self: partition_parameters.Init, *args: Any, **kwargs: Any) -> None:
+def ragged_zero_init(self: partition_parameters.Init, *args: Any, **kwargs: Any) -> None:
     bound = _init_signature.bind(self, *args, **kwargs)
     bound.apply_defaults()
     given = bound.arguments
@@ -116,8 +118,9 @@ def _without_precision(config: Dict[str, Any]) -> Dict[str, Any]:
 _original_sanity_check = getattr(DeepSpeedEngine._do_sanity_check, "__wrapped__", DeepSpeedEngine._do_sanity_check)
 
 
+# host patch deepspeed.runtime.engine.DeepSpeedEngine._do_sanity_check: checked against deepspeed 0.19.8
 @functools.wraps(_original_sanity_check)
-def _engine_sanity_check(self: DeepSpeedEngine) -> None:
+def engine_sanity_check(self: DeepSpeedEngine) -> None:
     if is_ragged_config(self._config):
         raise ValueError(
             "a \"stage\": \"ragged\" config reached DeepSpeed's own engine, which would train without ragged sharding: "
@@ -125,20 +128,3 @@ def _engine_sanity_check(self: DeepSpeedEngine) -> None:
             "`from deepspeed import initialize` made before that import bypasses it)"
         )
     _original_sanity_check(self)
-
-
-def install() -> None:
-    """Route DeepSpeed's config parsing, ``zero.Init`` and engine check through this module
-    (idempotent: a second call changes nothing)."""
-    # host patch deepspeed.runtime.zero.config.get_zero_config: checked against deepspeed 0.19.8
-    ds_zero_config.get_zero_config = get_zero_config
-    # host patch deepspeed.runtime.config.get_zero_config: checked against deepspeed 0.19.8
-    ds_config.get_zero_config = get_zero_config  # DeepSpeedConfig calls it by this imported name
-    # host patch deepspeed.runtime.zero.partition_parameters.Init.__init__: checked against deepspeed 0.19.8
-    partition_parameters.Init.__init__ = _zero_init
-    # host patch deepspeed.runtime.zero.partition_parameters.GatheredParameters: checked against deepspeed 0.19.8
-    partition_parameters.GatheredParameters = GatheredParameters  # zero.Init's own references included
-    # host patch deepspeed.zero.GatheredParameters: checked against deepspeed 0.19.8
-    deepspeed.zero.GatheredParameters = GatheredParameters
-    # host patch deepspeed.runtime.engine.DeepSpeedEngine._do_sanity_check: checked against deepspeed 0.19.8
-    DeepSpeedEngine._do_sanity_check = _engine_sanity_check

@@ -8,8 +8,9 @@ Python. For a ragged checkpoint:
 * ``zero_to_fp32.py`` is :mod:`.zero_to_fp32` (DeepSpeed's converter reading the ragged shards,
   the same command line and output files); ``zero_to_torch.py`` is DeepSpeed's own, which
   imports the ``zero_to_fp32.py`` beside it;
-* :func:`install_zero_to_fp32` routes the reading step of the imported
-  ``deepspeed.utils.zero_to_fp32``, so its functions read ragged checkpoints in this process.
+* ``import vescale_zero.integrations.deepspeed`` routes the reading step of the imported
+  ``deepspeed.utils.zero_to_fp32`` (``host_patches.install("deepspeed.zero_to_fp32")``), so its
+  functions read ragged checkpoints in this process.
 
 [Note: ds_to_universal on a ragged checkpoint]
 DeepSpeed's ``ds_to_universal`` (run as a script, so nothing of ours is loaded in its process)
@@ -34,7 +35,7 @@ from vescale_zero.hosts import refuse
 
 from . import zero_to_fp32
 
-__all__ = ["write_recovery_scripts", "install_zero_to_fp32", "write_universal_notice", "NOTICE"]
+__all__ = ["write_recovery_scripts", "write_universal_notice", "NOTICE"]
 
 NOTICE = "ragged_checkpoint_reshards_itself_not_zero_optim_states.pt"
 """The notice file of every ragged tag directory ([Note: ds_to_universal on a ragged checkpoint])."""
@@ -74,8 +75,3 @@ def write_recovery_scripts(save_dir: str) -> None:
         dst = os.path.join(save_dir, name)
         shutil.copyfile(src, dst)
         _executable(dst)
-
-
-def install_zero_to_fp32() -> None:
-    """Route ``deepspeed.utils.zero_to_fp32``'s reading step to ragged checkpoints (idempotent)."""
-    zero_to_fp32.host_converter()

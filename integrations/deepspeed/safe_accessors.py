@@ -23,15 +23,13 @@ DeepSpeed's accessors choose by attributes of the parameter (``ds_id`` for ZeRO-
 parameter cannot carry ``ds_id``: DeepSpeed's engine and ``GatheredParameters`` would take it
 for a ZeRO-3 parameter. So each accessor's code is replaced in place (the function object
 stays, so ``from deepspeed.utils import safe_get_full_grad`` bound before this import is routed
-too) by a forwarder: a ragged parameter goes to the function here, anything else to the
-original body, unchanged. Checked against DeepSpeed 0.19.8 (``deepspeed/utils/tensor_fragment.py``).
+too) by a forwarder (``vescale_zero/host_patches.py``, kind ``route``) to :func:`routed_accessor`:
+a ragged parameter goes to the function here, anything else to the original body, unchanged.
+Checked against DeepSpeed 0.19.8 (``deepspeed/utils/tensor_fragment.py``).
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
-import types
 import weakref
 from typing import Any, Callable, Dict, List, Optional
 
@@ -41,9 +39,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from vescale_zero import local_piece
 from vescale_zero.hosts import GroupState, is_ragged, slot_of
 
-__all__ = ["attach_optimizer", "install_safe_accessors"]
+__all__ = ["attach_optimizer", "routed_accessor"]
 
-_ROUTED = "__vescale_ragged_routed__"
 _OPTIMIZERS: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 """Sharded parameter -> weakref to its optimizer (ZeRO-3 keeps ``param._z3_optimizer``; we attach
 nothing to the parameter, as ``param_group._register_slot``)."""
@@ -221,15 +218,24 @@ _OURS: Dict[str, Callable[..., Any]] = {
 # ---- routing: [Note: routing the host's accessors] -------------------------------------------
 
 
-def _forwarder(*args: Any, **kwargs: Any) -> Any:
-    return _ROUTE_TARGET(*args, **kwargs)  # noqa: F821 - the name is renamed per accessor (_route)
-
-
-def _route(host: types.FunctionType, ours: Callable[..., Any]) -> None:
-    if getattr(host, _ROUTED, False):
-        return
-    original = types.FunctionType(host.__code__, host.__globals__, host.__name__, host.__defaults__, host.__closure__)
-    signature = inspect.signature(original)
+# host patch deepspeed.utils.tensor_fragment.safe_get_full_grad: checked against deepspeed 0.19.8
+# host patch deepspeed.utils.tensor_fragment.safe_set_full_grad: checked against deepspeed 0.19.8
+# host patch deepspeed.utils.tensor_fragment.safe_get_full_fp32_param: checked against deepspeed 0.19.8
+# host patch deepspeed.utils.tensor_fragment.safe_set_full_fp32_param: checked against deepspeed 0.19.8
+# host patch deepspeed.utils.tensor_fragment.safe_get_full_optimizer_state: checked against deepspeed 0.19.8
+# host patch deepspeed.utils.tensor_fragment.safe_set_full_optimizer_state: checked against deepspeed 0.19.8
+# host patch deepspeed.utils.tensor_fragment.safe_get_local_grad: checked against deepspeed 0.19.8
+# host patch deepspeed.utils.tensor_fragment.safe_set_local_grad: checked against deepspeed 0.19.8
+# host patch deepspeed.utils.tensor_fragment.safe_get_local_fp32_param: checked against deepspeed 0.19.8
+# host patch deepspeed.utils.tensor_fragment.safe_set_local_fp32_param: checked against deepspeed 0.19.8
+# host patch deepspeed.utils.tensor_fragment.safe_get_local_optimizer_state: checked against deepspeed 0.19.8
+# host patch deepspeed.utils.tensor_fragment.safe_set_local_optimizer_state: checked against deepspeed 0.19.8
+# host patch deepspeed.utils.tensor_fragment.safe_update_full_grad_vectorized: checked against deepspeed 0.19.8
+def routed_accessor(original: Callable[..., Any]) -> Callable[..., Any]:
+    """What DeepSpeed's accessor (``original``: a copy of its body) forwards to once routed in place
+    by ``vescale_zero.host_patches.install("deepspeed")``: a ragged parameter to the function here,
+    anything else to ``original``, unchanged."""
+    ours = _OURS[original.__name__]
 
     def routed(*args: Any, **kwargs: Any) -> Any:
         param = args[0] if args else kwargs.get("param", kwargs.get("param_list"))
@@ -237,29 +243,4 @@ def _route(host: types.FunctionType, ours: Callable[..., Any]) -> None:
             param = param[0] if param else None
         return (ours if is_ragged(param) else original)(*args, **kwargs)
 
-    target = f"_vescale_ragged_{host.__name__}"
-    host.__globals__[target] = routed  # the forwarder's one global, looked up in the host's module
-    host.__code__ = _forwarder.__code__.replace(co_names=(target,), co_name=host.__name__,
-                                                co_qualname=host.__qualname__)
-    host.__signature__ = signature  # inspect / help() still show the host's parameters
-    setattr(host, _ROUTED, True)
-
-
-def install_safe_accessors() -> None:
-    """Route DeepSpeed's accessors (idempotent); see [Note: routing the host's accessors]."""
-    host = importlib.import_module("deepspeed.utils.tensor_fragment")  # deepspeed.utils.tensor_fragment is a class
-    # host patch deepspeed.utils.tensor_fragment.safe_get_full_grad: checked against deepspeed 0.19.8
-    # host patch deepspeed.utils.tensor_fragment.safe_set_full_grad: checked against deepspeed 0.19.8
-    # host patch deepspeed.utils.tensor_fragment.safe_get_full_fp32_param: checked against deepspeed 0.19.8
-    # host patch deepspeed.utils.tensor_fragment.safe_set_full_fp32_param: checked against deepspeed 0.19.8
-    # host patch deepspeed.utils.tensor_fragment.safe_get_full_optimizer_state: checked against deepspeed 0.19.8
-    # host patch deepspeed.utils.tensor_fragment.safe_set_full_optimizer_state: checked against deepspeed 0.19.8
-    # host patch deepspeed.utils.tensor_fragment.safe_get_local_grad: checked against deepspeed 0.19.8
-    # host patch deepspeed.utils.tensor_fragment.safe_set_local_grad: checked against deepspeed 0.19.8
-    # host patch deepspeed.utils.tensor_fragment.safe_get_local_fp32_param: checked against deepspeed 0.19.8
-    # host patch deepspeed.utils.tensor_fragment.safe_set_local_fp32_param: checked against deepspeed 0.19.8
-    # host patch deepspeed.utils.tensor_fragment.safe_get_local_optimizer_state: checked against deepspeed 0.19.8
-    # host patch deepspeed.utils.tensor_fragment.safe_set_local_optimizer_state: checked against deepspeed 0.19.8
-    # host patch deepspeed.utils.tensor_fragment.safe_update_full_grad_vectorized: checked against deepspeed 0.19.8
-    for name, ours in _OURS.items():
-        _route(getattr(host, name), ours)
+    return routed

@@ -5,7 +5,7 @@ The save paths that expect the model get it gathered instead::
 
     caller                                         stage 3              stage "ragged"
     Trainer.save_model / checkpoint-N,             gathers (needs       accelerate.Accelerator.get_state_dict
-      Accelerator.save_model                       stage3_gather_16bit  is wrapped by install(): the full
+      Accelerator.save_model                       stage3_gather_16bit  is wrapped (host_patches): the full
       -> Accelerator.get_state_dict(engine)        _weights_on_model    state dict, gathered group by group
                                                    _save)               by every rank, kept on rank 0
     engine._zero3_consolidated_16bit_state_dict,   gathers              the same (engine methods)
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import sys
 from typing import Any, Dict, Optional
 
 import torch
@@ -33,10 +32,7 @@ from torch import nn
 from vescale_zero import full_state_dict
 from vescale_zero.hosts import groups_of
 
-__all__ = ["consolidated_state_dict", "install_save_hooks", "is_ragged_sharded"]
-
-_MARK = "__vescale_ragged_save__"
-
+__all__ = ["consolidated_state_dict", "wrap_get_state_dict", "wrap_save_pretrained", "is_ragged_sharded"]
 
 def is_ragged_sharded(module: Any) -> bool:
     """Whether ``module`` has parameters sharded by vescale-zero (at it or below)."""
@@ -61,7 +57,10 @@ def consolidated_state_dict(
     return state
 
 
-def _wrap_get_state_dict(original):
+# host patch accelerate.Accelerator.get_state_dict: checked against accelerate 1.15.0
+def wrap_get_state_dict(original):
+    """``Accelerator.get_state_dict`` that gathers a ragged-sharded model (others go through untouched)."""
+
     @functools.wraps(original)
     def get_state_dict(self, model, unwrap=True):
         module = self.unwrap_model(model)
@@ -69,11 +68,13 @@ def _wrap_get_state_dict(original):
             return original(self, model, unwrap=unwrap)
         return consolidated_state_dict(module)
 
-    setattr(get_state_dict, _MARK, True)
     return get_state_dict
 
 
-def _wrap_save_pretrained(original):
+# host patch transformers.modeling_utils.PreTrainedModel.save_pretrained: checked against transformers 5.24.0
+def wrap_save_pretrained(original):
+    """``PreTrainedModel.save_pretrained`` that refuses a ragged-sharded model without ``state_dict=``."""
+
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -88,20 +89,4 @@ def _wrap_save_pretrained(original):
             )
         return original(self, *args, **kwargs)
 
-    setattr(save_pretrained, _MARK, True)
     return save_pretrained
-
-
-def install_save_hooks() -> None:
-    """Wrap accelerate's ``Accelerator.get_state_dict`` and transformers'
-    ``PreTrainedModel.save_pretrained`` if those libraries are loaded (idempotent; models
-    that are not ragged-sharded go through untouched). The engine calls it when it is built:
-    accelerate has built it by then if it is in use."""
-    accelerator = sys.modules.get("accelerate.accelerator")
-    if accelerator is not None and not getattr(accelerator.Accelerator.get_state_dict, _MARK, False):
-        # host patch accelerate.Accelerator.get_state_dict: checked against accelerate 1.15.0
-        accelerator.Accelerator.get_state_dict = _wrap_get_state_dict(accelerator.Accelerator.get_state_dict)
-    modeling = sys.modules.get("transformers.modeling_utils")
-    if modeling is not None and not getattr(modeling.PreTrainedModel.save_pretrained, _MARK, False):
-        # host patch transformers.modeling_utils.PreTrainedModel.save_pretrained: checked against transformers 5.24.0
-        modeling.PreTrainedModel.save_pretrained = _wrap_save_pretrained(modeling.PreTrainedModel.save_pretrained)

@@ -172,6 +172,8 @@ def fill_from_zero3(module: nn.Module, sources: Zero3Sources) -> None:
     fill_group_by_group(module, open_group, device)
 
 
+# host patch deepspeed.runtime.zero.partition_parameters.GatheredParameters: checked against deepspeed 0.19.8
+# host patch deepspeed.zero.GatheredParameters: checked against deepspeed 0.19.8
 class GatheredParameters(partition_parameters.GatheredParameters):
     """``deepspeed.zero.GatheredParameters`` that also gathers our sharded parameters (see
     ``vescale_zero.api.full_parameters``); ZeRO-3 parameters go to DeepSpeed's own, others are ignored."""

@@ -16,7 +16,7 @@ It runs DeepSpeed's own converter (``deepspeed.utils.zero_to_fp32``) with its on
 step the same way (``get_fp32_state_dict_from_zero_checkpoint``, ``load_state_dict_from_zero_checkpoint``).
 Checked against DeepSpeed 0.19.8.
 
-This file runs as a script: it imports only ``vescale_zero.checkpoint`` (no relative imports).
+This file runs as a script: it imports only ``vescale_zero`` modules (no relative imports).
 """
 
 from __future__ import annotations
@@ -28,24 +28,21 @@ import os
 import types
 from typing import Any, Callable, Dict, List, Optional
 
+from vescale_zero import host_patches
 from vescale_zero.checkpoint import consolidate
 from vescale_zero.hosts import METADATA_FILE
 
 __all__ = ["is_ragged_checkpoint", "ragged_reader", "host_converter", "main"]
-
-_READER = "_get_fp32_state_dict_from_zero_checkpoint"
-
 
 def is_ragged_checkpoint(tag_dir: str) -> bool:
     """Whether ``tag_dir`` is a checkpoint of ``vescale_zero.checkpoint.save`` (a ragged engine's tag)."""
     return os.path.isfile(os.path.join(tag_dir, METADATA_FILE))
 
 
+# host patch deepspeed.utils.zero_to_fp32._get_fp32_state_dict_from_zero_checkpoint: checked against deepspeed 0.19.8  # noqa: E501
 def ragged_reader(original: Callable[..., Dict[str, Any]]) -> Callable[..., Dict[str, Any]]:
     """DeepSpeed's reading step ``original``, answering ragged checkpoints with the consolidator
     (fp32 master weights and buffers, tied parameters under every name)."""
-    if getattr(original, "__vescale_ragged__", False):
-        return original
 
     @functools.wraps(original)
     def read(ds_checkpoint_dir: str, exclude_frozen_parameters: bool) -> Dict[str, Any]:
@@ -53,25 +50,19 @@ def ragged_reader(original: Callable[..., Dict[str, Any]]) -> Callable[..., Dict
             return original(ds_checkpoint_dir, exclude_frozen_parameters)
         return consolidate(ds_checkpoint_dir, exclude_frozen=exclude_frozen_parameters)
 
-    read.__vescale_ragged__ = True  # type: ignore[attr-defined]
     return read
 
 
-def route(module: types.ModuleType) -> None:
-    """Make ``module`` (DeepSpeed's zero_to_fp32) read ragged checkpoints (idempotent)."""
-    # host patch deepspeed.utils.zero_to_fp32._get_fp32_state_dict_from_zero_checkpoint: checked against deepspeed 0.19.8  # noqa: E501
-    setattr(module, _READER, ragged_reader(getattr(module, _READER)))
-
-
 def host_converter() -> types.ModuleType:
-    """DeepSpeed's ``deepspeed.utils.zero_to_fp32``, routed (see :func:`route`)."""
+    """DeepSpeed's ``deepspeed.utils.zero_to_fp32``, its reading step routed to :func:`ragged_reader`
+    (``vescale_zero.host_patches.install("deepspeed.zero_to_fp32")``)."""
     try:
         module = importlib.import_module("deepspeed.utils.zero_to_fp32")
     except ImportError as e:
         raise ImportError("zero_to_fp32.py of a ragged checkpoint runs DeepSpeed's converter: install deepspeed, "
                           "or join the checkpoint without it: "
                           "vescale-zero consolidate CHECKPOINT_DIR/TAG model.safetensors") from e
-    route(module)
+    host_patches.install("deepspeed.zero_to_fp32")
     return module
 
 
@@ -97,7 +88,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("-d", "--debug", action="store_true", help="DeepSpeed's debug prints")
     args = parser.parse_args(argv)
     host = host_converter()
-    host.debug = args.debug
+    # host patch deepspeed.utils.zero_to_fp32.debug: checked against deepspeed 0.19.8
+    host_patches.assign("deepspeed.utils.zero_to_fp32.debug", args.debug)  # what DeepSpeed's own -d sets
     host.convert_zero_checkpoint_to_fp32_state_dict(
         args.checkpoint_dir, args.output_dir, max_shard_size=args.max_shard_size,
         safe_serialization=args.safe_serialization, tag=args.tag,

@@ -1,9 +1,9 @@
-"""Megatron-Core adapter: ``VeScaleFSDP`` (the data-parallel wrapper), ``VeScaleOptimizer``
+"""Megatron-Core adapter: ``RaggedFSDP`` (the data-parallel wrapper), ``RaggedOptimizer``
 (Megatron's optimizer protocol on the shards), ``--use-vescale-fsdp`` and the switch that
 makes Megatron-LM's builders use them.
 
-    from vescale_zero.integrations.megatron import VeScaleFSDP, get_vescale_optimizer
-    model = VeScaleFSDP(config, ddp_config, gpt_model)          # instead of DDP(...)
+    from vescale_zero.integrations.megatron import RaggedFSDP, get_vescale_optimizer
+    model = RaggedFSDP(config, ddp_config, gpt_model)          # instead of DDP(...)
     optimizer = get_vescale_optimizer(optimizer_config, [model])
 
 In Megatron-LM: ``use_vescale_fsdp_in_megatron_lm()`` before ``pretrain(...,
@@ -29,15 +29,21 @@ from .arguments import (
     vescale_options_from_args,
 )
 from .checkpoint_conversion import from_megatron
-from .data_parallel import VeScaleFSDP, VeScaleFSDPOptions, check_supported, clash_message, params_l2_norm
+from .data_parallel import RaggedFSDP, RaggedFSDPOptions, check_supported, clash_message, params_l2_norm
 from .megatron_lm import use_vescale_fsdp_in_megatron_lm
-from .optimizer import SUPPORTED_OPTIMIZERS, VeScaleOptimizer, check_dist_checkpoint_optimizer, get_vescale_optimizer
+from .optimizer import SUPPORTED_OPTIMIZERS, RaggedOptimizer, check_dist_checkpoint_optimizer, get_vescale_optimizer
 from .optimizer_offload import OptimizerOffload, optimizer_offload
 
+# The names these classes had before one brand for public classes (Ragged*, as RaggedFSDPModule and
+# RaggedDeepSpeedEngine): kept, so users' code keeps working.
+VeScaleFSDP = RaggedFSDP
+VeScaleFSDPOptions = RaggedFSDPOptions
+VeScaleOptimizer = RaggedOptimizer
+
 __all__ = [
-    "VeScaleFSDP",
-    "VeScaleFSDPOptions",
-    "VeScaleOptimizer",
+    "RaggedFSDP",
+    "RaggedFSDPOptions",
+    "RaggedOptimizer",
     "get_vescale_optimizer",
     "add_vescale_fsdp_args",
     "validate_vescale_args",
@@ -53,4 +59,7 @@ __all__ = [
     "OptimizerOffload",
     "optimizer_offload",
     "from_megatron",
+    "VeScaleFSDP",
+    "VeScaleFSDPOptions",
+    "VeScaleOptimizer",
 ]

@@ -2,7 +2,7 @@
 
     pretrain(..., extra_args_provider=add_vescale_fsdp_args)
 
-    --use-vescale-fsdp                 shard with VeScaleFSDP instead of DDP / FSDP
+    --use-vescale-fsdp                 shard with RaggedFSDP instead of DDP / FSDP
     --vescale-granularity G            'element' (default), 'row', '<N>rows' or an int
     --vescale-no-reshard-after-forward keep layers gathered from forward to backward
     --vescale-no-prefetch              gather each layer only when it runs
@@ -22,7 +22,7 @@ import torch
 
 from vescale_zero.optim import AdamW8bit, Muon, Shampoo
 
-from .data_parallel import VeScaleFSDPOptions, clash_message
+from .data_parallel import RaggedFSDPOptions, clash_message
 from .notices import warn_once
 from .optimizer_offload import optimizer_offload
 
@@ -66,7 +66,7 @@ def validate_vescale_args(args: argparse.Namespace) -> None:
         if getattr(args, "vescale_optimizer", None):
             raise ValueError("--vescale-optimizer needs --use-vescale-fsdp")
         return
-    # --use-distributed-optimizer is accepted: VeScaleFSDP already shards the optimizer state (what it asks)
+    # --use-distributed-optimizer is accepted: RaggedFSDP already shards the optimizer state (what it asks)
     for field in ("use_torch_fsdp2", "use_megatron_fsdp", "use_custom_fsdp"):
         if getattr(args, field, False):
             raise ValueError(clash_message(field))
@@ -104,7 +104,7 @@ def vescale_optimizer_name(args: argparse.Namespace) -> Optional[str]:
     return getattr(args, "vescale_optimizer", None)
 
 
-def vescale_options_from_args(args: argparse.Namespace) -> VeScaleFSDPOptions:
+def vescale_options_from_args(args: argparse.Namespace) -> RaggedFSDPOptions:
     granularity: Any = getattr(args, "vescale_granularity", None)
     name = vescale_optimizer_name(args)
     if name is not None:
@@ -116,7 +116,7 @@ def vescale_options_from_args(args: argparse.Namespace) -> VeScaleFSDPOptions:
         cls = STRUCTURED_OPTIMIZERS[name]
         if hasattr(cls, "granularity"):  # Muon needs none: it joins each matrix on a root rank
             granularity = cls.granularity(vescale_optimizer_block(args))
-    return VeScaleFSDPOptions(
+    return RaggedFSDPOptions(
         granularity=granularity,
         reshard_after_forward=getattr(args, "vescale_reshard_after_forward", True),
         prefetch=getattr(args, "vescale_prefetch", True),
@@ -125,38 +125,38 @@ def vescale_options_from_args(args: argparse.Namespace) -> VeScaleFSDPOptions:
     )
 
 
-_GROUPS = ("VeScaleFSDP's buckets are its groups (one flat buffer per transformer layer, one for the rest of the "
+_GROUPS = ("RaggedFSDP's buckets are its groups (one flat buffer per transformer layer, one for the rest of the "
            "model), each reduce-scattered once per step")
 _NO_EFFECT: List[Tuple[str, str, Callable[[Any], bool], str]] = [
     ("--data-parallel-sharding-strategy", "data_parallel_sharding_strategy", lambda v: v not in (None, "no_shard"),
-     "it picks what Megatron-FSDP shards; VeScaleFSDP always shards parameters, gradients and optimizer state over "
+     "it picks what Megatron-FSDP shards; RaggedFSDP always shards parameters, gradients and optimizer state over "
      "data parallelism (what 'optim_grads_params' asks for)"),
     ("--ddp-reduce-scatter-with-fp32-accumulation", "ddp_reduce_scatter_with_fp32_accumulation", bool,
-     "VeScaleFSDP reduce-scatters in the reduce dtype, which --accumulate-allreduce-grads-in-fp32 (Megatron-LM's "
+     "RaggedFSDP reduce-scatters in the reduce dtype, which --accumulate-allreduce-grads-in-fp32 (Megatron-LM's "
      "default under --bf16) makes fp32, so the sum is accumulated in fp32 there; without it, in bf16/fp16"),
     ("--check-for-large-grads", "check_for_large_grads", bool,
-     "VeScaleFSDP checks the reduced gradients for NaN / Inf only (--check-for-nan-in-loss-and-grad), not for "
+     "RaggedFSDP checks the reduced gradients for NaN / Inf only (--check-for-nan-in-loss-and-grad), not for "
      "unexpectedly large ones"),
     ("--ddp-bucket-size", "ddp_bucket_size", lambda v: v is not None, _GROUPS),
     ("--ddp-num-buckets", "ddp_num_buckets", lambda v: v is not None, _GROUPS),
     ("--ddp-pad-buckets-for-high-nccl-busbw", "ddp_pad_buckets_for_high_nccl_busbw", bool,
-     "every rank's piece of a VeScaleFSDP group starts on 16 bytes already (DEFAULT_ALIGN_BYTES); the groups are "
+     "every rank's piece of a RaggedFSDP group starts on 16 bytes already (DEFAULT_ALIGN_BYTES); the groups are "
      "not padded further"),
     ("--use-torch-optimizer-for-cpu-offload", "use_torch_optimizer_for_cpu_offload", bool,
-     "under --optimizer-cpu-offload VeScaleFSDP's optimizer (torch's, or --vescale-optimizer's) steps the offloaded "
+     "under --optimizer-cpu-offload RaggedFSDP's optimizer (torch's, or --vescale-optimizer's) steps the offloaded "
      "shards where they live, on the host, whichever optimizer class Megatron would pick"),
     ("--overlap-cpu-optimizer-d2h-h2d", "overlap_cpu_optimizer_d2h_h2d", bool,
-     "under --optimizer-cpu-offload VeScaleFSDP copies each group's shard to the device on a copy stream of its own "
+     "under --optimizer-cpu-offload RaggedFSDP copies each group's shard to the device on a copy stream of its own "
      "and its reduced gradients back without waiting (vescale_zero.runtime.offload), always"),
     ("--use-precision-aware-optimizer", "use_precision_aware_optimizer", bool,
-     "VeScaleFSDP's sharded parameters are the fp32 master weights, updated in place by a torch optimizer whose "
+     "RaggedFSDP's sharded parameters are the fp32 master weights, updated in place by a torch optimizer whose "
      "states take their dtype (fp32); for lower-precision optimizer states use --vescale-optimizer adamw8bit"),
 ] + [(flag, flag[2:].replace("-", "_"), lambda v: v not in (None, "fp32", torch.float32),
-      "VeScaleFSDP keeps fp32 master shards and fp32 optimizer states (for 8-bit states: --vescale-optimizer "
+      "RaggedFSDP keeps fp32 master shards and fp32 optimizer states (for 8-bit states: --vescale-optimizer "
       "adamw8bit); the gradients are reduced in fp32 under --accumulate-allreduce-grads-in-fp32, else in the "
       "model's dtype")
      for flag in ("--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype")]
-_NO_PREFETCH = ("VeScaleFSDP overlaps each group's parameter all-gather with the previous group's compute by "
+_NO_PREFETCH = ("RaggedFSDP overlaps each group's parameter all-gather with the previous group's compute by "
                 "prefetching, which --vescale-no-prefetch turns off")
 
 
@@ -168,7 +168,7 @@ def flags_without_effect(args: argparse.Namespace) -> List[Tuple[str, str]]:
     out = [(flag, why) for flag, field, is_set, why in _NO_EFFECT if is_set(getattr(args, field, None))
            # Megatron-LM's validate_args asks for it beside --optimizer-cpu-offload: no news to the user
            and not (flag == "--use-precision-aware-optimizer" and getattr(args, "optimizer_cpu_offload", False))]
-    # --overlap-param-gather asks what VeScaleFSDP's prefetch does (its default): an effect unless that is off
+    # --overlap-param-gather asks what RaggedFSDP's prefetch does (its default): an effect unless that is off
     if getattr(args, "overlap_param_gather", False) and not getattr(args, "vescale_prefetch", True):
         out.append(("--overlap-param-gather", _NO_PREFETCH))
     return out

@@ -21,9 +21,9 @@ tensors of the same model at TP = PP = EP = 1, once unstacked and renamed::
 
 The result (:func:`vescale_zero.hosts.write_whole`) carries those names, so
 ``vescale-zero consolidate`` turns it into a plain state dict of the tp1 x pp1 model, and
-:func:`vescale_zero.checkpoint.load` loads it into ``VeScaleFSDP`` (or ``fully_shard``) at
+:func:`vescale_zero.checkpoint.load` loads it into ``RaggedFSDP`` (or ``fully_shard``) at
 TP = PP = EP = 1 and any data-parallel size. At another model-parallel layout, load the
-Megatron checkpoint itself: ``VeScaleFSDP`` reads ``torch_dist`` through Megatron's loader.
+Megatron checkpoint itself: ``RaggedFSDP`` reads ``torch_dist`` through Megatron's loader.
 
 [Note: layer specs] Megatron names a checkpoint's keys by the transformer-engine spec.
 The local spec maps its module names onto those (its ``sharded_state_dict_keys_map``, e.g.

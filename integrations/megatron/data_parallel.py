@@ -1,4 +1,4 @@
-"""``VeScaleFSDP``: Megatron-Core's data-parallel wrapper contract on ragged sharding.
+"""``RaggedFSDP``: Megatron-Core's data-parallel wrapper contract on ragged sharding.
 
 A drop-in for ``megatron.core.distributed.DistributedDataParallel``: same constructor,
 same methods (``_BaseDataParallel``), used by Megatron's schedules and
@@ -36,16 +36,16 @@ scales by 1/tokens later).
 
 [Note: dist-checkpoints] Megatron's ``torch_dist`` checkpoints describe every tensor by its
 *full* tensor-parallel-local shape (``ShardedTensor``), with data parallelism as replicas.
-Saving, each rank writes its own shard, nothing is gathered: :meth:`VeScaleFSDP.sharded_state_dict`
+Saving, each rank writes its own shard, nothing is gathered: :meth:`RaggedFSDP.sharded_state_dict`
 (and Megatron-LM's ``save_checkpoint`` under the switch) lets Megatron's own
 ``sharded_state_dict`` build the keys and metadata on meta stand-ins of the full parameters,
 then describes this rank's ragged range of each tensor as a few boxes, views of its shard
 (dist_checkpoint.py [Note: streamed dist-checkpoint save]); the optimizer writes Adam's state
 on the same boxes. Loading, the module shows Megatron full parameters:
-:meth:`VeScaleFSDP.full_parameters` gathers each group once and installs plain full tensors in
+:meth:`RaggedFSDP.full_parameters` gathers each group once and installs plain full tensors in
 place of the shards for its duration, Megatron's loader reshards any TP/PP/DP layout (boxes
 written by any ranks, or Megatron's DDP's regular grid) into them, and
-:meth:`VeScaleFSDP.load_state_dict` keeps each rank's range. The optimizer finds its state's
+:meth:`RaggedFSDP.load_state_dict` keeps each rank's range. The optimizer finds its state's
 full shapes through :meth:`sharded_param_of`.
 """
 
@@ -58,6 +58,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+# host patch megatron.core.distributed.data_parallel_base._BaseDataParallel: checked against megatron-core 0.16.1
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -85,11 +87,11 @@ from .hsdp import check_outer_dp_sharding, data_parallel_meshes, ddp_process_gro
 from .meta_init import check_all_or_nothing_on_meta, has_meta_tensors, materialize_megatron
 from .optimizer_offload import OptimizerOffload, groups_to_offload
 
-__all__ = ["VeScaleFSDP", "VeScaleFSDPOptions", "check_supported", "clash_message", "params_l2_norm"]
+__all__ = ["RaggedFSDP", "RaggedFSDPOptions", "check_supported", "clash_message", "params_l2_norm"]
 
 
 @dataclass(frozen=True)
-class VeScaleFSDPOptions:
+class RaggedFSDPOptions:
     """Our knobs (``--vescale-*`` flags); everything else comes from Megatron's configs."""
 
     granularity: GranularityPolicy = None
@@ -120,7 +122,7 @@ def clash_message(field: str) -> str:
 
 def check_supported(config: TransformerConfig, ddp_config: DistributedDataParallelConfig) -> None:
     """Refuse Megatron settings that would fight ragged sharding, naming the fix."""
-    # use_distributed_optimizer is accepted: VeScaleFSDP already shards the optimizer state (what it asks)
+    # use_distributed_optimizer is accepted: RaggedFSDP already shards the optimizer state (what it asks)
     for field in ("use_megatron_fsdp", "use_custom_fsdp"):
         if getattr(ddp_config, field, False):
             raise ValueError(clash_message(field))
@@ -175,7 +177,7 @@ def _expert_modules(layer: nn.Module) -> List[nn.Module]:
     return found
 
 
-class VeScaleFSDP(_BaseDataParallel):
+class RaggedFSDP(_BaseDataParallel):
     """Megatron's data-parallel wrapper, sharding parameters, gradients and optimizer state
     with RaggedShard over the data-parallel (x context-parallel) group.
 
@@ -186,7 +188,7 @@ class VeScaleFSDP(_BaseDataParallel):
         module: the model chunk (``GPTModel``, possibly inside ``Float16Module``).
         disable_bucketing: accepted for signature compatibility (every group is one bucket).
         pg_collection: Megatron's process groups; default: ``parallel_state``'s.
-        options: :class:`VeScaleFSDPOptions`.
+        options: :class:`RaggedFSDPOptions`.
     """
 
     def __init__(
@@ -196,12 +198,12 @@ class VeScaleFSDP(_BaseDataParallel):
         module: nn.Module,
         disable_bucketing: bool = False,
         pg_collection: Optional[ProcessGroupCollection] = None,
-        options: Optional[VeScaleFSDPOptions] = None,
+        options: Optional[RaggedFSDPOptions] = None,
     ) -> None:
         super().__init__(config=config, module=module)
         check_supported(config, ddp_config)
         self.ddp_config = ddp_config
-        self.options = options or VeScaleFSDPOptions()
+        self.options = options or RaggedFSDPOptions()
         groups = ddp_process_groups(pg_collection, config, ddp_config)
         # every group used here stops waiting on a stuck peer after the job's timeout: [Note: the job's timeout]
         carry_job_timeout(*(g for g in groups.values() if isinstance(g, dist.ProcessGroup)))
@@ -246,7 +248,7 @@ class VeScaleFSDP(_BaseDataParallel):
         if not low:
             return None
         if len(low) > 1:
-            raise ValueError(f"VeScaleFSDP: the model mixes bf16 and fp16 parameters ({sorted(map(str, dtypes))})")
+            raise ValueError(f"RaggedFSDP: the model mixes bf16 and fp16 parameters ({sorted(map(str, dtypes))})")
         compute = low.pop()
         with torch.no_grad():
             for p in module.parameters():
@@ -304,7 +306,7 @@ class VeScaleFSDP(_BaseDataParallel):
         stray = [n for n, p in module.named_parameters() if _is_expert(p) and not hasattr(p, "_vescale_fsdp_group_of")]
         if stray:
             raise ValueError(
-                f"VeScaleFSDP: expert parameters outside a TransformerLayer are not supported: {stray[:4]}"
+                f"RaggedFSDP: expert parameters outside a TransformerLayer are not supported: {stray[:4]}"
             )
         for call in tail_calls:
             shard(*call)
@@ -347,7 +349,7 @@ class VeScaleFSDP(_BaseDataParallel):
     def start_grad_sync(self, *unused: Any) -> None:
         """Nothing to start: with ``overlap_grad_reduce`` backward issues each group's
         reduce-scatter itself once the group's gradients are complete, in one order on every rank
-        (vescale_zero.runtime.hooks [Note: one order of reduce-scatters]); without it
+        (vescale_zero.runtime.scheduler [Note: one order of reduce-scatters]); without it
         :meth:`finish_grad_sync` does."""
 
     def finish_grad_sync(self, force_all_reduce: Optional[bool] = False) -> None:
@@ -377,7 +379,7 @@ class VeScaleFSDP(_BaseDataParallel):
         get_rerun_state_machine().validate_result(
             result=total,
             rejection_func=lambda t: not bool(torch.isfinite(t)),
-            message="found NaN or Inf in the gradients (VeScaleFSDP: squared norm of the reduce-scattered gradient "
+            message="found NaN or Inf in the gradients (RaggedFSDP: squared norm of the reduce-scattered gradient "
             "shards over the data-parallel group, so some rank's local gradients had one): the loss or the "
             "gradients diverged; lower the learning rate or check the data, or pass "
             "--no-check-for-nan-in-loss-and-grad to skip this check",
@@ -459,7 +461,7 @@ class VeScaleFSDP(_BaseDataParallel):
         full = getattr(self, "_prepared", None)
         if full is not None and not self._prepared_here:
             raise RuntimeError(
-                "VeScaleFSDP.state_dict() on a rank that is neither data-parallel nor expert-data-parallel rank 0, "
+                "RaggedFSDP.state_dict() on a rank that is neither data-parallel nor expert-data-parallel rank 0, "
                 "after prepare_state_dict(): that rank kept nothing. Call state_dict() on every rank without "
                 "prepare_state_dict() (collective), or only on those ranks after it")
         if full is None:
@@ -494,7 +496,7 @@ class VeScaleFSDP(_BaseDataParallel):
             yield
             return
         if getattr(self, STREAMING, False):
-            raise RuntimeError("VeScaleFSDP.full_parameters() inside checkpoint_parameters() (a streamed save): the "
+            raise RuntimeError("RaggedFSDP.full_parameters() inside checkpoint_parameters() (a streamed save): the "
                                "module holds meta stand-ins there; use one or the other")
         full = full_state_dict(self.module)
         self._sharded_of = {}
@@ -564,9 +566,9 @@ class VeScaleFSDP(_BaseDataParallel):
         return list(self._groups)
 
 
-def params_l2_norm(model_chunks: Sequence[VeScaleFSDP]) -> float:
+def params_l2_norm(model_chunks: Sequence[RaggedFSDP]) -> float:
     """The L2 norm of the whole model's parameters (Megatron-LM's ``--log-params-norm``), from
-    ``VeScaleFSDP`` chunks' shards: as Megatron-LM's ``calc_params_l2_norm`` counts them (one
+    ``RaggedFSDP`` chunks' shards: as Megatron-LM's ``calc_params_l2_norm`` counts them (one
     tensor-parallel copy of each, shared parameters once, expert parameters beside dense ones),
     with each rank's squared shard norms summed over the group that shards them (dense: the
     data-parallel x context-parallel "shard" group; experts: the expert-data-parallel one), then
@@ -578,8 +580,8 @@ def params_l2_norm(model_chunks: Sequence[VeScaleFSDP]) -> float:
     from megatron.core.transformer.module import param_is_not_shared
 
     chunks = list(model_chunks)
-    if not chunks or not all(isinstance(c, VeScaleFSDP) for c in chunks):
-        raise TypeError("params_l2_norm needs VeScaleFSDP model chunks")
+    if not chunks or not all(isinstance(c, RaggedFSDP) for c in chunks):
+        raise TypeError("params_l2_norm needs RaggedFSDP model chunks")
     dense: List[torch.Tensor] = []
     expert: List[torch.Tensor] = []
     for chunk in chunks:

@@ -1,4 +1,4 @@
-"""Megatron ``torch_dist`` saves of ``VeScaleFSDP`` that write each rank's own shard, no gather.
+"""Megatron ``torch_dist`` saves of ``RaggedFSDP`` that write each rank's own shard, no gather.
 
 [Note: streamed dist-checkpoint save] Megatron's ``ShardedTensor`` places a rank's piece of a
 tensor by ``global_offset`` / ``local_shape``: a box. A ragged shard is a flat range of the
@@ -21,9 +21,9 @@ the data-parallel place (the last item): data-parallel pieces are disjoint now, 
 of an instance writes its own; under HSDP (``--num-distributed-optimizer-instances``) the
 instances hold equal shards and the first one writes (the place is the instance's rank).
 Each box carries ``(sharded parameter, its LocalPieces, the box)`` (:data:`LOCAL_PIECE`):
-``VeScaleOptimizer.sharded_state_dict`` writes Adam's state on the same boxes from the local
+``RaggedOptimizer.sharded_state_dict`` writes Adam's state on the same boxes from the local
 state shards. Loading any layout is Megatron's reshard into full tensors
-(``VeScaleFSDP.full_parameters``); boxes written by any rank read back fine.
+(``RaggedFSDP.full_parameters``); boxes written by any rank read back fine.
 
 Details: Megatron's prepended axes (stacked layers, experts) become leading box axes of size 1
 (PyTorch's checkpoint takes an irregular chunk by its full-rank shape); a
@@ -54,7 +54,7 @@ LOCAL_PIECE = "vescale_local_piece"
 
 
 STREAMING = "_vescale_streaming_save"
-"""Set on a ``VeScaleFSDP`` chunk while :func:`checkpoint_parameters` is on."""
+"""Set on a ``RaggedFSDP`` chunk while :func:`checkpoint_parameters` is on."""
 
 SHARD_ONLY_ATTRIBUTES = ("sharded_range", "main_grad", "grad_added_to_main_grad")
 """A sharded parameter's attributes that a full (or stand-in) tensor in its place does not take."""
@@ -112,7 +112,7 @@ def checkpoint_parameters(chunk: Any) -> Iterator[None]:
             return None, 0
         if not data.is_contiguous():
             raise ValueError(f"a sharded state dict entry is a non-contiguous view of a parameter "
-                             f"{tuple(base.shape)}; VeScaleFSDP's streamed save cannot describe it as boxes")
+                             f"{tuple(base.shape)}; RaggedFSDP's streamed save cannot describe it as boxes")
         return entry, data.storage_offset()
 
     def boxes(sh: ShardedTensor) -> Any:
@@ -201,8 +201,8 @@ def _refuse_meta(value: Any) -> Any:
     data = getattr(value, "data", None)
     if isinstance(data, torch.Tensor) and data.device.type == "meta":
         raise ValueError(f"{getattr(value, 'key', value)!r}: Megatron's sharded_state_dict gave a tensor derived from "
-                         "a VeScaleFSDP stand-in that the streamed save cannot map to the shards; save inside "
-                         "VeScaleFSDP.full_parameters() instead (gathers the parameters)")
+                         "a RaggedFSDP stand-in that the streamed save cannot map to the shards; save inside "
+                         "RaggedFSDP.full_parameters() instead (gathers the parameters)")
     return value
 
 

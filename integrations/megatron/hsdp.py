@@ -41,7 +41,7 @@ __all__ = ["hsdp_mesh", "check_outer_dp_sharding", "ddp_process_groups", "data_p
            "replica_rank"]
 
 OUTER_DP_SHARDING = "no_shard"
-"""The only ``outer_dp_sharding_strategy`` VeScaleFSDP runs: replicas across instances."""
+"""The only ``outer_dp_sharding_strategy`` RaggedFSDP runs: replicas across instances."""
 
 
 def check_outer_dp_sharding(ddp_config) -> None:
@@ -50,7 +50,7 @@ def check_outer_dp_sharding(ddp_config) -> None:
     strategy = getattr(ddp_config, "outer_dp_sharding_strategy", OUTER_DP_SHARDING)
     if strategy != OUTER_DP_SHARDING:
         raise ValueError(
-            f"--use-vescale-fsdp: outer_dp_sharding_strategy={strategy!r} is not supported; VeScaleFSDP shards "
+            f"--use-vescale-fsdp: outer_dp_sharding_strategy={strategy!r} is not supported; RaggedFSDP shards "
             "inside each distributed-optimizer instance and replicates across instances "
             f"(outer_dp_sharding_strategy={OUTER_DP_SHARDING!r}). To shard over more ranks, use fewer "
             "--num-distributed-optimizer-instances"
@@ -110,7 +110,7 @@ def hsdp_mesh(
     dp_slice = sorted(grid[model.index(rank)].flatten().tolist())
     if dp_slice != sorted(_ranks(dp_group)) or sorted(grid.flatten().tolist()) != list(range(world)):
         raise ValueError(
-            f"VeScaleFSDP: Megatron's distributed-optimizer instance groups do not tile the {what} group: "
+            f"RaggedFSDP: Megatron's distributed-optimizer instance groups do not tile the {what} group: "
             f"instance {shard} x inter-instance {replicate} gives {dp_slice}, but the {what} group is "
             f"{sorted(_ranks(dp_group))} (model-parallel group {model}, world {world}). Use Megatron's "
             "initialize_model_parallel(num_distributed_optimizer_instances=N) groups, or pass them in pg_collection "

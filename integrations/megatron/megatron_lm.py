@@ -1,19 +1,19 @@
-"""The switch that makes Megatron-LM's builders use ``VeScaleFSDP`` under ``--use-vescale-fsdp``.
+"""The switch that makes Megatron-LM's builders use ``RaggedFSDP`` under ``--use-vescale-fsdp``.
 
 Megatron-LM (not on the package index) picks the data-parallel class in
 ``megatron.training.training.get_model`` through the module-level name ``DDP`` (replaced by a
-class that builds ``VeScaleFSDP`` or Megatron's DDP, and that ``train()``'s ``isinstance``
-checks accept: :func:`data_parallel_class`) and the optimizer through
+class that builds ``RaggedFSDP`` or Megatron's DDP, and that ``train()``'s ``isinstance``
+checks accept: :func:`data_parallel_switch`) and the optimizer through
 ``get_megatron_optimizer`` (``get_megatron_muon_optimizer`` for ``--optimizer muon``: our
 Muon). ``get_model`` first checks our flags (``--use-megatron-fsdp`` / ``--use-torch-fsdp2``
 beside ``--use-vescale-fsdp`` would otherwise pick those wrappers silently);
 ``to_empty_if_meta_device`` leaves a meta model (``--init-model-with-meta-device``) on meta for
-``VeScaleFSDP`` to initialise; ``calc_params_l2_norm`` (``--log-params-norm``) sums our shards over their own groups
+``RaggedFSDP`` to initialise; ``calc_params_l2_norm`` (``--log-params-norm``) sums our shards over their own groups
 (:func:`params_l2_norm`); ``check_param_hashes_across_dp_replicas``
 (``--check-weight-hash-across-dp-replicas-interval``) hashes the full parameters;
 ``megatron.core.utils.unwrap_model`` peels known wrappers;
 ``save_checkpoint`` / ``load_checkpoint`` are wrapped so both checkpoint formats see what
-they expect (see :func:`_wrap_checkpointing`). In a
+they expect (see :func:`checkpoint_saver`). In a
 Megatron-LM pretraining script::
 
     from vescale_zero.integrations.megatron import add_vescale_fsdp_args, use_vescale_fsdp_in_megatron_lm
@@ -32,6 +32,8 @@ import sys
 from contextlib import ExitStack
 from typing import Any, Callable, List, Optional, Tuple
 
+from vescale_zero import host_patches
+
 from .arguments import (
     check_megatron_optimizer,
     validate_vescale_args,
@@ -40,50 +42,86 @@ from .arguments import (
     vescale_options_from_args,
     warn_flags_without_effect,
 )
-from .data_parallel import VeScaleFSDP, params_l2_norm
+from .data_parallel import RaggedFSDP, params_l2_norm
 from .dist_checkpoint import checkpoint_parameters
-from .optimizer import VeScaleOptimizer, check_dist_checkpoint_optimizer, get_vescale_optimizer
+from .optimizer import RaggedOptimizer, check_dist_checkpoint_optimizer, get_vescale_optimizer
 
-__all__ = ["use_vescale_fsdp_in_megatron_lm", "unwrap_vescale", "data_parallel_class"]
+__all__ = ["use_vescale_fsdp_in_megatron_lm", "unwrap_vescale", "data_parallel_switch"]
 
-_PATCHED = "_vescale_zero_patched"
+_GET_ARGS: List[Callable[[], Any]] = []
+"""The parsed arguments' getter of the last :func:`use_vescale_fsdp_in_megatron_lm` (what the switches read)."""
 
 
+def _args() -> Any:
+    return _GET_ARGS[-1]()
+
+
+def _on(args: Any) -> bool:
+    return bool(getattr(args, "use_vescale_fsdp", False))
+
+
+def use_vescale_fsdp_in_megatron_lm(get_args: Optional[Callable[[], Any]] = None) -> None:
+    """Route Megatron-LM's model wrapper and optimizer builder through vescale-zero
+    whenever the parsed arguments have ``--use-vescale-fsdp`` (``vescale_zero.host_patches``:
+    ``install("megatron")``; the replacements below). Idempotent.
+
+    Args:
+        get_args: returns the parsed arguments (default: ``megatron.training.get_args``).
+    """
+    try:
+        import megatron.training.training  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            "use_vescale_fsdp_in_megatron_lm needs Megatron-LM (megatron.training), which is not on the package "
+            "index: install it from a clone (pip install -e Megatron-LM). With megatron-core alone, build "
+            "RaggedFSDP and get_vescale_optimizer directly (see examples/megatron/pretrain_gpt.py)"
+        ) from e
+    if get_args is None:
+        from megatron.training import get_args
+    _GET_ARGS.append(get_args)
+    host_patches.install("megatron")
+
+
+# ---- the replacements (each given Megatron's own): [Note: host patches] -------------------------------------------
+
+
+# host patch megatron.core.utils.unwrap_model: checked against megatron-core 0.16.1
 def unwrap_vescale(unwrap_model: Callable) -> Callable:
-    """``unwrap_model`` that also peels ``VeScaleFSDP`` (Megatron's checks name its classes)."""
+    """``unwrap_model`` that also peels ``RaggedFSDP`` (Megatron's checks name its classes); it is
+    imported by name into many modules: replaced in every one (kind ``everywhere``)."""
 
     def unwrap(model: Any, module_instances: Optional[tuple] = None) -> Any:
         def peel(m: Any) -> Any:
-            while isinstance(m, VeScaleFSDP):
+            while isinstance(m, RaggedFSDP):
                 m = m.module
             return m
 
         peeled = [peel(m) for m in model] if isinstance(model, list) else peel(model)
         return unwrap_model(peeled, module_instances) if module_instances is not None else unwrap_model(peeled)
 
-    setattr(unwrap, _PATCHED, True)
     return unwrap
 
 
-def data_parallel_class(megatron_ddp: type, get_args: Callable[[], Any]) -> type:
+# host patch megatron.training.training.DDP: checked against megatron-core 0.16.1
+def data_parallel_switch(megatron_ddp: type) -> type:
     """What Megatron-LM's module-level ``DDP`` becomes: a class (Megatron-LM tests
     ``isinstance(model[0], (megatron_FSDP, DDP))`` and asserts ``isinstance(chunk, DDP)``) whose
-    construction builds ``VeScaleFSDP`` under ``--use-vescale-fsdp`` and ``megatron_ddp`` with the
-    very same arguments otherwise. Its instances are ``megatron_ddp``'s and ``VeScaleFSDP``'s;
+    construction builds ``RaggedFSDP`` under ``--use-vescale-fsdp`` and ``megatron_ddp`` with the
+    very same arguments otherwise. Its instances are ``megatron_ddp``'s and ``RaggedFSDP``'s;
     any other attribute is ``megatron_ddp``'s."""
 
     class _Switch(type):
         def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-            parsed = get_args()
-            if not getattr(parsed, "use_vescale_fsdp", False):
+            parsed = _args()
+            if not _on(parsed):
                 return megatron_ddp(*args, **kwargs)
             return _vescale_fsdp(parsed, *args, **kwargs)
 
         def __instancecheck__(cls, obj: Any) -> bool:
-            return isinstance(obj, (megatron_ddp, VeScaleFSDP))
+            return isinstance(obj, (megatron_ddp, RaggedFSDP))
 
         def __subclasscheck__(cls, sub: type) -> bool:
-            return issubclass(sub, (megatron_ddp, VeScaleFSDP))
+            return issubclass(sub, (megatron_ddp, RaggedFSDP))
 
         def __getattr__(cls, name: str) -> Any:
             return getattr(megatron_ddp, name)
@@ -92,77 +130,92 @@ def data_parallel_class(megatron_ddp: type, get_args: Callable[[], Any]) -> type
 
 
 def _vescale_fsdp(args: Any, config: Any, ddp_config: Any, module: Any, disable_bucketing: bool = False,
-                  **kwargs: Any) -> VeScaleFSDP:
+                  **kwargs: Any) -> RaggedFSDP:
     validate_vescale_args(args)
     kwargs.pop("full_param_layout", None)  # distributed-optimizer layouts: not ours
-    return VeScaleFSDP(config, ddp_config, module, disable_bucketing, options=vescale_options_from_args(args), **kwargs)
+    return RaggedFSDP(config, ddp_config, module, disable_bucketing, options=vescale_options_from_args(args), **kwargs)
 
 
-def use_vescale_fsdp_in_megatron_lm(get_args: Optional[Callable[[], Any]] = None) -> None:
-    """Route Megatron-LM's model wrapper and optimizer builder through vescale-zero
-    whenever the parsed arguments have ``--use-vescale-fsdp``. Idempotent.
-
-    Args:
-        get_args: returns the parsed arguments (default: ``megatron.training.get_args``).
-    """
-    try:
-        import megatron.training.training as training
-    except ImportError as e:
-        raise ImportError(
-            "use_vescale_fsdp_in_megatron_lm needs Megatron-LM (megatron.training), which is not on the package "
-            "index: install it from a clone (pip install -e Megatron-LM). With megatron-core alone, build "
-            "VeScaleFSDP and get_vescale_optimizer directly (see examples/megatron/pretrain_gpt.py)"
-        ) from e
-    if getattr(training, _PATCHED, False):
-        return
-    if get_args is None:
-        from megatron.training import get_args
-    megatron_optimizer = training.get_megatron_optimizer
-    megatron_muon = getattr(training, "get_megatron_muon_optimizer", None)
-    megatron_get_model = getattr(training, "get_model", None)
-    megatron_params_norm = getattr(training, "calc_params_l2_norm", None)
-    megatron_to_empty = getattr(training, "to_empty_if_meta_device", None)
-    megatron_hashes = getattr(training, "check_param_hashes_across_dp_replicas", None)
+# host patch megatron.training.training.get_megatron_optimizer: checked against megatron-core 0.16.1
+def optimizer_switch(megatron_optimizer: Callable) -> Callable:
+    """``get_megatron_optimizer`` that builds ours under ``--use-vescale-fsdp``."""
 
     def optimizer(config: Any, model_chunks: Any, *rest: Any, **kwargs: Any):
-        args = get_args()
-        if not getattr(args, "use_vescale_fsdp", False):
+        args = _args()
+        if not _on(args):
             return megatron_optimizer(config, model_chunks, *rest, **kwargs)
         name = vescale_optimizer_name(args)
         return get_vescale_optimizer(config, model_chunks, kwargs.pop("config_overrides", None), optimizer=name,
                                      block=vescale_optimizer_block(args) if name else None)
 
+    return optimizer
+
+
+# host patch megatron.training.training.get_megatron_muon_optimizer: checked against Megatron-LM core_v0.16.1
+def muon_optimizer_switch(megatron_muon: Callable) -> Callable:
+    """``get_megatron_muon_optimizer`` (``--optimizer muon``) that builds our Muon under ``--use-vescale-fsdp``."""
+
     def muon_optimizer(config: Any, model_chunks: Any, *rest: Any, **kwargs: Any):
-        args = get_args()
-        if not getattr(args, "use_vescale_fsdp", False):
+        args = _args()
+        if not _on(args):
             return megatron_muon(config, model_chunks, *rest, **kwargs)
         check_megatron_optimizer(args)
         return get_vescale_optimizer(config, model_chunks, kwargs.pop("config_overrides", None), optimizer="muon")
 
+    return muon_optimizer
+
+
+# host patch megatron.training.training.get_model: checked against Megatron-LM core_v0.16.1
+def checked_get_model(megatron_get_model: Callable) -> Callable:
+    """``get_model`` that checks our flags first (``--use-megatron-fsdp`` / ``--use-torch-fsdp2``
+    beside ``--use-vescale-fsdp`` would otherwise pick those wrappers silently)."""
+
     def get_model(*args: Any, **kwargs: Any):
-        parsed = get_args()
-        if getattr(parsed, "use_vescale_fsdp", False):
+        parsed = _args()
+        if _on(parsed):
             validate_vescale_args(parsed)  # before Megatron-LM picks Megatron-FSDP / FSDP2 by their flags
             warn_flags_without_effect(parsed)
         return megatron_get_model(*args, **kwargs)
 
+    return get_model
+
+
+# host patch megatron.training.training.to_empty_if_meta_device: checked against Megatron-LM core_v0.16.1
+def kept_on_meta(megatron_to_empty: Callable) -> Callable:
+    """``to_empty_if_meta_device`` (``--init-model-with-meta-device``) that leaves the model on meta
+    under ``--use-vescale-fsdp``."""
+
     def to_empty_if_meta_device(module: Any, *rest: Any, **kwargs: Any) -> Any:
-        # [Note: meta models reach VeScaleFSDP] get_model empties a meta model before wrapping it
+        # [Note: meta models reach RaggedFSDP] get_model empties a meta model before wrapping it
         # unless FSDP2 / Megatron-FSDP is chosen: under --use-vescale-fsdp it stays on meta, so
-        # VeScaleFSDP shards it and initialises each module as its constructor would (meta_init.py).
-        if getattr(get_args(), "use_vescale_fsdp", False):
+        # RaggedFSDP shards it and initialises each module as its constructor would (meta_init.py).
+        if _on(_args()):
             return module
         return megatron_to_empty(module, *rest, **kwargs)
+
+    return to_empty_if_meta_device
+
+
+# host patch megatron.training.training.calc_params_l2_norm: checked against Megatron-LM core_v0.16.1
+def params_norm_of_shards(megatron_params_norm: Callable) -> Callable:
+    """``calc_params_l2_norm`` (``--log-params-norm``) that sums our shards over their own groups."""
 
     def calc_params_l2_norm(model: Any, *rest: Any, **kwargs: Any) -> float:
         chunks = _chunks_of(model)
         return params_l2_norm(chunks) if chunks else megatron_params_norm(model, *rest, **kwargs)
 
+    return calc_params_l2_norm
+
+
+# host patch megatron.training.training.check_param_hashes_across_dp_replicas: checked against Megatron-LM core_v0.16.1  # noqa: E501
+def hashes_of_full_parameters(megatron_hashes: Callable) -> Callable:
+    """``check_param_hashes_across_dp_replicas`` that hashes the full parameters."""
+
     def check_param_hashes_across_dp_replicas(model: Any, *rest: Any, **kwargs: Any) -> bool:
         # [Note: hashes of what is replicated] Megatron-LM asserts that every data-parallel rank
         # holds the same parameters (--check-weight-hash-across-dp-replicas-interval); the shards
         # differ by design, the full parameters do not: hashed with each chunk's full parameters
-        # installed (VeScaleFSDP.full_parameters: the whole model for the call, as DDP holds it),
+        # installed (RaggedFSDP.full_parameters: the whole model for the call, as DDP holds it),
         # so every rank's gathered copy is compared, and under HSDP a replica whose shard
         # diverged differs from the others. Without HSDP no data-parallel rank holds a copy of
         # another's shard: nothing more can be compared.
@@ -172,75 +225,41 @@ def use_vescale_fsdp_in_megatron_lm(get_args: Optional[Callable[[], Any]] = None
                 stack.enter_context(chunk.full_parameters())
             return megatron_hashes(model, *rest, **kwargs)
 
-    # host patch megatron.training.training.DDP: checked against megatron-core 0.16.1
-    training.DDP = data_parallel_class(training.DDP, get_args)
-    if megatron_hashes is not None:  # imported by name from megatron.core.utils
-        # host patch megatron.training.training.check_param_hashes_across_dp_replicas: checked against Megatron-LM core_v0.16.1  # noqa: E501
-        training.check_param_hashes_across_dp_replicas = check_param_hashes_across_dp_replicas
-    # host patch megatron.training.training.get_megatron_optimizer: checked against megatron-core 0.16.1
-    training.get_megatron_optimizer = optimizer
-    if megatron_muon is not None:
-        # host patch megatron.training.training.get_megatron_muon_optimizer: checked against Megatron-LM core_v0.16.1
-        training.get_megatron_muon_optimizer = muon_optimizer
-    if megatron_get_model is not None:
-        # host patch megatron.training.training.get_model: checked against Megatron-LM core_v0.16.1
-        training.get_model = get_model
-    if megatron_to_empty is not None:  # --init-model-with-meta-device (checked against core_v0.16.1)
-        # host patch megatron.training.training.to_empty_if_meta_device: checked against Megatron-LM core_v0.16.1
-        training.to_empty_if_meta_device = to_empty_if_meta_device
-    if megatron_params_norm is not None:  # --log-params-norm
-        # host patch megatron.training.training.calc_params_l2_norm: checked against Megatron-LM core_v0.16.1
-        training.calc_params_l2_norm = calc_params_l2_norm
-    _wrap_checkpointing(training, get_args)
-    # ``unwrap_model`` is imported by name into many modules: replace it everywhere.
-    import megatron.core.utils as core_utils
-
-    original = core_utils.unwrap_model
-    patched = unwrap_vescale(original)
-    for module in list(sys.modules.values()):
-        if module is not None and getattr(module, "unwrap_model", None) is original:
-            # host patch megatron.core.utils.unwrap_model: checked against megatron-core 0.16.1
-            module.unwrap_model = patched
-    setattr(training, _PATCHED, True)
+    return check_param_hashes_across_dp_replicas
 
 
-def _chunks_of(model: Any) -> List[VeScaleFSDP]:
-    return [m for m in (model if isinstance(model, list) else [model]) if isinstance(m, VeScaleFSDP)]
+def _chunks_of(model: Any) -> List[RaggedFSDP]:
+    return [m for m in (model if isinstance(model, list) else [model]) if isinstance(m, RaggedFSDP)]
 
 
-def _wrap_checkpointing(training: Any, get_args: Callable[[], Any]) -> None:
-    """Megatron-LM's ``save_checkpoint`` / ``load_checkpoint`` with ``VeScaleFSDP`` chunks.
+# host patch megatron.training.checkpointing.save_checkpoint: checked against Megatron-LM core_v0.16.1
+# host patch megatron.training.training.save_checkpoint: checked against Megatron-LM core_v0.16.1
+def checkpoint_saver(megatron_save: Callable) -> Callable:
+    """Megatron-LM's ``save_checkpoint`` with ``RaggedFSDP`` chunks.
 
     ``torch_dist``: the save runs under ``dist_checkpoint.checkpoint_parameters``, so
     Megatron's ``sharded_state_dict`` of the unwrapped model gives each rank's own boxes of its
     shards (no gather; dist_checkpoint.py [Note: streamed dist-checkpoint save]), and Adam's
-    state is written in model space on the same boxes by ``VeScaleOptimizer.sharded_state_dict``,
-    per-block optimizer state beside it; the load runs with full parameters installed
-    (``VeScaleFSDP.full_parameters``), into which Megatron's loader reshards across TP/PP/DP.
+    state is written in model space on the same boxes by ``RaggedOptimizer.sharded_state_dict``,
+    per-block optimizer state beside it.
     ``torch``: data-parallel rank 0 alone asks the *unwrapped* model for its state dict, so it is
     gathered on every rank beforehand and the inner model answers with it
-    (``VeScaleFSDP.torch_format_save``; this format still holds the full model during the save); rank 0's
+    (``RaggedFSDP.torch_format_save``; this format still holds the full model during the save); rank 0's
     file cannot hold every rank's optimizer shards, so they go beside it (see optimizer.py
     [Note: optimizer checkpoints]).
     """
-    try:
-        import megatron.training.checkpointing as checkpointing
-    except ImportError:
-        checkpointing = None
-    megatron_save = getattr(training, "save_checkpoint", None) or getattr(checkpointing, "save_checkpoint", None)
-    megatron_load = getattr(training, "load_checkpoint", None) or getattr(checkpointing, "load_checkpoint", None)
 
     def save_checkpoint(iteration: Any, model: Any, *rest: Any, **kwargs: Any):
         chunks = _chunks_of(model)
         if not chunks:
             return megatron_save(iteration, model, *rest, **kwargs)
         optimizer = rest[0] if rest else kwargs.get("optimizer")
-        args = get_args()
+        args = _args()
         fmt = getattr(args, "ckpt_format", "torch")
         if fmt not in ("torch", "torch_dist"):
             raise ValueError(f"--use-vescale-fsdp saves --ckpt-format torch_dist or torch, not {fmt!r}")
-        beside = fmt == "torch" or (isinstance(optimizer, VeScaleOptimizer) and optimizer.model_space_keys() is None)
-        if isinstance(optimizer, VeScaleOptimizer) and beside and getattr(args, "save", None) and not getattr(
+        beside = fmt == "torch" or (isinstance(optimizer, RaggedOptimizer) and optimizer.model_space_keys() is None)
+        if isinstance(optimizer, RaggedOptimizer) and beside and getattr(args, "save", None) and not getattr(
                 args, "no_save_optim", False):
             optimizer.save_sharded(os.path.join(args.save, f"iter_{int(iteration):07d}", "vescale_zero_optim"))
         with ExitStack() as stack:
@@ -251,9 +270,19 @@ def _wrap_checkpointing(training: Any, get_args: Callable[[], Any]) -> None:
                     stack.enter_context(chunk.torch_format_save())
             return megatron_save(iteration, model, *rest, **kwargs)
 
+    return save_checkpoint
+
+
+# host patch megatron.training.checkpointing.load_checkpoint: checked against Megatron-LM core_v0.16.1
+# host patch megatron.training.training.load_checkpoint: checked against Megatron-LM core_v0.16.1
+def checkpoint_loader(megatron_load: Callable) -> Callable:
+    """Megatron-LM's ``load_checkpoint`` with ``RaggedFSDP`` chunks: the load runs with full
+    parameters installed (``RaggedFSDP.full_parameters``), into which Megatron's loader reshards
+    across TP/PP/DP; our optimizer's state files are checked and loaded beside it."""
+
     def load_checkpoint(model: Any, *rest: Any, **kwargs: Any):
         chunks = _chunks_of(model)
-        args = get_args()
+        args = _args()
         if chunks and not getattr(args, "no_load_optim", False) and not getattr(args, "finetune", False):
             path = _checkpoint_dir(getattr(args, kwargs.get("load_arg", "load"), None),
                                    getattr(args, "ckpt_step", None))
@@ -264,25 +293,17 @@ def _wrap_checkpointing(training: Any, get_args: Callable[[], Any]) -> None:
                 stack.enter_context(chunk.full_parameters())
             loaded = megatron_load(model, *rest, **kwargs)
         optimizer = rest[0] if rest else kwargs.get("optimizer")
-        if isinstance(optimizer, VeScaleOptimizer) and optimizer.parameter_state_pending():
+        if isinstance(optimizer, RaggedOptimizer) and optimizer.parameter_state_pending():
             # optimizer.py [Note: distributed-optimizer torch checkpoints]: Megatron-LM loads
             # distrib_optim.pt only under --use-distributed-optimizer; without it, load it here
-            name = _distrib_optim_file(checkpointing, getattr(args, kwargs.get("load_arg", "load"), None),
+            name = _distrib_optim_file(getattr(args, kwargs.get("load_arg", "load"), None),
                                        getattr(args, "ckpt_step", None))
             if name is not None:
                 optimizer.load_parameter_state(name)
             optimizer.check_parameter_state_loaded()
         return loaded
 
-    for module in (training, checkpointing):
-        if module is None:
-            continue
-        if megatron_save is not None and hasattr(module, "save_checkpoint"):
-            # host patch megatron.training.checkpointing.save_checkpoint: checked against Megatron-LM core_v0.16.1
-            module.save_checkpoint = save_checkpoint
-        if megatron_load is not None and hasattr(module, "load_checkpoint"):
-            # host patch megatron.training.checkpointing.load_checkpoint: checked against Megatron-LM core_v0.16.1
-            module.load_checkpoint = load_checkpoint
+    return load_checkpoint
 
 
 def _checkpoint_iteration(load: Optional[str], step: Optional[int]) -> Optional[Tuple[int, bool]]:
@@ -310,10 +331,11 @@ def _checkpoint_dir(load: Optional[str], step: Optional[int]) -> Optional[str]:
     return os.path.join(load, "release" if found[1] else f"iter_{found[0]:07d}")
 
 
-def _distrib_optim_file(checkpointing: Any, load: Optional[str], step: Optional[int]) -> Optional[str]:
+def _distrib_optim_file(load: Optional[str], step: Optional[int]) -> Optional[str]:
     """This rank's ``distrib_optim.pt`` of that checkpoint, named by Megatron-LM's own
     ``get_checkpoint_name`` / ``get_distributed_optimizer_checkpoint_name`` (as its loader
     names it under --use-distributed-optimizer; checked against core_v0.16.1), or ``None``."""
+    checkpointing = sys.modules.get("megatron.training.checkpointing")
     found = _checkpoint_iteration(load, step)
     model_name = getattr(checkpointing, "get_checkpoint_name", None)
     optim_name = getattr(checkpointing, "get_distributed_optimizer_checkpoint_name", None)

@@ -1,6 +1,6 @@
-"""Megatron meta-device initialisation (``--init-model-with-meta-device``) under ``VeScaleFSDP``.
+"""Megatron meta-device initialisation (``--init-model-with-meta-device``) under ``RaggedFSDP``.
 
-Megatron-LM builds the model under ``torch.device("meta")`` with that flag; ``VeScaleFSDP``
+Megatron-LM builds the model under ``torch.device("meta")`` with that flag; ``RaggedFSDP``
 shards the meta model as planned and materialises it with the core
 :func:`vescale_zero.materialize` (group by group: the peak is all shards plus one group's
 full buffer). :func:`megatron_init_fn` is the per-module initialiser it uses.
@@ -67,6 +67,7 @@ def _tp_rank_size(module: nn.Module) -> tuple:
 
 def _parallel_weight(module: nn.Module, config: TransformerConfig, init_method: Callable) -> None:
     """The constructor's weight initialisation of a megatron-core parallel linear / embedding."""
+    # host patch megatron.core.tensor_parallel.layers._initialize_affine_weight_cpu: checked against megatron-core 0.16.1  # noqa: E501
     from megatron.core.tensor_parallel.layers import (
         RowParallelLinear,
         VocabParallelEmbedding,
@@ -125,7 +126,7 @@ def megatron_init_fn(model: nn.Module, config: TransformerConfig) -> Callable[[n
         if not callable(reset):
             raise ValueError(
                 f"--init-model-with-meta-device: module {name!r} ({type(module).__name__}) holds tensors on the meta "
-                "device but has no reset_parameters() and is not a megatron-core parallel layer, so VeScaleFSDP "
+                "device but has no reset_parameters() and is not a megatron-core parallel layer, so RaggedFSDP "
                 "cannot initialise it; give it a reset_parameters(), build it off the meta device, or drop "
                 "--init-model-with-meta-device"
             )
@@ -146,7 +147,7 @@ def materialize_megatron(module: nn.Module, config: TransformerConfig) -> None:
     if unknown:
         raise ValueError(
             f"--init-model-with-meta-device: module(s) {', '.join(unknown[:6])} hold tensors on the meta device but "
-            "have no reset_parameters() and are not megatron-core parallel layers, so VeScaleFSDP cannot initialise "
+            "have no reset_parameters() and are not megatron-core parallel layers, so RaggedFSDP cannot initialise "
             "them; give them a reset_parameters(), build them off the meta device, or drop "
             "--init-model-with-meta-device"
         )

@@ -1,9 +1,9 @@
-"""``VeScaleOptimizer``: Megatron's optimizer interface over ragged-sharded parameters.
+"""``RaggedOptimizer``: Megatron's optimizer interface over ragged-sharded parameters.
 
 The training loop of Megatron-LM calls ``optimizer.step()`` and reads
 ``(update_successful, grad_norm, num_zeros_in_grad)``; its LR scheduler edits
 ``optimizer.param_groups``. The sharded parameters *are* the master parameters (fp32
-shards, see ``VeScaleFSDP``), so there is no copy between model and main parameters.
+shards, see ``RaggedFSDP``), so there is no copy between model and main parameters.
 
 [Note: norms over shards] Each element of every gradient lives on exactly one rank:
 data-parallel shards are disjoint, tensor-parallel duplicates (LayerNorms, TP size > 1)
@@ -15,7 +15,7 @@ local sum of squares over the whole world is then the norm of the full gradient:
 Megatron-LM computes over its model-parallel group on replicated gradients.
 
 [Note: optimizer checkpoints] Megatron-LM's torch checkpoints are written by data-parallel
-rank 0 alone, so they cannot hold the other ranks' shards. :meth:`VeScaleOptimizer.save_sharded`
+rank 0 alone, so they cannot hold the other ranks' shards. :meth:`RaggedOptimizer.save_sharded`
 writes every rank's shards with :mod:`vescale_zero.checkpoint` (the Megatron-LM switch calls
 it from ``save_checkpoint``, into ``iter_N/vescale_zero_optim``); :meth:`state_dict` then
 points there, and :meth:`load_state_dict` -- called by every rank on resume -- loads that
@@ -33,10 +33,10 @@ ours was loaded whole by ``load_state_dict`` and the second call does nothing.
 element-wise optimizer is kept in "model space": ``optimizer.state.exp_avg.<model key>``
 shaped like the model's (TP-local, full) tensor, as Megatron's non-distributed optimizer
 and its distributed optimizer's ``fully_reshardable`` format write it.
-:meth:`VeScaleOptimizer.sharded_state_dict` describes Adam's and SGD's state in that form
+:meth:`RaggedOptimizer.sharded_state_dict` describes Adam's and SGD's state in that form
 with the model tensor's metadata: to save, on the model's boxes (views of this rank's state
 shards, no gather: dist_checkpoint.py); to load, as full tensors, so checkpoints move
-both ways between megatron-core DDP and ``VeScaleFSDP`` at any TP/PP/DP layout. Per-block
+both ways between megatron-core DDP and ``RaggedFSDP`` at any TP/PP/DP layout. Per-block
 state (8-bit, Shampoo, Muon) has no such form: it is saved with :meth:`save_sharded` and
 the dist-checkpoint holds a pointer to it.
 
@@ -69,6 +69,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+
+# host patch megatron.core.optimizer._get_param_groups: checked against megatron-core 0.16.1
 from megatron.core.optimizer import OptimizerConfig, _get_param_groups
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from megatron.core.optimizer.optimizer import MegatronOptimizer
@@ -87,13 +89,13 @@ from vescale_zero.hosts import (
 from vescale_zero.integrations.loss_scaling import unscale_and_find_inf
 from vescale_zero.optim import AdamW8bit, Muon, Shampoo
 
-from .data_parallel import VeScaleFSDP
+from .data_parallel import RaggedFSDP
 from .dist_checkpoint import boxes_by_parameter, state_boxes
 from .distrib_optim_file import megatron_parameter_state
 from .hsdp import replica_rank, shard_group
 from .optimizer_offload import check_offload_matches
 
-__all__ = ["VeScaleOptimizer", "get_vescale_optimizer", "SUPPORTED_OPTIMIZERS", "check_dist_checkpoint_optimizer"]
+__all__ = ["RaggedOptimizer", "get_vescale_optimizer", "SUPPORTED_OPTIMIZERS", "check_dist_checkpoint_optimizer"]
 
 SUPPORTED_OPTIMIZERS = ("adam", "sgd", "adamw8bit", "shampoo", "muon")
 
@@ -109,14 +111,14 @@ def _grad_scaler(config: OptimizerConfig, device: torch.device) -> Optional[Mega
     )
 
 
-class VeScaleOptimizer(MegatronOptimizer):
+class RaggedOptimizer(MegatronOptimizer):
     """A torch optimizer on the sharded parameters, with Megatron's step protocol.
 
     Args:
-        optimizer: built on the sharded parameters of ``VeScaleFSDP`` chunks.
+        optimizer: built on the sharded parameters of ``RaggedFSDP`` chunks.
         config: Megatron's ``OptimizerConfig`` (``clip_grad``, ``log_num_zeros_in_grad``,
             ``fp16`` loss scaling: ``loss_scale`` / ``initial_loss_scale`` / ...).
-        model_chunks: the ``VeScaleFSDP`` chunks it optimizes (for sharded checkpoints).
+        model_chunks: the ``RaggedFSDP`` chunks it optimizes (for sharded checkpoints).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig,
@@ -218,10 +220,10 @@ class VeScaleOptimizer(MegatronOptimizer):
 
     # ---- state (see [Note: optimizer checkpoints]) --------------------------------------
     def _chunk(self) -> nn.Module:
-        chunks = [c for c in self.model_chunks if isinstance(c, VeScaleFSDP)]
+        chunks = [c for c in self.model_chunks if isinstance(c, RaggedFSDP)]
         if len(chunks) != 1:
             raise ValueError(
-                f"sharded optimizer checkpoints need exactly one VeScaleFSDP model chunk, this optimizer has "
+                f"sharded optimizer checkpoints need exactly one RaggedFSDP model chunk, this optimizer has "
                 f"{len(chunks)} (virtual pipeline stages are not supported yet); resume with --no-load-optim"
             )
         return chunks[0]
@@ -272,7 +274,7 @@ class VeScaleOptimizer(MegatronOptimizer):
             return
         if "optimizer" not in state_dict:
             raise KeyError(
-                "not a VeScaleOptimizer state dict (no 'optimizer' key); a Megatron optimizer checkpoint "
+                "not a RaggedOptimizer state dict (no 'optimizer' key); a Megatron optimizer checkpoint "
                 "holds differently laid-out state and cannot be loaded into ragged shards"
             )
         mine = [local_piece(p).numel() for p in self.get_parameters()]
@@ -281,7 +283,7 @@ class VeScaleOptimizer(MegatronOptimizer):
                 "this optimizer state was saved by another data-parallel rank (its shards have other sizes): "
                 "Megatron-LM's torch checkpoints keep data-parallel rank 0's optimizer state only. Save through "
                 "use_vescale_fsdp_in_megatron_lm's save_checkpoint (it writes every rank's shards beside it), or with "
-                "VeScaleOptimizer.save_sharded / vescale_zero.checkpoint, or resume with --no-load-optim"
+                "RaggedOptimizer.save_sharded / vescale_zero.checkpoint, or resume with --no-load-optim"
             )
         self.optimizer.load_state_dict(state_dict["optimizer"])
         if self.grad_scaler is not None and "grad_scaler" in state_dict:
@@ -342,10 +344,10 @@ class VeScaleOptimizer(MegatronOptimizer):
     def sharded_state_dict(self, model_sharded_state_dict: Dict[str, Any], is_loading: bool = False,
                            metadata: Optional[dict] = None, **unused: Any) -> Dict[str, Any]:
         """Megatron's optimizer ``sharded_state_dict``: model-space ``ShardedTensor``s built on
-        ``model_sharded_state_dict`` -- to save, the boxes of :meth:`VeScaleFSDP.sharded_state_dict`
+        ``model_sharded_state_dict`` -- to save, the boxes of :meth:`RaggedFSDP.sharded_state_dict`
         (or of Megatron-LM's ``sharded_state_dict`` under ``checkpoint_parameters``), over this
         rank's state shards; to load (``is_loading``), full tensors on a template built with
-        ``VeScaleFSDP.sharded_state_dict(is_loading=True)`` (or under ``full_parameters``). For
+        ``RaggedFSDP.sharded_state_dict(is_loading=True)`` (or under ``full_parameters``). For
         per-block optimizers, a pointer to the shards :meth:`save_sharded` wrote. Collective."""
         from dataclasses import replace
 
@@ -363,7 +365,7 @@ class VeScaleOptimizer(MegatronOptimizer):
             if self._sharded_checkpoint is None:
                 raise ValueError(
                     f"{type(self.optimizer).__name__} keeps per-block state, which Megatron's torch_dist checkpoints "
-                    "cannot describe: call VeScaleOptimizer.save_sharded(path) first (Megatron-LM's save_checkpoint "
+                    "cannot describe: call RaggedOptimizer.save_sharded(path) first (Megatron-LM's save_checkpoint "
                     "does it under use_vescale_fsdp_in_megatron_lm) so the checkpoint can point to it"
                 )
             return {"vescale_zero_checkpoint": self._sharded_checkpoint, **common}
@@ -371,7 +373,7 @@ class VeScaleOptimizer(MegatronOptimizer):
         if boxes:  # the streamed save's boxes (dist_checkpoint.py): write the state on them, no gather
             if is_loading:
                 raise ValueError("the model's sharded state dict holds this rank's boxes (a save's); to load, build it "
-                                 "with VeScaleFSDP.sharded_state_dict(is_loading=True) (full tensors)")
+                                 "with RaggedFSDP.sharded_state_dict(is_loading=True) (full tensors)")
             return self._streamed_sharded_state_dict(boxes, names, metadata, common)
         meta: Dict[int, Any] = {}
         for sh in nested_values(model_sharded_state_dict):
@@ -394,8 +396,8 @@ class VeScaleOptimizer(MegatronOptimizer):
             sh = meta.get(id(keyed[key]))
             if sh is None:
                 raise ValueError(
-                    f"{key!r} is not in the model's sharded state dict: build it with VeScaleFSDP.sharded_state_dict() "
-                    "(or inside VeScaleFSDP.full_parameters()) in the same call as this one"
+                    f"{key!r} is not in the model's sharded state dict: build it with RaggedFSDP.sharded_state_dict() "
+                    "(or inside RaggedFSDP.full_parameters()) in the same call as this one"
                 )
             if self._keeps_masters():  # see [Note: fp32 masters]: the full fp32 tensor itself
                 states = {**states, _master_key(metadata): torch.empty_like(sh.data) if is_loading else sh.data}
@@ -556,14 +558,14 @@ class _TwinChunk:
 
 def get_vescale_optimizer(
     config: OptimizerConfig,
-    model_chunks: List[VeScaleFSDP],
+    model_chunks: List[RaggedFSDP],
     config_overrides: Optional[Dict[Any, Any]] = None,
     *,
     optimizer: Optional[str] = None,
     block: Optional[int] = None,
     **unused: Any,
-) -> VeScaleOptimizer:
-    """Megatron's ``get_megatron_optimizer`` for ``VeScaleFSDP`` chunks: Megatron's own
+) -> RaggedOptimizer:
+    """Megatron's ``get_megatron_optimizer`` for ``RaggedFSDP`` chunks: Megatron's own
     parameter groups (weight-decay and LR multipliers, expert flag), on the shards.
 
     ``config.optimizer``: ``"adam"`` (AdamW when ``decoupled_weight_decay``, else Adam),
@@ -575,13 +577,13 @@ def get_vescale_optimizer(
     and unused: the groups come from the model chunks.
     """
     name = optimizer or config.optimizer
-    if not all(isinstance(chunk, VeScaleFSDP) for chunk in model_chunks):
-        raise TypeError("get_vescale_optimizer needs VeScaleFSDP model chunks "
+    if not all(isinstance(chunk, RaggedFSDP) for chunk in model_chunks):
+        raise TypeError("get_vescale_optimizer needs RaggedFSDP model chunks "
                         "(build the model with --use-vescale-fsdp)")
     if name not in SUPPORTED_OPTIMIZERS:
         raise ValueError(f"--use-vescale-fsdp: optimizer {name!r} is not supported; "
                          f"choose one of {SUPPORTED_OPTIMIZERS}")
-    # config.use_distributed_optimizer: accepted, VeScaleFSDP already shards the optimizer state
+    # config.use_distributed_optimizer: accepted, RaggedFSDP already shards the optimizer state
     # config.optimizer_cpu_offload: the chunks' offloaded groups hold their shards and so this
     # optimizer's state in host memory (optimizer_offload.py), as long as they were sharded so
     check_offload_matches(config, model_chunks)
@@ -626,4 +628,4 @@ def get_vescale_optimizer(
                      process_group=shard_group(getattr(model_chunks[0], "dense_mesh", model_chunks[0].dp_cp_group)))
     else:
         inner = torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum, weight_decay=config.weight_decay)
-    return VeScaleOptimizer(inner, config, model_chunks)
+    return RaggedOptimizer(inner, config, model_chunks)

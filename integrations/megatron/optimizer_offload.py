@@ -3,14 +3,14 @@
 Megatron's own offload (megatron-core's ``HybridDeviceOptimizer``) copies parameters to the CPU
 when its optimizer is built and steps them there. Here the sharded parameters *are* the master
 weights the optimizer holds, so offloading them is a placement decision made when
-``VeScaleFSDP`` shards the model (``fully_shard(..., offload_policy=CPUOffloadPolicy(...))``,
+``RaggedFSDP`` shards the model (``fully_shard(..., offload_policy=CPUOffloadPolicy(...))``,
 vescale_zero.runtime.offload): an offloaded group keeps its master shard, its gradient shard and so the
 optimizer's state in host memory, and the optimizer steps there; gathers and reduce-scatters
 stay on the device. The settings reach the wrapper from the same source as the optimizer's:
 
 * Megatron-LM: its parsed arguments (``--optimizer-cpu-offload``, ``--optimizer-offload-fraction``,
   ``--no-pin-cpu-params`` / ``--no-pin-cpu-grads``) through ``vescale_options_from_args``;
-* megatron-core alone: ``VeScaleFSDPOptions(optimizer_offload=optimizer_offload(optimizer_config))``.
+* megatron-core alone: ``RaggedFSDPOptions(optimizer_offload=optimizer_offload(optimizer_config))``.
 
 ``get_vescale_optimizer`` checks that the chunks were sharded with the settings of its
 ``OptimizerConfig`` (:func:`check_offload_matches`).
@@ -18,7 +18,7 @@ stay on the device. The settings reach the wrapper from the same source as the o
 [Note: offload fraction] Megatron offloads parameters in the order of its optimizer's groups
 until the offloaded elements reach ``fraction`` of the rank's total (the parameter that crosses
 the threshold is offloaded too; 0 offloads nothing, 1 everything). A group is one buffer, so
-here whole groups are offloaded, in module order (``VeScaleFSDP.vescale_groups``: the root group
+here whole groups are offloaded, in module order (``RaggedFSDP.vescale_groups``: the root group
 -- embeddings, final norm, output layer -- then each transformer layer, its experts after it),
 by the same rule: at least ``fraction`` of the rank's parameters, the first group that reaches
 it included. With fraction 1 every group is offloaded.
@@ -43,7 +43,7 @@ __all__ = ["OptimizerOffload", "optimizer_offload", "groups_to_offload", "check_
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerOffload:
-    """Megatron's optimizer CPU offload settings, as ``VeScaleFSDP`` applies them."""
+    """Megatron's optimizer CPU offload settings, as ``RaggedFSDP`` applies them."""
 
     fraction: float = 1.0
     """At least this fraction of the rank's parameters, whole groups ([Note: offload fraction])."""
@@ -99,7 +99,7 @@ def groups_to_offload(numels: Sequence[int], fraction: float) -> List[bool]:
 
 def check_offload_matches(config: Any, model_chunks: Sequence[Any]) -> None:
     """Refuse an ``OptimizerConfig`` whose offload settings differ from those the chunks were
-    sharded with: where the optimizer state lives is fixed when ``VeScaleFSDP`` shards the model."""
+    sharded with: where the optimizer state lives is fixed when ``RaggedFSDP`` shards the model."""
     wanted = optimizer_offload(config)
     for i, chunk in enumerate(model_chunks):
         got = chunk.options.optimizer_offload
@@ -108,8 +108,8 @@ def check_offload_matches(config: Any, model_chunks: Sequence[Any]) -> None:
         raise ValueError(
             f"the optimizer config asks for optimizer offload {wanted} (optimizer_cpu_offload="
             f"{bool(getattr(config, 'optimizer_cpu_offload', False))}, optimizer_offload_fraction="
-            f"{getattr(config, 'optimizer_offload_fraction', None)}) but VeScaleFSDP model chunk {i} was sharded "
+            f"{getattr(config, 'optimizer_offload_fraction', None)}) but RaggedFSDP model chunk {i} was sharded "
             f"with {got}: under --use-vescale-fsdp the optimizer state lives where the sharded parameters do, "
-            "chosen when the model is wrapped. Build VeScaleFSDP with options=VeScaleFSDPOptions(optimizer_offload="
+            "chosen when the model is wrapped. Build RaggedFSDP with options=RaggedFSDPOptions(optimizer_offload="
             "optimizer_offload(optimizer_config)) (Megatron-LM's --optimizer-cpu-offload reaches it by itself), or "
             "give the optimizer the same settings")

@@ -12,7 +12,7 @@ implemented here -- none falls through to FSDP2's code, which reads FSDP2's own 
 Where FSDP2 tunes its streams or buffers and the result does not depend on it, the setting is
 accepted and documented as a hint. The table of every method is ``docs/fsdp2_api.md``.
 
-The hooks that do the work are :class:`vescale_zero.runtime.hooks.FSDPState` (this module's
+The hooks that do the work are :class:`vescale_zero.runtime.hooks.ModuleState` (this module's
 ``_get_fsdp_state()``: torch's ``register_fsdp_forward_method`` calls its ``_pre_forward`` /
 ``_post_forward``); a group's buffers and collectives are :class:`vescale_zero.runtime.param_group.ParamGroup`'s.
 """
@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, UnshardHandle
 
 from ..runtime.eager_hooks import outside_compile
-from ..runtime.hooks import STATE_ATTR, FSDPState, RootContext
+from ..runtime.hooks import STATE_ATTR, ModuleState, RootContext
 from ..runtime.job_timeout import group_timeout
 from ..runtime.param_group import GroupState, ParamGroup
 from ..runtime.unused_grads import UNUSED_GRAD_POLICIES
@@ -62,6 +62,7 @@ class RaggedFSDPModule(FSDPModule):
 
     # FSDPModule.__new__ builds the original class from the MRO:
     # [RaggedFSDP<Orig>, RaggedFSDPModule, FSDPModule, Orig, ...]
+    # host patch torch.distributed.fsdp.FSDPModule._orig_cls_mro_index: checked against torch 2.11.0-2.15.0
     _orig_cls_mro_index = 3
 
     @property
@@ -69,12 +70,13 @@ class RaggedFSDPModule(FSDPModule):
         """This module's parameter group (``None`` if every parameter is in a sub-module's)."""
         return getattr(self, STATE_ATTR).group
 
-    def _get_fsdp_state(self) -> FSDPState:
+    # host patch torch.distributed.fsdp.FSDPModule._get_fsdp_state: checked against torch 2.11.0-2.15.0
+    def _get_fsdp_state(self) -> ModuleState:
         """This module's hooks (torch's ``register_fsdp_forward_method`` runs their
         ``_pre_forward`` / ``_post_forward`` around the method it registers)."""
         return getattr(self, STATE_ATTR)
 
-    def _states(self, recurse: bool) -> List[FSDPState]:
+    def _states(self, recurse: bool) -> List[ModuleState]:
         """The hooks of this module (and, with ``recurse``, of every ``fully_shard`` module under it)."""
         modules = self.modules() if recurse else (self,)
         return [st for st in (getattr(m, STATE_ATTR, None) for m in modules) if st is not None]
@@ -164,7 +166,7 @@ class RaggedFSDPModule(FSDPModule):
         getattr(self, STATE_ATTR).backward_prefetch = self._prefetch_states(modules, "set_modules_to_backward_prefetch")
 
     @staticmethod
-    def _prefetch_states(modules: Iterable[Any], method: str) -> List[FSDPState]:
+    def _prefetch_states(modules: Iterable[Any], method: str) -> List[ModuleState]:
         states = []
         for m in modules:
             if not isinstance(m, RaggedFSDPModule):
@@ -182,6 +184,7 @@ class RaggedFSDPModule(FSDPModule):
         another stream) before its first all-gather; used once."""
         getattr(self, STATE_ATTR).post_optim_event = event
 
+    # host patch torch.distributed.fsdp.FSDPModule._set_unshard_async_op: checked against torch 2.11.0-2.15.0
     def _set_unshard_async_op(self, async_op: bool) -> None:
         """FSDP2's private stream setting: accepted, no effect (our pre-forward all-gathers are
         issued on the current stream and waited for there)."""
@@ -209,7 +212,7 @@ class RaggedFSDPModule(FSDPModule):
         """Collective; call on the root, after backward. Reduce-scatter, group by group, the
         gradients that backwards without gradient sync accumulated since the last reduction, and
         wait: the sharded ``.grad`` are set when it returns, as after a synced backward
-        (runtime [Note: reducing after backward])."""
+        (scheduler [Note: reducing after backward])."""
         state = getattr(self, STATE_ATTR)
         (state.context or state.lazy_init()).reduce_accumulated()
 
@@ -256,7 +259,7 @@ class RaggedFSDPModule(FSDPModule):
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """How many reduce-scatters (each with its input buffer) may be in flight in backward
-        when this module's group issues its own; 1 by default (runtime [Note: bounded gradient memory])."""
+        when this module's group issues its own; 1 by default (scheduler [Note: bounded gradient memory])."""
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
             raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
         if max_input_buffers < 1:
@@ -327,6 +330,7 @@ class RaggedFSDPModule(FSDPModule):
                       "buffer to place in symmetric memory; leave it unset")
 
     # ---- module methods -------------------------------------------------------------------
+    # host patch torch.distributed.fsdp.FSDPModule._apply: checked against torch 2.11.0-2.15.0
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> nn.Module:
         """``nn.Module._apply`` (``to``, ``to_empty``, ``float()``...) on a sharded module.
 

@@ -24,17 +24,17 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
+from .. import host_patches
 from ..primitives.granularity import GranularityPolicy, resolve_granularities
 from ..primitives.tensor_parallel import local_tensor, tensor_parallel_layouts
 from ..runtime.eager_hooks import outside_compile
 from ..runtime.fp8_gather import FP8Filter, default_fp8_filter, tile_band_granularity
-from ..runtime.hooks import STATE_ATTR, FSDPState, in_backward_pass
+from ..runtime.hooks import STATE_ATTR, ModuleState, in_backward_pass
 from ..runtime.job_timeout import carry_job_timeout
 from ..runtime.offload import resolve_offload_policy
 from ..runtime.param_group import GroupState, ManagedParam, ParamGroup
 from .fsdp_module import BUFFER_NEEDS_INIT, RaggedFSDPModule
 from .layer_discovery import find_layer_classes
-from .local_optim_steps import install_local_optimizer_steps
 
 __all__ = ["fully_shard", "fully_shard_layers", "resolve_reshard_after_forward", "RaggedFSDPModule",
            "MixedPrecisionPolicy", "CPUOffloadPolicy", "OffloadPolicy", "DEFAULT_ALIGN_BYTES",
@@ -92,7 +92,7 @@ def _mesh_groups(mesh: Union[DeviceMesh, dist.ProcessGroup, None], device: Optio
         )
     # [Note: HSDP sub-mesh] Beside tensor or pipeline parallelism the data-parallel mesh is
     # a slice of a mesh over the whole world (FSDP2's world_mesh["dp_replicate", "dp_shard"],
-    # Megatron's VeScaleFSDP): the mesh it was sliced from must cover the world, and this
+    # Megatron's RaggedFSDP): the mesh it was sliced from must cover the world, and this
     # rank must be in the slice. A mesh of its own covers the world itself.
     world = dist.get_world_size()
     root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
@@ -240,7 +240,7 @@ def fully_shard(
             "module is already sharded by torch.distributed.fsdp.fully_shard; shard each module with one FSDP only"
         )
     offload = resolve_offload_policy(offload_policy)
-    install_local_optimizer_steps()  # torch's optimizers step the local pieces ([Note: torch's optimizers ...])
+    host_patches.install("torch.optim")  # torch's optimizers step the local pieces ([Note: torch's optimizers ...])
     named = _collect_params(module)
     devices = {p.device for _, p, _ in named}
     # A meta module is sharded as planned; vescale_zero.materialize (or to_empty) gives it
@@ -301,7 +301,7 @@ def fully_shard(
         for (_, original, _), sharded in zip(named, group.sharded_params):
             setattr(original, _SHARDED_AS, sharded)  # lets hosts remap optimizers built earlier
 
-    state = FSDPState(module, group, pg, reshard_after_forward, mp_policy)
+    state = ModuleState(module, group, pg, reshard_after_forward, mp_policy)
     setattr(module, _STATE, state)
     module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(state.post_forward, prepend=False)

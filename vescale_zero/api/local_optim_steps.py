@@ -14,8 +14,8 @@ so on small tensors that host time is a fifth of the step::
                └── _fused_adam / _multi_tensor_adam / _single_tensor_adam on plain tensors
 
 So each of torch's *element-wise* functional optimizers (``torch.optim.adam.adam``,
-``sgd.sgd``, ... ``_FUNCTIONALS``) is wrapped once: the lists it receives are replaced by
-the local pieces, and the optimizer's own code runs on plain tensors, unchanged. The state
+``sgd.sgd``, ...: their entries in ``vescale_zero/host_patches.py``) is wrapped once: the lists
+it receives are replaced by the local pieces, and the optimizer's own code runs on plain tensors, unchanged. The state
 stays what the optimizer made it (``torch.zeros_like(p)`` of a ragged parameter is ragged,
 so ``get_state_dict`` / DCP see the layout); a buffer the functional creates itself (SGD's
 momentum on the first step) is handed back in the parameter's layout.
@@ -37,62 +37,47 @@ after the step, where torch's kernels bump plain parameters' (its fused kernels 
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 from operator import attrgetter, is_, is_not
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from ..primitives.ragged_tensor import RaggedDTensor, like_param
 
-__all__ = ["install_local_optimizer_steps", "wrapped_functionals"]
-
-# (module, functional): torch's element-wise optimizers; the classes call these module globals.
-_FUNCTIONALS: Tuple[Tuple[str, str], ...] = (
-    ("torch.optim.adam", "adam"),
-    ("torch.optim.adamw", "adamw"),
-    ("torch.optim.sgd", "sgd"),
-    ("torch.optim.adagrad", "adagrad"),
-    ("torch.optim.adamax", "adamax"),
-    ("torch.optim.adadelta", "adadelta"),
-    ("torch.optim.asgd", "asgd"),
-    ("torch.optim.nadam", "nadam"),
-    ("torch.optim.radam", "radam"),
-    ("torch.optim.rmsprop", "rmsprop"),
-    ("torch.optim.rprop", "rprop"),
-)
-_WRAPPED: Dict[str, Callable] = {}  # "module.name" -> the wrapper installed
+__all__ = ["local_steps_of", "wrapped_functionals"]
 
 
-def install_local_optimizer_steps() -> None:
-    """Wraps torch's element-wise functional optimizers ([Note: torch's optimizers step the
-    local pieces]); once per process, on the first ``fully_shard``. A functional whose
-    signature is not the expected one (another torch) is left alone: its ops take the
-    dispatch path."""
-    for module_name, name in _FUNCTIONALS:
-        key = f"{module_name}.{name}"
-        if key in _WRAPPED:
-            continue
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        original = getattr(module, name, None)
-        if original is None or getattr(original, "__vz_local_steps__", False):
-            continue
-        lists = _list_parameters(original)
-        if not lists or lists[0][1] != "params":
-            continue
-        wrapper = _wrap_functional(original, lists)
-        setattr(module, name, wrapper)
-        _WRAPPED[key] = wrapper
+# host patch torch.optim.adam.adam: checked against torch 2.11.0-2.15.0
+# host patch torch.optim.adamw.adamw: checked against torch 2.11.0-2.15.0
+# host patch torch.optim.sgd.sgd: checked against torch 2.11.0-2.15.0
+# host patch torch.optim.adagrad.adagrad: checked against torch 2.11.0-2.15.0
+# host patch torch.optim.adamax.adamax: checked against torch 2.11.0-2.15.0
+# host patch torch.optim.adadelta.adadelta: checked against torch 2.11.0-2.15.0
+# host patch torch.optim.asgd.asgd: checked against torch 2.11.0-2.15.0
+# host patch torch.optim.nadam.nadam: checked against torch 2.11.0-2.15.0
+# host patch torch.optim.radam.radam: checked against torch 2.11.0-2.15.0
+# host patch torch.optim.rmsprop.rmsprop: checked against torch 2.11.0-2.15.0
+# host patch torch.optim.rprop.rprop: checked against torch 2.11.0-2.15.0
+def local_steps_of(original: Callable) -> Optional[Callable]:
+    """One of torch's element-wise functional optimizers (``torch.optim.adam.adam``, ...: the
+    classes call these module globals), wrapped to step the local pieces ([Note: torch's
+    optimizers step the local pieces]); ``None`` (left alone: its ops take the dispatch path) where
+    its signature is not the one relied on: its leading positional parameters are the tensor
+    lists, ``params`` first. Installed once per process, on the first ``fully_shard``
+    (``vescale_zero.host_patches.install("torch.optim")``)."""
+    lists = _list_parameters(original)
+    if not lists or lists[0][1] != "params":
+        return None
+    return _wrap_functional(original, lists)
 
 
 def wrapped_functionals() -> List[str]:
     """The functionals wrapped in this process (``"torch.optim.adam.adam"``, ...)."""
-    return sorted(_WRAPPED)
+    from ..host_patches import installed
+
+    return installed("torch.optim")
 
 
 def _list_parameters(fn: Callable) -> List[Tuple[int, str]]:
@@ -127,7 +112,6 @@ def _wrap_functional(original: Callable, lists: List[Tuple[int, str]]) -> Callab
         _hand_back(tensor_lists, local, before, bump=not kwargs.get("fused"))
         return out
 
-    step_local_pieces.__vz_local_steps__ = True  # type: ignore[attr-defined]
     return step_local_pieces
 
 

@@ -28,9 +28,9 @@ through the name ``_state_dict_utils`` imported, so that name is routed too. Cod
 ``distribute_tensor`` before ``import vescale_zero`` (``from torch.distributed.tensor import
 distribute_tensor`` above it) keeps torch's function, which refuses a ragged placement with
 torch's error: call it as ``torch.distributed.tensor.distribute_tensor``, or import vescale_zero
-first. The wrappers are installed once per process when vescale_zero is imported and declared
-in ``vescale_zero/host_patches.py`` ([Note: host patches]); this module is the one place that
-knows these torch internals.
+first. The wrappers are made here (``routed_*``, each given torch's function) and installed once
+per process when vescale_zero is imported, by ``vescale_zero/host_patches.py`` (``install("torch")``,
+[Note: host patches]); this module is the one place that knows these torch internals.
 """
 
 from __future__ import annotations
@@ -46,19 +46,10 @@ from torch.distributed.tensor import DTensor
 
 from .ragged_tensor import RaggedDTensor, ragged_from_full, ragged_placement_of, ragged_spec
 
-__all__ = ["install_dtensor_interop", "PATCHED"]
-
-PATCHED = (
-    "torch.distributed.tensor.DTensor.from_local",
-    "torch.distributed.tensor.DTensor.redistribute",
-    "torch.distributed.tensor.distribute_tensor",
-    "torch.distributed.tensor._api.distribute_tensor",
-    "torch.distributed._state_dict_utils.distribute_tensor",
-    "torch.distributed._state_dict_utils._distribute_tensors",
-)
-"""What :func:`install_dtensor_interop` replaces (each declared in HOST_PATCHES)."""
+__all__ = ["routed_from_local", "routed_redistribute", "routed_distribute_tensor", "routed_distribute_tensors"]
 
 _ORIGINALS: Dict[str, Callable] = {}
+"""torch's functions, as the ``routed_*`` factories were given them (what a non-ragged call runs)."""
 
 
 def _mesh_of(device_mesh: Optional[DeviceMesh], what: str) -> DeviceMesh:
@@ -154,34 +145,41 @@ def _wrapper(original: Callable, replacement: Callable) -> Callable:
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         return replacement(*args, **kwargs)
 
-    wrapped.__vz_dtensor_interop__ = True
     return wrapped
 
 
-def install_dtensor_interop() -> None:
-    """Route torch's DTensor functions for RaggedShard placements ([Note: torch's DTensor
-    functions meet RaggedShard]); once per process."""
-    if _ORIGINALS:
-        return
-    from torch.distributed import tensor as dtensor_module
+# host patch torch.distributed.tensor.DTensor.from_local: checked against torch 2.11.0-2.15.0
+def routed_from_local(original: Callable) -> staticmethod:
+    """``DTensor.from_local``, routed for RaggedShard placements (a static method, as torch's)."""
+    _ORIGINALS["from_local"] = original
+    return staticmethod(_wrapper(original, _from_local))
 
-    from ..torch_compat import dtensor_api as _api
-    from ..torch_compat import state_dict_utils as _state_dict_utils
 
-    _ORIGINALS["from_local"] = DTensor.from_local
-    _ORIGINALS["redistribute"] = DTensor.redistribute
-    _ORIGINALS["distribute_tensor"] = _api.distribute_tensor
-    _ORIGINALS["_distribute_tensors"] = _state_dict_utils._distribute_tensors
-    distribute = _wrapper(_api.distribute_tensor, _distribute_tensor)
-    # host patch torch.distributed.tensor.DTensor.from_local: checked against torch 2.11.0-2.15.0
-    DTensor.from_local = staticmethod(_wrapper(_ORIGINALS["from_local"], _from_local))
-    # host patch torch.distributed.tensor.DTensor.redistribute: checked against torch 2.11.0-2.15.0
-    DTensor.redistribute = _wrapper(_ORIGINALS["redistribute"], _redistribute)
-    # host patch torch.distributed.tensor.distribute_tensor: checked against torch 2.11.0-2.15.0
-    dtensor_module.distribute_tensor = distribute
-    # host patch torch.distributed.tensor._api.distribute_tensor: checked against torch 2.11.0-2.15.0
-    _api.distribute_tensor = distribute
-    # host patch torch.distributed._state_dict_utils.distribute_tensor: checked against torch 2.11.0-2.15.0
-    _state_dict_utils.distribute_tensor = distribute
-    # host patch torch.distributed._state_dict_utils._distribute_tensors: checked against torch 2.11.0-2.15.0
-    _state_dict_utils._distribute_tensors = _wrapper(_ORIGINALS["_distribute_tensors"], _distribute_tensors)
+# host patch torch.distributed.tensor.DTensor.redistribute: checked against torch 2.11.0-2.15.0
+def routed_redistribute(original: Callable) -> Callable:
+    """``DTensor.redistribute``, routed for RaggedShard placements."""
+    _ORIGINALS["redistribute"] = original
+    return _wrapper(original, _redistribute)
+
+
+_DISTRIBUTE_WRAPPERS: Dict[int, Callable] = {}
+
+
+# host patch torch.distributed.tensor.distribute_tensor: checked against torch 2.11.0-2.15.0
+# host patch torch.distributed.tensor._api.distribute_tensor: checked against torch 2.11.0-2.15.0
+# host patch torch.distributed._state_dict_utils.distribute_tensor: checked against torch 2.11.0-2.15.0
+def routed_distribute_tensor(original: Callable) -> Callable:
+    """``distribute_tensor``, routed for RaggedShard placements: one wrapper for the names that hold
+    torch's one function (``torch.distributed.tensor``, ``_api``, ``_state_dict_utils``)."""
+    _ORIGINALS["distribute_tensor"] = original
+    if id(original) not in _DISTRIBUTE_WRAPPERS:
+        _DISTRIBUTE_WRAPPERS[id(original)] = _wrapper(original, _distribute_tensor)
+    return _DISTRIBUTE_WRAPPERS[id(original)]
+
+
+# host patch torch.distributed._state_dict_utils._distribute_tensors: checked against torch 2.11.0-2.15.0
+def routed_distribute_tensors(original: Callable) -> Callable:
+    """``_state_dict_utils._distribute_tensors`` (``set_*_state_dict`` with ``broadcast_from_rank0``),
+    routed for ragged tensors."""
+    _ORIGINALS["_distribute_tensors"] = original
+    return _wrapper(original, _distribute_tensors)

@@ -159,7 +159,7 @@ class GradReducer:
         self.reduce_group: dist.ProcessGroup = process_group  # set_separate_reduce_scatter_group
         self._partial: Optional[torch.Tensor] = None  # HSDP without all-reduce: the reduced shards' sum
         self._pending: Optional[Tuple] = None
-        self._holds_accumulated = False  # ``full`` holds gradients of backwards without sync
+        self._holds_accumulated = False  # ``full`` holds the sum of the gradients of backwards without sync
         # [Note: gradients written into full during backward]: param -> its .grad is already in full
         self.written_into_full: Optional[Callable[[nn.Parameter], bool]] = None
 
@@ -201,15 +201,6 @@ class GradReducer:
         the reduce dtype is wider than the gradients autograd makes. Otherwise autograd's
         ``.grad`` accumulates, at no extra cost (never in a dtype narrower than its own)."""
         return _bits(self.reduce_dtype) > _bits(self.grad_dtype)
-
-    @property
-    def holds_accumulated(self) -> bool:
-        """``full`` holds the sum of the gradients of backwards without sync since the last reduce-scatter."""
-        return self._holds_accumulated
-
-    @property
-    def in_flight(self) -> bool:
-        return self._pending is not None
 
     @property
     def arrived(self) -> bool:

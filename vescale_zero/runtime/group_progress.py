@@ -10,7 +10,7 @@ besides its buffers.
                                           reduce-scatter issued; Part: takes part in it or not
 
 The rules these records serve are in ``vescale_zero.runtime.param_group`` ([Note: when a group's
-gradients are complete]) and ``vescale_zero.runtime.hooks`` ([Note: one order of reduce-scatters]).
+gradients are complete]) and ``vescale_zero.runtime.scheduler`` ([Note: one order of reduce-scatters]).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class GroupState(enum.Enum):
 
 
 class Part(enum.Enum):
-    """What a group does in a backward (runtime [Note: one order of reduce-scatters])."""
+    """What a group does in a backward (scheduler [Note: one order of reduce-scatters])."""
 
     TAKES_PART = "takes part"  # ran forward with grad in the forward being differentiated, or seen in backward
     MAY_TAKE_PART = "may take part"  # ran that forward only under no_grad: a reentrant checkpoint may recompute it

@@ -13,7 +13,9 @@ backward: pre-hook   (first gradient of an output) gather again, install the ful
                      attach gradient views, prefetch the group backward needs next (see
                      [Note: backward prefetch order]); the first one queues the final callback
           ready      the group's gradients are complete (param_group [Note: when a group's
-                     gradients are complete]): reduce-scatter, in the one order below
+                     gradients are complete]): it tells the root's scheduler, which
+                     reduce-scatters in one order (scheduler [Note: one order of
+                     reduce-scatters])
           final      every participating group reduce-scattered, waited for, resharded
 
 [Note: nothing stays gathered after forward]
@@ -54,7 +56,7 @@ alike on every rank:
   * backward prefetch: the post-hook order of the forward being differentiated
     ([Note: backward prefetch order]), recorded per forward (pipeline schedules run the
     next micro-batches' forwards before this backward).
-The reduce-scatter order is the first forward's ([Note: one order of reduce-scatters]).
+The reduce-scatter order is the first forward's (scheduler [Note: one order of reduce-scatters]).
 
 [Note: output views]
 The pre-backward hook is registered on each output that requires grad, and, for an output
@@ -88,21 +90,6 @@ whenever backward may read them:
     as taking part in this backward even if its first forward ran under ``no_grad``
     (reentrant checkpoints), so its gradients reach the reduce-scatter.
 
-[Note: one order of reduce-scatters]
-Collectives pair up across ranks by the order they are issued in, so every rank must issue
-the same reduce-scatters in the same order, whatever gradients it got. Groups issue in one
-fixed order: the reverse of the first forward's order (backward's natural order), then the
-groups that were not in it. A group issues once it is ready and every earlier group that
-takes part in this backward has issued. Taking part is judged against the forward being
-differentiated (the backward's first hook names it; pipeline schedules run the next
-micro-batches' forwards before this backward): a group that ran in it with grad enabled, or
-was seen in this backward, takes part; one that ran in it only under ``no_grad`` may still
-take part (a reentrant checkpoint recomputes it), so it holds later groups until it does or
-the backward ends; one that did not run in it takes no part. At the end every participating
-group is ready, so the rest issue, in order; a group that only ran under ``no_grad`` and was
-never recomputed issues nothing. Readiness may differ between ranks (an MoE expert without
-tokens on one rank), the sequence of collectives cannot.
-
 [Note: full parameters held]
 ``hold_full_parameters`` (a root's) gathers every group once, installs the full parameters
 and pauses the hooks: forwards then run on plain full tensors, with no gather per forward
@@ -129,11 +116,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..torch_compat import autograd_graph_task_id, queue_backward_callback, tree_flatten, tree_map, tree_unflatten
 from .eager_hooks import outside_compile
-from .group_progress import GroupState, InputGradTrigger, Part
+from .group_progress import GroupState, InputGradTrigger
 from .param_group import ParamGroup
-from .unused_grads import drop_unused, usage_anywhere
+from .scheduler import ReduceScatterScheduler
+from .unused_grads import drop_unused
 
-__all__ = ["FSDPState", "RootContext", "STATE_ATTR", "in_backward_pass"]
+__all__ = ["ModuleState", "RootContext", "STATE_ATTR", "in_backward_pass"]
 
 STATE_ATTR = "_vescale_fsdp_state"
 
@@ -198,10 +186,10 @@ class _Order:
     with O(1) membership and position (a model may have thousands of groups)."""
 
     def __init__(self) -> None:
-        self.states: List["FSDPState"] = []
+        self.states: List["ModuleState"] = []
         self._position: Dict[int, int] = {}
 
-    def add(self, state: "FSDPState") -> bool:
+    def add(self, state: "ModuleState") -> bool:
         """Append ``state`` unless it is in already; True if it was appended."""
         if id(state) in self._position:
             return False
@@ -209,10 +197,10 @@ class _Order:
         self.states.append(state)
         return True
 
-    def position(self, state: "FSDPState") -> Optional[int]:
+    def position(self, state: "ModuleState") -> Optional[int]:
         return self._position.get(id(state))
 
-    def at(self, position: int) -> Optional["FSDPState"]:
+    def at(self, position: int) -> Optional["ModuleState"]:
         return self.states[position] if 0 <= position < len(self.states) else None
 
     def __len__(self) -> int:
@@ -227,9 +215,9 @@ older ones belong to forwards never differentiated (evaluation forwards with gra
 class RootContext:
     """Shared by every fully_shard module under one root, for its forwards and backwards."""
 
-    def __init__(self, root: "FSDPState") -> None:
+    def __init__(self, root: "ModuleState") -> None:
         self.root = root
-        self.states: List[FSDPState] = []
+        self.states: List[ModuleState] = []
         self.forward_id = 0
         self.in_forward = False  # between the root's pre- and post-hook (not a recompute)
         self.forward_grad = False  # the current (or last) root forward runs with grad enabled
@@ -240,12 +228,14 @@ class RootContext:
         self.previous_order = _Order()
         self.departed = True  # this forward left the previous one's order: no more forward prefetch
         self.post_orders: Dict[int, _Order] = {}
-        self.first_order: Optional[List[FSDPState]] = None
-        self.kept: Optional[FSDPState] = None  # gathered past its post-hook: [Note: orders]
+        self.kept: Optional[ModuleState] = None  # gathered past its post-hook: [Note: orders]
         self.in_backward = False
-        self.backward_of: Optional[int] = None  # the forward id the current backward differentiates
-        self.reducing: List[ParamGroup] = []  # reduce-scatters issued, not yet waited on
-        self._reduce_order: Optional[List[ParamGroup]] = None
+        self.scheduler = ReduceScatterScheduler()  # every group's reduce-scatters, in one order
+
+    @property
+    def backward_of(self) -> Optional[int]:
+        """The forward id the current backward differentiates (the scheduler's)."""
+        return self.scheduler.backward_of
 
     # ---- [Note: full parameters held] ---------------------------------------------------
     def hold_full_parameters(self) -> None:
@@ -282,13 +272,14 @@ class RootContext:
             if group is not None and group.state is not GroupState.SHARDED and group.gathered_for is not None:
                 group.reshard()  # left gathered by an earlier forward that no backward followed
         self.order = _Order()
+        self.scheduler.begin_forward()
         self.departed = not len(self.previous_order)
         self.post_orders[self.forward_id] = _Order()
         if len(self.post_orders) > _ORDERS_KEPT:
             del self.post_orders[min(self.post_orders)]
         self.kept = None
 
-    def note_pre_forward(self, state: "FSDPState", grad_enabled: bool) -> bool:
+    def note_pre_forward(self, state: "ModuleState", grad_enabled: bool) -> bool:
         """A (non-recompute) pre-hook; True if it is the group's first call in this forward."""
         state.ran_in = self.forward_id
         if grad_enabled:
@@ -298,11 +289,13 @@ class RootContext:
         position = len(self.order)
         if not self.order.add(state):
             return False
+        if state.group is not None:
+            self.scheduler.note_first_call(state.group)
         if self.previous_order.at(position) is not state:
             self.departed = True
         return True
 
-    def note_post_forward(self, state: "FSDPState") -> None:
+    def note_post_forward(self, state: "ModuleState") -> None:
         """A (non-recompute) post-hook of a group other than the root."""
         self.post_orders.setdefault(self.forward_id, _Order()).add(state)
         if state.group is None:
@@ -335,117 +328,44 @@ class RootContext:
                 group.to_sharded_params()  # stays gathered for backward; the modules show the shards
         self.kept, self.in_forward = None, False
         self.previous_order = self.order
-        if self.first_order is None:
-            self.first_order = list(self.order.states)
+        self.scheduler.end_forward()
 
-    def next_in_forward(self, state: "FSDPState") -> Optional["FSDPState"]:
+    def next_in_forward(self, state: "ModuleState") -> Optional["ModuleState"]:
         """The group to prefetch after ``state``'s first call in this forward ([Note: orders])."""
         if self.departed:
             return None
         return self.previous_order.at(len(self.order))  # ``state`` was the last one added
 
-    def next_in_backward(self, state: "FSDPState") -> Optional["FSDPState"]:
+    def next_in_backward(self, state: "ModuleState") -> Optional["ModuleState"]:
         """The group backward reaches after ``state``: [Note: backward prefetch order]."""
         order = self.post_orders.get(self.backward_of)
         position = order.position(state) if order is not None else None
         return order.at(position - 1) if position is not None else None
 
-    def invalidate_reduce_order(self) -> None:
-        """Which groups have gradients changed (param_group [Note: requires_grad after sharding])."""
-        self._reduce_order = None
-
-    def reduce_order(self) -> List[ParamGroup]:
-        """The groups with gradients, in [Note: one order of reduce-scatters]."""
-        if self._reduce_order is not None:
-            return self._reduce_order
-        first = self.first_order if self.first_order is not None else self.order.states
-        seen = set(map(id, first))
-        states = list(reversed(first)) + [s for s in reversed(self.states) if id(s) not in seen]
-        order = [s.group for s in states if s.group is not None and s.group.grad_indices]
-        if self.first_order is not None:
-            self._reduce_order = order
-        return order
-
-    # ---- reduce-scatters -----------------------------------------------------------------
-    def group_ready(self, _group: ParamGroup) -> None:
-        self.issue_ready()
-
-    def issue_ready(self, final: bool = False) -> None:
-        """Issue every reduce-scatter that [Note: one order of reduce-scatters] allows now."""
-        for group in self.reduce_order():
-            if group.progress.issued:
-                continue
-            part = group.part_in(self.backward_of)
-            if part is not Part.TAKES_PART:
-                if final or part is Part.NONE:
-                    continue  # takes no part (and, at the end, never will)
-                return  # may still be recomputed: later groups wait for it
-            if not group.progress.ready:
-                return
-            if group.requires_grad_sync:
-                self._finish_in_flight(group.max_reduce_scatters_in_flight)
-            if group.issue_reduce_scatter():
-                self.reducing.append(group)
-
-    def reap(self) -> None:
-        """Finish the reduce-scatters that have arrived (each gradient's arrival polls): their
-        inputs are freed as soon as they are done with, never waited for here."""
-        while self.reducing and self.reducing[0].grads.arrived:
-            self.reducing.pop(0).finish_grad_sync()
-
-    def _finish_in_flight(self, limit: int = 1) -> None:
-        """[Note: bounded gradient memory] One reduce-scatter in flight: before a group copies
-        its gradients into its collective's input, the older reduce-scatter is waited for and
-        its input freed (it ran during this group's backward), so backward holds one group's
-        gradients and one input buffer at most, as PyTorch FSDP2 does by default; one that
-        arrived before is finished at once (:meth:`reap`), which FSDP2 does not do. A group set
-        to allow ``limit`` in flight (``set_reduce_scatter_max_input_buffers``) waits only for
-        the oldest beyond ``limit - 1``."""
-        while len(self.reducing) >= limit:
-            self.reducing.pop(0).finish_grad_sync()
-
     @outside_compile
     def final_callback(self) -> None:
-        """End of backward: every participating group reduce-scattered, waited for, resharded."""
-        for group in self.reduce_order():
-            if group.part_in(self.backward_of) is Part.TAKES_PART:
-                group.force_ready()  # no-op for groups already ready; issues nothing by itself
-        self.issue_ready(final=True)
-        usage = usage_anywhere(self.reduce_order())
-        self.reducing.clear()
+        """End of backward: every participating group reduce-scattered (the scheduler), waited
+        for, resharded."""
+        backward_of = self.backward_of
+        usage = self.scheduler.end_backward()
         for state in self.states:
             if state.group is not None:
                 state.group.finish_grad_sync()
                 state.group.reshard()
-                state.group.end_backward(self.backward_of)
+                state.group.end_backward(backward_of)
                 state.group.settle_host_copies()  # offload [Note: host copies and their streams]
         drop_unused(usage)  # unused_grads [Note: unused everywhere]
-        if self.backward_of is not None:
-            for fid in [f for f in self.post_orders if f <= self.backward_of]:
+        if backward_of is not None:
+            for fid in [f for f in self.post_orders if f <= backward_of]:
                 del self.post_orders[fid]
         self.in_backward = False
-        self.backward_of = None
 
     def reduce_accumulated(self) -> None:
-        """[Note: reducing after backward] Backwards without gradient sync only accumulate; a
-        host that reduces once per step *after* its backwards (Megatron's DDP without
-        ``overlap_grad_reduce`` reduces in ``finish_grad_sync``) asks for the reduction here:
-        every group with gradients reduce-scatters what was accumulated since the last reduction,
-        in [Note: one order of reduce-scatters] (zeros for a group that got none: every rank
-        issues the same collectives), one in flight at a time ([Note: bounded gradient memory]),
-        then the usage flags (unused_grads [Note: usage flags without a host read]), as at the end
-        of a synced backward."""
+        """Outside backward, the reduction of what backwards without sync accumulated
+        (scheduler [Note: reducing after backward])."""
         if self.in_backward:
             raise RuntimeError("reduce_accumulated_grads() inside backward: call it after backward has ended")
-        for group in self.reduce_order():
-            self._finish_in_flight()
-            if group.issue_accumulated_reduce_scatter():
-                self.reducing.append(group)
-        usage = usage_anywhere(self.reduce_order())
-        self._finish_in_flight()
-        for group in self.reduce_order():
-            group.settle_host_copies()
-        drop_unused(usage)
+        self.scheduler.reduce_accumulated()
 
     def reset_iteration(self) -> None:
         """[Note: resetting an iteration] After a forward or backward raised (FSDP2's
@@ -455,19 +375,19 @@ class RootContext:
         and the iteration's bookkeeping cleared; sharded ``.grad`` of earlier iterations stay.
         Gradient accumulation over micro-batches must start again. Full parameters held are
         released. Local: every rank must call it (each waits for its own collectives)."""
-        self.reducing.clear()
+        self.scheduler.reset()
         for state in self.states:
             group = state.group
             if group is not None:
                 group.reset_iteration()
         self.in_forward = self.in_backward = self.held = False
-        self.backward_of, self.kept = None, None
+        self.kept = None
         self.order, self.previous_order = _Order(), _Order()
         self.departed = True
         self.post_orders.clear()
 
 
-class FSDPState:
+class ModuleState:
     """The hooks of one ``fully_shard`` module (see [Note: the iteration])."""
 
     # torch's share_comm_ctx (pipeline chunks sharing FSDP2's streams) finds nothing to share:
@@ -490,8 +410,8 @@ class FSDPState:
         self.mp_policy = mp_policy
         self.prefetch = True
         # explicit prefetch lists (set_modules_to_forward/backward_prefetch), instead of the orders
-        self.forward_prefetch: Optional[List["FSDPState"]] = None
-        self.backward_prefetch: Optional[List["FSDPState"]] = None
+        self.forward_prefetch: Optional[List["ModuleState"]] = None
+        self.backward_prefetch: Optional[List["ModuleState"]] = None
         self.post_optim_event: Optional[Any] = None  # the next root forward waits for it (set_post_optim_event)
         self.reshard_after_backward = True  # hints: fsdp_module [Note: FSDPModule methods]
         self.is_last_backward = True
@@ -522,8 +442,7 @@ class FSDPState:
             st.context = ctx
             ctx.states.append(st)
             if st.group is not None:
-                st.group.on_ready = ctx.group_ready
-                st.group.on_grad = ctx.reap
+                ctx.scheduler.register(st.group)
         return ctx
 
     # ---- hooks (eager: eager_hooks [Note: hooks outside the compiled graph]) ---------
@@ -546,7 +465,7 @@ class FSDPState:
         group = self.group
         if group is not None:
             if not recompute and group.follow_requires_grad():
-                ctx.invalidate_reduce_order()
+                ctx.scheduler.invalidate_order()
             group.unshard()
             group.wait_for_unshard()
             group.to_unsharded_params()
@@ -609,7 +528,7 @@ class FSDPState:
         ctx = self.context
         if not ctx.in_backward:  # the first hook of a backward tells which forward it differentiates
             ctx.in_backward = True
-            ctx.backward_of = forward_id
+            ctx.scheduler.begin_backward(forward_id)
             queue_backward_callback(ctx.final_callback)
         if self.group is not None and self.group.begin_backward() and self.prefetch:
             explicit = self.backward_prefetch

@@ -41,10 +41,11 @@ Which parameters got no gradient on any rank, and what their ``.grad`` becomes, 
 ``vescale_zero.runtime.unused_grads`` ([Note: unused everywhere]); each group keeps its ``usage``.
 
 *When* it becomes ready may differ between ranks (which parameters got gradients differs);
-the order in which ready groups issue their reduce-scatters must not: see
-``vescale_zero.runtime.hooks`` [Note: one order of reduce-scatters]. A gradient that arrives for a
-group after its reduce-scatter was issued cannot be reduced any more: it is an error, never
-a silent loss.
+the order in which ready groups issue their reduce-scatters must not: the group reports each
+gradient and its readiness to its root's scheduler (:class:`GroupScheduler`, given when the root
+registers it), which issues (``vescale_zero.runtime.scheduler`` [Note: one order of
+reduce-scatters]). A gradient that arrives for a group after its reduce-scatter was issued cannot
+be reduced any more: it is an error, never a silent loss.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ import dataclasses
 import functools
 import math
 import weakref
-from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -73,8 +74,20 @@ from .param_gather import make_param_gather
 from .ragged_param import ManagedParam, RaggedParam, ShardedRange
 from .unused_grads import GradUsage
 
-__all__ = ["slot_of", "ManagedParam", "ParamGroup", "GroupState", "ShardedRange", "BackwardProgress", "ForwardRecord",
-           "InputGradTrigger", "Part"]
+__all__ = ["slot_of", "ManagedParam", "ParamGroup", "GroupScheduler", "GroupState", "ShardedRange", "BackwardProgress",
+           "ForwardRecord", "InputGradTrigger", "Part"]
+
+
+class GroupScheduler(Protocol):
+    """What a group reports its gradients to: its root's scheduler
+    (:class:`vescale_zero.runtime.scheduler.ReduceScatterScheduler`), which decides when the group
+    reduce-scatters (it calls :meth:`ParamGroup.issue_reduce_scatter`)."""
+
+    def gradient_arrived(self, group: "ParamGroup") -> None:
+        """One of ``group``'s gradients was accumulated (reduce-scatters that arrived can finish)."""
+
+    def group_ready(self, group: "ParamGroup") -> None:
+        """``group``'s gradients are complete ([Note: when a group's gradients are complete])."""
 
 
 _SLOTS: Dict[int, Tuple["weakref.ref", "weakref.ref", int]] = {}  # id(sharded param) -> (param, group, index)
@@ -163,12 +176,11 @@ class ParamGroup:
         # None once resharded: runtime [Note: nothing stays gathered after forward]
         self.gathered_for: Optional[int] = None
         self.progress = BackwardProgress()
-        self.on_ready: Optional[Callable[["ParamGroup"], None]] = None  # set by the runtime
-        self.on_grad: Optional[Callable[[], None]] = None  # set by the runtime: each gradient's arrival
+        self._scheduler: Optional[GroupScheduler] = None  # its root's, from report_to
         self.forwards = ForwardRecord()  # the forwards it ran in, and their input triggers
         self.usage = GradUsage()  # unused_grads [Note: unused everywhere]
         self.unshard_in_backward = True  # set_unshard_in_backward(False): backward reads no parameter value
-        self.max_reduce_scatters_in_flight = 1  # runtime [Note: bounded gradient memory]
+        self.max_reduce_scatters_in_flight = 1  # scheduler [Note: bounded gradient memory]
         self.to_sharded_params()
 
     def _build(self, device: torch.device, templates: Sequence[nn.Parameter],
@@ -222,6 +234,14 @@ class ParamGroup:
             self._hooked.add(index)
             self.params[index].unsharded.register_post_accumulate_grad_hook(
                 functools.partial(_grad_accumulated, weakref.ref(self), index))
+
+    def report_to(self, scheduler: GroupScheduler) -> None:
+        """Report gradients and readiness to ``scheduler`` (its root's, once, at the root's lazy
+        initialisation)."""
+        if self._scheduler is not None and self._scheduler is not scheduler:
+            raise RuntimeError("a fully_shard group belongs to one root: it already reports to another root's "
+                               "scheduler (apply fully_shard to a module under one root only)")
+        self._scheduler = scheduler
 
     def follow_requires_grad(self) -> bool:
         """[Note: requires_grad after sharding] ``p.requires_grad_(flag)`` on a sharded parameter
@@ -384,8 +404,8 @@ class ParamGroup:
         # param.grad stays autograd's tensor: grad_reduce [Note: gradients are copied in at the reduce-scatter]
         progress.in_backward = True
         progress.arrived.add(index)
-        if self.on_grad is not None:
-            self.on_grad()
+        if self._scheduler is not None:
+            self._scheduler.gradient_arrived(self)
         if len(progress.arrived) == len(self._grad_indices):
             self._become_ready(done_with_params=len(self._grad_indices) == len(self.managed))
 
@@ -408,8 +428,8 @@ class ParamGroup:
             # parameter (no gradient to tell us) may still be read: such groups reshard at the
             # end of backward.
             self.reshard()
-        if self.on_ready is not None:
-            self.on_ready(self)
+        if self._scheduler is not None:
+            self._scheduler.group_ready(self)
 
     def issue_reduce_scatter(self) -> bool:
         """Copy the gradients in and start the reduce-scatter; False while gradient sync is off
@@ -433,7 +453,7 @@ class ParamGroup:
     def issue_accumulated_reduce_scatter(self) -> bool:
         """Outside backward: start the reduce-scatter of what backwards without gradient sync
         accumulated since the last reduction (zeros where nothing did), as the next synced
-        backward would have (runtime [Note: reducing after backward]); False for a group without
+        backward would have (scheduler [Note: reducing after backward]); False for a group without
         gradients. Gradient sync stays as it was."""
         sync = self.requires_grad_sync
         self.requires_grad_sync = True

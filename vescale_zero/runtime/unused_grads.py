@@ -43,13 +43,10 @@ Deferring ``.grad = None`` past the end of backward (to the optimizer step, or t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
-
-if TYPE_CHECKING:
-    from .param_group import ParamGroup
 
 __all__ = ["UNUSED_GRAD_POLICIES", "GradUsage", "usage_anywhere", "drop_unused"]
 
@@ -99,17 +96,27 @@ class GradUsage:
         return [i for i, flag in zip(indices, used_anywhere) if not flag and i not in had_grad]
 
 
-def usage_anywhere(groups: Sequence["ParamGroup"]) -> List[Tuple["ParamGroup", Optional[torch.Tensor]]]:
+class _Group(Protocol):
+    """What the functions below read of a group (a :class:`~vescale_zero.runtime.param_group.ParamGroup`)."""
+
+    usage: GradUsage
+    process_group: dist.ProcessGroup
+    replicate_group: Optional[dist.ProcessGroup]
+    device: torch.device
+    params: Sequence[Any]  # each with its ``sharded`` parameter
+
+
+def usage_anywhere(groups: Sequence[_Group]) -> List[Tuple[_Group, Optional[torch.Tensor]]]:
     """One all-reduce (MAX) of the usage flags of every group on a process group, in the order
     of ``groups`` (the same on every rank); ``[(group, flags)]``, ``flags`` the group's part of
     the reduced flags where this rank must read them, else None ([Note: usage flags without a
     host read])."""
-    buckets: Dict[tuple, List[Tuple["ParamGroup", List[int]]]] = {}
+    buckets: Dict[tuple, List[Tuple[_Group, List[int]]]] = {}
     for group in groups:
         flags = group.usage.local_flags()
         if flags is not None:
             buckets.setdefault((id(group.process_group), id(group.replicate_group)), []).append((group, flags))
-    out: List[Tuple["ParamGroup", Optional[torch.Tensor]]] = []
+    out: List[Tuple[_Group, Optional[torch.Tensor]]] = []
     for entries in buckets.values():
         first = entries[0][0]
         local = [f for _, flags in entries for f in flags]
@@ -122,7 +129,7 @@ def usage_anywhere(groups: Sequence["ParamGroup"]) -> List[Tuple["ParamGroup", O
     return out
 
 
-def drop_unused(usage: List[Tuple["ParamGroup", Optional[torch.Tensor]]]) -> None:
+def drop_unused(usage: List[Tuple[_Group, Optional[torch.Tensor]]]) -> None:
     """After every group finished its gradient sync: ``.grad = None`` where no rank used a
     parameter; one host read of the flags that this rank must know, none if it used every
     parameter ([Note: usage flags without a host read])."""

@@ -24,7 +24,7 @@ step_time                   a ~1B-parameter GPT in bf16, ours vs FSDP2 vs DDP: m
 copies                      the copies around the collectives (``benchmarks/copy_overhead.py``)
                             in GB/s against the device's nominal bandwidth
 deepspeed                   ``"stage": "ragged"`` with torch's AdamW
-megatron                    megatron-core ``GPTModel`` under ``VeScaleFSDP``
+megatron                    megatron-core ``GPTModel`` under ``RaggedFSDP``
 sanitizer                   the main job's steps under ``TORCH_CUDA_SANITIZER=1``: reports counted
 deepspeed_fused_adam        ``"stage": "ragged"`` with DeepSpeed's FusedAdam (JIT-built, ~1 min)
 ==========================  ================================================================

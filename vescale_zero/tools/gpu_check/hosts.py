@@ -7,7 +7,7 @@
   a CUDA kernel JIT-built on first use (for this device's architecture only, into the section's
   scratch directory); the build time is part of the ``initialize`` figure.
 * ``megatron``: megatron-core's ``GPTModel`` (local layer spec, ``Float16Module``) under
-  ``VeScaleFSDP`` with ``get_vescale_optimizer``, trained through megatron-core's
+  ``RaggedFSDP`` with ``get_vescale_optimizer``, trained through megatron-core's
   forward-backward schedule and ``finalize_model_grads``, as
   ``examples/megatron/pretrain_gpt.py`` does. megatron-core calls CUDA unconditionally: off
   CUDA it runs only behind the test-only shim, which a test harness applies through the
@@ -25,6 +25,7 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
+from ... import host_patches
 from ...testing import GPT
 from .device import synchronize, world_of_one
 from .jobs import LR, batches, trained
@@ -58,7 +59,8 @@ def _deepspeed(ctx: Context, name: str, fused: bool) -> Outcome:
     import vescale_zero.integrations.deepspeed  # noqa: F401  (registers the stage "ragged")
 
     if ctx.device.type != "cuda":
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # a 40 s CPU build the check does not use
+        # host patch deepspeed.ops.__compatible_ops__: checked against deepspeed 0.19.8
+        host_patches.assign("deepspeed.ops.__compatible_ops__", False, key="deepspeed_shm_comm")  # a 40 s CPU build
     s = ctx.sizes
     deepspeed.init_distributed(dist_backend="nccl" if ctx.device.type == "cuda" else "gloo",
                                timeout=timedelta(seconds=ctx.timeout_s))
@@ -128,7 +130,7 @@ def megatron(ctx: Context) -> Outcome:
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from vescale_zero.integrations.megatron import VeScaleFSDP, get_vescale_optimizer
+    from vescale_zero.integrations.megatron import RaggedFSDP, get_vescale_optimizer
 
     from ...testing import SyntheticCorpus
 
@@ -145,7 +147,7 @@ def megatron(ctx: Context) -> Outcome:
                 use_cpu_initialization=ctx.device.type != "cuda", hidden_dropout=0.0, attention_dropout=0.0)
             model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=m["vocab"],
                              max_sequence_length=seq).to(ctx.device)
-            model = VeScaleFSDP(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+            model = RaggedFSDP(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
                                 Float16Module(config, model))
             opt = get_vescale_optimizer(OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.1, bf16=True,
                                                         clip_grad=1.0), [model])
@@ -178,7 +180,7 @@ def megatron(ctx: Context) -> Outcome:
             parallel_state.destroy_model_parallel()
     why = trained(values)
     figures: Dict = {"losses": values, "grad_norms": norms, "groups": len(model.vescale_groups)}
-    summary = (f"GPTModel {m['layers']}x{m['hidden']} under VeScaleFSDP (bf16): loss {values[0]:.3f} -> "
+    summary = (f"GPTModel {m['layers']}x{m['hidden']} under RaggedFSDP (bf16): loss {values[0]:.3f} -> "
                f"{statistics.mean(values[-3:]):.3f} (last 3) in {m['steps']} steps"
                + (f"; FAIL: {why}" if why else ""))
     return Outcome("megatron", "FAIL" if why else "PASS", summary, [], figures)
