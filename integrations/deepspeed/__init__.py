@@ -118,7 +118,7 @@ def initialize(*args: Any, **kwargs: Any):
         return _original_initialize(**kwargs)
 
 
-# [Note: host patches] deepspeed.initialize, DeepSpeed's parser, zero.Init, GatheredParameters and its
+# host patches ([Note: host patches]): deepspeed.initialize, DeepSpeed's parser, zero.Init, GatheredParameters and its
 # accessors (.parser, .zero_init, .safe_accessors); zero_to_fp32's reader (.zero_to_fp32); accelerate's
 # stage and is_zero3 (.accelerate_stage), which nothing needs without accelerate
 host_patches.install("deepspeed")

@@ -78,8 +78,8 @@ def present_ragged_stage_to_accelerate() -> None:
 
 # host patch accelerate.utils.deepspeed.HfDeepSpeedConfig.is_zero3: checked against accelerate 1.15.0
 def ragged_is_zero3(is_zero3: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    """``HfDeepSpeedConfig.is_zero3`` that is True for a ragged config too (see [Note: the stage
-    transformers compares])."""
+    """``HfDeepSpeedConfig.is_zero3`` that is True for a ragged config too
+    (see [Note: the stage transformers compares])."""
 
     @functools.wraps(is_zero3)
     def wrapper(self: Any) -> bool:

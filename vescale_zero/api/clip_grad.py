@@ -57,11 +57,12 @@ def _split(module: nn.Module) -> Tuple[Dict[tuple, Tuple[Groups, List[torch.Tens
     sharded_ids = {id(p) for g in groups for p in g.sharded_params + g.unsharded_params}
     by_pg: Dict[tuple, Tuple[Groups, List[torch.Tensor]]] = {}
     for g in groups:
-        for i in g.grad_indices:
+        for i in g.grad_indices:  # every rank names the same groups, with a gradient here or not
+            pgs = _reduced_over(g, i)
+            pieces = by_pg.setdefault(tuple(map(id, pgs)), (pgs, []))[1]
             piece = local_piece(g.sharded_params[i].grad)
             if piece is not None:
-                pgs = _reduced_over(g, i)
-                by_pg.setdefault(tuple(map(id, pgs)), (pgs, []))[1].append(piece)
+                pieces.append(piece)
     replicated = [p.grad for p in module.parameters() if id(p) not in sharded_ids and p.grad is not None]
     return by_pg, replicated, groups[0].device if groups else None
 

@@ -62,8 +62,8 @@ __all__ = ["local_steps_of", "wrapped_functionals"]
 # host patch torch.optim.rprop.rprop: checked against torch 2.11.0-2.15.0
 def local_steps_of(original: Callable) -> Optional[Callable]:
     """One of torch's element-wise functional optimizers (``torch.optim.adam.adam``, ...: the
-    classes call these module globals), wrapped to step the local pieces ([Note: torch's
-    optimizers step the local pieces]); ``None`` (left alone: its ops take the dispatch path) where
+    classes call these module globals), wrapped to step the local pieces
+    ([Note: torch's optimizers step the local pieces]); ``None`` (left alone: its ops take the dispatch path) where
     its signature is not the one relied on: its leading positional parameters are the tensor
     lists, ``params`` first. Installed once per process, on the first ``fully_shard``
     (``vescale_zero.host_patches.install("torch.optim")``)."""

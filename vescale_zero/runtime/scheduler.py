@@ -52,8 +52,8 @@ Usage = List[Tuple[ParamGroup, Optional[torch.Tensor]]]
 
 
 class ReduceScatterScheduler:
-    """The reduce-scatters of every group under one root: their order ([Note: one order of
-    reduce-scatters]), the ones in flight ([Note: bounded gradient memory]) and the end of a
+    """The reduce-scatters of every group under one root: their order
+    ([Note: one order of reduce-scatters]), the ones in flight ([Note: bounded gradient memory]) and the end of a
     backward. Implements :class:`~vescale_zero.runtime.param_group.GroupScheduler`."""
 
     def __init__(self) -> None:
