@@ -21,8 +21,6 @@ import sys
 from pathlib import Path
 from typing import Dict, Iterator, List, Tuple
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 NOTE_ROOTS = ("vescale_zero", "integrations", "tests", "benchmarks", "examples", "docs", "README.md")
 TEXT_SUFFIXES = {".py", ".md", ".sh", ".args", ".json", ".toml", ".txt", ".cfg", ".ini", ".yaml", ".yml"}
@@ -111,8 +109,6 @@ def test_every_note_reference_resolves_to_one_definition():
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.xfail(strict=False, reason="paths of the target layout of issue 40; "
-                                        "the lead removes this after merging the code moves")
 def test_docs_name_only_files_that_exist():
     problems = path_problems(_doc_pages())
     assert not problems, "\n".join(problems)
