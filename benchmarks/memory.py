@@ -21,7 +21,7 @@ Precisions: ``fp32``; ``bf16`` = bf16 parameters / compute, fp32 master weights 
 reduce, as each system does it (FSDP2 and vescale ``MixedPrecisionPolicy(bf16, fp32)``, ZeRO-3
 ``bf16.enabled`` + ``communication_data_type: fp32``, DDP fp32 weights under ``torch.autocast``).
 
-Memory is counted exactly with :class:`devtools.live_bytes.LiveBytes` (every tensor
+Memory is counted exactly with :class:`tests.live_bytes.LiveBytes` (every tensor
 storage alive, ``resize_`` followed) and split at the peak by role: ``params`` (the persistent
 parameters: shards, master copies), ``grads`` (the persistent gradients), ``optim`` (optimizer
 state), ``comm`` (gathered full parameters, full gradients before their reduce, collective
@@ -90,7 +90,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from devtools.live_bytes import LiveBytes  # noqa: E402
+from tests.live_bytes import LiveBytes  # noqa: E402
 from vescale_zero.testing import GPT, GPTConfig, SyntheticCorpus  # noqa: E402
 from vescale_zero.tools.gpu_check.llama import LlamaShapedStack, stack_layers  # noqa: E402
 from vescale_zero.tools.gpu_check.sharding import fake_world, shard_on_meta  # noqa: E402

@@ -3,7 +3,7 @@
     sudo .venv/bin/python benchmarks/multinode.py [--rates 1gbit 200mbit] [--cycles 3] [--steps 4]
         [--width 512] [--layers 4] [--json out.json]
 
-Two hosts are two network namespaces joined by one veth link (``devtools/netns.py``),
+Two hosts are two network namespaces joined by one veth link (``tests/netns.py``),
 its two directions each limited by ``tc ... tbf`` to an inter-node bandwidth (``--rates``), while
 the two ranks inside a host talk over loopback (the fast intra-node link). On each host
 ``torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d`` runs ranks 0,1 (host A) and 2,3
@@ -107,7 +107,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def _job(args: argparse.Namespace, rate: str, out_dir: Path) -> List[dict]:
-    from devtools.netns import limit_rate, two_hosts
+    from tests.netns import limit_rate, two_hosts
 
     with two_hosts() as (a, b):
         limit_rate([a, b], rate)
@@ -173,7 +173,7 @@ def main() -> None:
         sys.path.insert(0, str(REPO))
         worker(args)
         return
-    from devtools.netns import why_no_namespaces
+    from tests.netns import why_no_namespaces
 
     reason = why_no_namespaces()
     if reason:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import vescale_zero as vz
-from devtools.live_bytes import LiveBytes
+from tests.live_bytes import LiveBytes
 from vescale_zero.optim import offload_state_to_files
 from vescale_zero.optim.state_file_io import StateFileDir
 from vescale_zero.primitives.ragged_tensor import local_piece

@@ -328,7 +328,7 @@ def build_megatron_variant(variant: str, args: argparse.Namespace, world: int):
     dims of the other variants) through ``examples/megatron/pretrain_gpt.py`` under
     megatron-core ``DistributedDataParallel`` + Megatron's optimizer (``mcore_ddp``) or
     ``--use-vescale-fsdp`` (``mcore_vescale``); ``step(i)`` is one iteration of Megatron's
-    schedule. Without CUDA, megatron-core runs through the test shim (devtools/megatron_shim.py)
+    schedule. Without CUDA, megatron-core runs through the test shim (tests/megatron_shim.py)
     and the DDP side through its CPU stand-in for Megatron's FP32 optimizer step."""
     import importlib.util
     import sys
@@ -337,7 +337,7 @@ def build_megatron_variant(variant: str, args: argparse.Namespace, world: int):
     if REPO not in sys.path:
         sys.path.insert(0, REPO)
     if not cuda:
-        from devtools.megatron_shim import MegatronFP32Step, install_cuda_shim
+        from tests.megatron_shim import MegatronFP32Step, install_cuda_shim
 
         install_cuda_shim()
     script = os.path.join(REPO, "examples/megatron/pretrain_gpt.py")
@@ -617,7 +617,7 @@ def print_table(world: int, precision: str, rows: Dict[str, Dict], args: argpars
               f"fill+acc {r['filled_mib']:.2f} MiB/step (vs the unsharded model)")
     mcore = [v for v in rows if v.startswith("mcore")]
     if mcore:
-        where = "CUDA" if torch.cuda.is_available() else "CPU via devtools/megatron_shim.py"
+        where = "CUDA" if torch.cuda.is_available() else "CPU via tests/megatron_shim.py"
         print(f"megatron-core GPTModel, same dims, Megatron's schedule ({where}):")
         print(f"{'variant':18s} {'ms med':>8s} {'min':>7s} {'max':>7s} {'peak MiB':>9s} {'AG MiB':>7s} "
               f"{'RS MiB':>7s} {'AR MiB':>7s} {'/mcore_ddp':>10s}")

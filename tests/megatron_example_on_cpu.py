@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 -m tests.megatron_example_on_cpu examples/megatron/pretrain_gpt.py ARGS...
 
-Installs the test-only CUDA shim (:mod:`devtools.megatron_shim`) in this rank's process, then
+Installs the test-only CUDA shim (:mod:`tests.megatron_shim`) in this rank's process, then
 runs the script as ``__main__`` with ``ARGS`` as its command line (``@FILE`` included).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import runpy
 import sys
 
-from devtools.megatron_shim import install_cuda_shim
+from tests.megatron_shim import install_cuda_shim
 
 if __name__ == "__main__":
     if len(sys.argv) < 2:

@@ -1,7 +1,7 @@
 """A model bigger than one rank trains: meta init + ``fully_shard`` + ``vz.materialize`` under a cap.
 
 Each of 4 ranks runs under a hard cap on its live tensor bytes
-(:class:`devtools.live_bytes.LiveBytes` with a budget: every storage alive in the
+(:class:`tests.live_bytes.LiveBytes` with a budget: every storage alive in the
 process, ``resize_`` followed; exact, unlike a CPU process's RSS):
 
 * while the model is built and initialised: 3/4 of the unsharded model's fp32 parameters --
@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 import vescale_zero as vz
-from devtools.live_bytes import LiveBytes, OverBudget
 from tests.distributed import run_on_ranks
+from tests.live_bytes import LiveBytes, OverBudget
 from tests.models import SEQ, VOCAB
 from tests.test_meta_init import INIT_SEED, gpt_init
 from vescale_zero.testing.gpt import GPT, GPTConfig

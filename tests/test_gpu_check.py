@@ -43,7 +43,7 @@ def sabotage(section: str) -> None:
 def test_dry_mode_passes_or_skips_every_section_and_writes_its_report(tmp_path):
     pytest.importorskip("deepspeed")
     pytest.importorskip("megatron.core")
-    run = _check(str(tmp_path), "--prelude", "devtools.megatron_shim:gpu_check_prelude")
+    run = _check(str(tmp_path), "--prelude", "tests.megatron_shim:gpu_check_prelude")
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     report = json.loads((tmp_path / "report.json").read_text())
     markdown = (tmp_path / "report.md").read_text()

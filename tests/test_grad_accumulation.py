@@ -300,7 +300,7 @@ def _accumulation_memory(model, rank: int, world_size: int) -> tuple:
     """``(peak, held)`` live tensor bytes of the third step of 4 micro-batches (3 without sync):
     the step's peak over what was alive before it, and what the window holds after the third
     backward without sync (the accumulated gradients: nothing else outlives a backward)."""
-    from devtools.live_bytes import LiveBytes
+    from tests.live_bytes import LiveBytes
     from tests.test_grad_memory import _batches
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

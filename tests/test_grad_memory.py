@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 import vescale_zero as vz
-from devtools.live_bytes import LiveBytes
 from tests.distributed import run_cases_on_ranks
+from tests.live_bytes import LiveBytes
 from vescale_zero.api.fully_shard import groups_of
 from vescale_zero.primitives.collectives import set_reduce_scatter_impl
 from vescale_zero.testing import GPT, GPTConfig, SyntheticCorpus

@@ -135,7 +135,7 @@ def test_every_patch_site_names_its_registry_entry_and_version():
 # ---- nothing else changes a host: the tree parsed ----------------------------------------------------------------
 
 HOSTS = ("torch", "deepspeed", "accelerate", "transformers", "megatron", "trl", "peft")
-SHIPPED = ("vescale_zero", "integrations")  # the package and its adapters (tests and devtools may patch freely)
+SHIPPED = ("vescale_zero", "integrations")  # the package and its adapters (tests may patch freely)
 REGISTRY = os.path.join("vescale_zero", "host_patches.py")
 DOOR = "torch_compat"  # what it exports is torch's (modules among them): names bound to it are host names
 

@@ -115,7 +115,7 @@ def test_no_host_sync_from_forward_to_optimizer_step(world_size):
 
 def _megatron_fp16(rank: int, world_size: int) -> List[List[str]]:
     pytest.importorskip("megatron.core")
-    from devtools.megatron_shim import install_cuda_shim
+    from tests.megatron_shim import install_cuda_shim
 
     install_cuda_shim()
     from megatron.core import parallel_state

@@ -59,7 +59,7 @@ def _megatron_job(argv: List[str]) -> Iterator[tuple]:
     """One rank of ``examples/megatron/pretrain_gpt.py`` on CPU: the test-only CUDA shim,
     the example's parsed ``argv`` and Megatron's process groups (torn down on exit);
     yields ``(pretrain_gpt module, args)``."""
-    from devtools.megatron_shim import install_cuda_shim
+    from tests.megatron_shim import install_cuda_shim
 
     install_cuda_shim()
     from megatron.core import parallel_state
@@ -145,7 +145,7 @@ def _first_grads_within(ours: Dict[str, torch.Tensor], ref: Dict[str, torch.Tens
 def _train_both(rank: int, world_size: int, argv: List[str]) -> Dict:
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
-    from devtools.megatron_shim import MegatronFP32Step, install_cuda_shim
+    from tests.megatron_shim import MegatronFP32Step, install_cuda_shim
     from vescale_zero.runtime.job_timeout import group_timeout
 
     install_cuda_shim()
@@ -387,7 +387,7 @@ def _both_recorded(pg, argv: List[str]) -> Dict[str, tuple]:
     """megatron-core DDP + Megatron's FP32 step, then RaggedFSDP + RaggedOptimizer, on
     ``argv``: ``{"ddp"|"ours": (losses, recorded steps), "noted": DDP's first-step local sums
     (:func:`_noting_local_sums`)}``."""
-    from devtools.megatron_shim import MegatronFP32Step
+    from tests.megatron_shim import MegatronFP32Step
 
     args = pg.build_parser().parse_args(argv)
     args.use_vescale_fsdp = False
@@ -688,7 +688,7 @@ def test_optimizer_offload_settings():
 
 
 def _resume_and_interchange(rank: int, world_size: int, argv: List[str], ckpt_dir: str) -> Dict:
-    from devtools.megatron_shim import MegatronFP32Step
+    from tests.megatron_shim import MegatronFP32Step
     from vescale_zero import checkpoint
 
     with _megatron_job(argv) as (pg, args):
@@ -740,7 +740,7 @@ def test_checkpoint_resume_and_ddp_state_dict_interchange(tmp_path):
 
 
 def _bad_inputs(rank: int, world_size: int) -> Dict[str, str]:
-    from devtools.megatron_shim import install_cuda_shim
+    from tests.megatron_shim import install_cuda_shim
 
     install_cuda_shim()
     from megatron.core.distributed import DistributedDataParallelConfig
@@ -854,7 +854,7 @@ def _bf16_accumulation(rank: int, world_size: int, argv: List[str]) -> Dict:
     ours gathered from the sharded ``main_grad``), ``sum over ranks of |R_r|`` (``R_r`` a rank's
     fp32 sum of its micro-gradients, read from DDP's buffer before its all-reduce), and the
     fp32 masters after the last step."""
-    from devtools.megatron_shim import install_cuda_shim, megatron_optimizer_on_cpu
+    from tests.megatron_shim import install_cuda_shim, megatron_optimizer_on_cpu
 
     install_cuda_shim()
     from vescale_zero.runtime.param_group import slot_of
@@ -963,7 +963,7 @@ def _megatron_lm_switch(rank: int, world_size: int, save_dir: str) -> Dict[str, 
     """Megatron-LM's ``megatron.training.training`` stood in for by its names."""
     import argparse
 
-    from devtools.megatron_shim import install_cuda_shim
+    from tests.megatron_shim import install_cuda_shim
 
     install_cuda_shim()
     import torch.distributed as dist
@@ -1107,7 +1107,7 @@ def _as_megatron_scheduler_sets(optimizer, config) -> None:
 def _megatron_writes_dist_checkpoint(rank: int, world_size: int, argv: List[str], ckpt: str) -> Dict:
     """megatron-core DDP + Megatron's own optimizer, 2 steps, saved as Megatron-LM saves
     torch_dist, then a third step: ``{"losses", "final" (this rank's state dict)}``."""
-    from devtools.megatron_shim import install_cuda_shim, megatron_optimizer_on_cpu
+    from tests.megatron_shim import install_cuda_shim, megatron_optimizer_on_cpu
 
     install_cuda_shim()
     from megatron.core import dist_checkpointing
@@ -1184,7 +1184,7 @@ def _converted_moe_at_ep1(rank: int, world_size: int, argv: List[str], ckpt: str
     """At ep1 (where Megatron keeps one optimizer, so an ep2 checkpoint's chained optimizer
     state does not load), the converted checkpoint against the source's weights loaded
     online."""
-    from devtools.megatron_shim import install_cuda_shim
+    from tests.megatron_shim import install_cuda_shim
 
     install_cuda_shim()
     from megatron.core import dist_checkpointing
@@ -1206,7 +1206,7 @@ def _resume_from_megatron(rank: int, world_size: int, argv: List[str], ckpt: str
     torch_dist and megatron-core DDP + its Adam loads it. ``saved_by_tp`` (a checkpoint ours
     wrote, :func:`_vescale_writes_dist_checkpoint`, by TP rank): also how far the loaded
     weights and Adam state are from what was saved, and the step from the uninterrupted run's."""
-    from devtools.megatron_shim import install_cuda_shim, megatron_optimizer_on_cpu
+    from tests.megatron_shim import install_cuda_shim, megatron_optimizer_on_cpu
 
     install_cuda_shim()
     from megatron.core import dist_checkpointing
@@ -1525,7 +1525,7 @@ def _megatron_lm_torch_dist(rank: int, world_size: int, save_dir: str, name: str
     import argparse
     import types
 
-    from devtools.megatron_shim import install_cuda_shim
+    from tests.megatron_shim import install_cuda_shim
 
     install_cuda_shim()
     import torch.distributed as dist

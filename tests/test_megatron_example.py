@@ -109,7 +109,7 @@ def _state(model) -> Dict[str, torch.Tensor]:
 def _ddp_and_ours(pg, args) -> Dict[str, Any]:
     """megatron-core DDP + Megatron's FP32 step and RaggedFSDP + its optimizer, each driven by
     the example's OptimizerParamScheduler: per-step losses, learning rates, final weights."""
-    from devtools.megatron_shim import MegatronFP32Step
+    from tests.megatron_shim import MegatronFP32Step
 
     args.use_vescale_fsdp = False
     pg.seed(args)
@@ -190,7 +190,7 @@ def _fusion(rank: int, world_size: int, extra: List[str]) -> Dict[str, Any]:
     """--gradient-accumulation-fusion: megatron-core DDP + Megatron's FP32 step and RaggedFSDP,
     both through megatron-core's fused wgrad path (the test-only CPU kernel, counted): the first
     step's reduced gradients (main_grad) and the weights after 2 steps."""
-    from devtools.megatron_shim import MegatronFP32Step, _FusedWeightGradientOnCPU, fused_wgrad_on_cpu
+    from tests.megatron_shim import MegatronFP32Step, _FusedWeightGradientOnCPU, fused_wgrad_on_cpu
     from tests.test_megatron import _ddp_grads, _FirstStepGrads, _our_grads
 
     calls = {"n": 0}
@@ -228,7 +228,7 @@ def _fusion(rank: int, world_size: int, extra: List[str]) -> Dict[str, Any]:
 def _fusion_bf16(rank: int, world_size: int) -> Dict[str, Any]:
     """The same with --bf16 --accumulate-allreduce-grads-in-fp32 (fp32 main_grad, bf16 inputs to the
     kernel): tests/test_megatron.py's bf16 comparison against DDP + Megatron's own optimizer."""
-    from devtools.megatron_shim import fused_wgrad_on_cpu
+    from tests.megatron_shim import fused_wgrad_on_cpu
     from tests.test_megatron import _bf16_accumulation
 
     argv = ARGV + FUSION + ["--bf16", "--accumulate-allreduce-grads-in-fp32"]

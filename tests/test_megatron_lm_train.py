@@ -328,7 +328,7 @@ def _meta_init(rank: int, world_size: int) -> Dict[str, Any]:
     """Megatron-LM's get_model with --init-model-with-meta-device under the switch, beside
     megatron-core DDP built eagerly (Megatron's DDP cannot take a meta model): the same
     initial weights (Megatron's meta-init contract) and the same 2 AdamW steps."""
-    from devtools.megatron_shim import MegatronFP32Step
+    from tests.megatron_shim import MegatronFP32Step
 
     argv = ARGV + ["--global-batch-size", "8", "--clip-grad", "0", "--train-iters", "2"]
     out: Dict[str, Any] = {}
@@ -358,7 +358,7 @@ def _torch_checkpoint(rank: int, world_size: int, root: str) -> Dict[str, Any]:
     """Megatron-LM's save_checkpoint / load_checkpoint (--ckpt-format torch) under the switch:
     2 steps, saved, loaded into a fresh job, a third step; beside megatron-core DDP's 3 steps
     uninterrupted and its own file."""
-    from devtools.megatron_shim import MegatronFP32Step
+    from tests.megatron_shim import MegatronFP32Step
 
     argv = ARGV + ["--global-batch-size", "8", "--clip-grad", "0", "--train-iters", "3"]
     out: Dict[str, Any] = {}
@@ -439,7 +439,7 @@ def _distributed_optimizer(rank: int, world_size: int, root: str) -> Dict[str, A
     with the flag and without it; ours saved at 2 and resumed likewise."""
     import warnings
 
-    from devtools.megatron_shim import megatron_optimizer_on_cpu
+    from tests.megatron_shim import megatron_optimizer_on_cpu
     from tests.test_megatron import _as_megatron_scheduler_sets
 
     out: Dict[str, Any] = {}
@@ -549,8 +549,8 @@ def _grad_reduce(rank: int, world_size: int) -> Dict[str, Any]:
     --gradient-accumulation-fusion (Megatron-LM's default; the test-only CPU kernel)."""
     import contextlib
 
-    from devtools.megatron_shim import fused_wgrad_on_cpu
     from tests.comm_spy import CommSpy
+    from tests.megatron_shim import fused_wgrad_on_cpu
     from tests.test_megatron import _ddp_grads, _our_grads
 
     argv = ARGV + ["--global-batch-size", "16", "--bf16"]  # 4 micro-batches of 2 per rank at dp 2

@@ -68,7 +68,7 @@ def _materialise_peak(rank: int, world_size: int, argv: List[str]) -> Dict:
     """Live bytes while ``RaggedFSDP`` shards and materialises a meta GPTModel."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    from devtools.live_bytes import LiveBytes
+    from tests.live_bytes import LiveBytes
     from vescale_zero.integrations.megatron import RaggedFSDP, data_parallel
 
     with _megatron_job(argv) as (pg, args):

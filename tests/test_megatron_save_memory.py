@@ -40,7 +40,7 @@ def _save_extra_bytes(rank: int, world_size: int, argv: List[str], root: str) ->
     import torch
     from megatron.core import dist_checkpointing, parallel_state
 
-    from devtools.live_bytes import LiveBytes
+    from tests.live_bytes import LiveBytes
 
     with _megatron_job(argv) as (pg, args):
         model, optimizer, config = pg.build(args)

@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from devtools.netns import link_bytes, two_hosts, why_no_namespaces
 from tests import multinode_worker as worker
 from tests.models import AwkwardLM, make_batches, train_reference
+from tests.netns import link_bytes, two_hosts, why_no_namespaces
 
 REPO = Path(__file__).resolve().parents[1]
 PORT, TIMEOUT = 29531, 240

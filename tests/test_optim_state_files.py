@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 import vescale_zero as vz
-from devtools.live_bytes import LiveBytes
 from tests.distributed import run_cases_on_ranks
+from tests.live_bytes import LiveBytes
 from tests.models import AwkwardLM, local_pieces, make_batches, rank_slice
 from vescale_zero.optim import AdamW8bit, StateFileError, offload_state_to_files
 from vescale_zero.primitives.ragged_tensor import local_piece

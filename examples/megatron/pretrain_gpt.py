@@ -11,7 +11,7 @@ are megatron-core's; only the data-parallel wrapper and the optimizer change wit
 repeated phrases, so the loss falls quickly.
 
 Runs on GPUs (NCCL). megatron-core itself calls CUDA unconditionally, so on CPU it runs
-only inside our tests, behind a test-only shim (``devtools/megatron_shim.py``).
+only inside our tests, behind a test-only shim (``tests/megatron_shim.py``).
 
 An argument file (``@FILE``) may hold one flag and its value per line, as
 ``configs/megatron/gpt_vescale.args`` does; ``#`` starts a comment. Flags after it on the

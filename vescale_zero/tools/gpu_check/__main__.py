@@ -22,7 +22,7 @@ def main(argv=None) -> int:
     p.add_argument("--sections", nargs="+", choices=[s.name for s in SECTIONS], help="run only these")
     p.add_argument("--prelude", metavar="MODULE:FUNCTION",
                    help="called with the section's name in each section's process before it runs (test harnesses "
-                        "install stand-ins with it: devtools.megatron_shim:gpu_check_prelude)")
+                        "install stand-ins with it: tests.megatron_shim:gpu_check_prelude)")
     p.add_argument("--section", help=argparse.SUPPRESS)  # [Note: one process per section]: the child's side
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--timeout", type=float, default=120.0, help=argparse.SUPPRESS)

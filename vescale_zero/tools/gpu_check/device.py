@@ -43,8 +43,8 @@ def synchronize(device: torch.device) -> None:
 class PeakMemory:
     """``with PeakMemory(device) as peak: step()``; then ``peak.allocated`` (bytes) and
     ``peak.reserved`` (bytes; ``None`` off CUDA). On CUDA the caching allocator's peaks over the
-    block; elsewhere (the dry mode, run from a checkout of the repository: ``devtools/`` is test
-    machinery, not installed) the peak of live tensor bytes (:class:`devtools.live_bytes.LiveBytes`:
+    block; elsewhere (the dry mode, run from a checkout of the repository: ``tests/`` is test
+    machinery, not installed) the peak of live tensor bytes (:class:`tests.live_bytes.LiveBytes`:
     every storage alive, the model's too)."""
 
     def __init__(self, device: torch.device) -> None:
@@ -59,10 +59,10 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
             try:
-                from devtools.live_bytes import LiveBytes
+                from tests.live_bytes import LiveBytes
             except ImportError as e:
-                raise RuntimeError("the GPU check's CPU dry mode measures memory with devtools/live_bytes.py: run it "
-                                   "from the repository's root (devtools/ is not installed)") from e
+                raise RuntimeError("the GPU check's CPU dry mode measures memory with tests/live_bytes.py: run it "
+                                   "from the repository's root (tests/ is not installed)") from e
 
             self._tracker = LiveBytes()
             self._tracker.__enter__()

@@ -11,7 +11,7 @@
   forward-backward schedule and ``finalize_model_grads``, as
   ``examples/megatron/pretrain_gpt.py`` does. megatron-core calls CUDA unconditionally: off
   CUDA it runs only behind the test-only shim, which a test harness applies through the
-  check's ``--prelude`` (``devtools/megatron_shim.py``); without it the section is skipped.
+  check's ``--prelude`` (``tests/megatron_shim.py``); without it the section is skipped.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ A section's process starts in the scratch directory, with the runner's working d
 end of its ``PYTHONPATH``: an installed vescale-zero (a wheel in ``PYTHONPATH``) comes first even
 when the check is started from the repository's root, whose ``vescale_zero/`` lacks
 ``vescale_zero.integrations`` (``setup.py`` maps it from ``integrations/``); a ``--prelude`` module
-of the repository (``devtools.megatron_shim``) is still found. So whether a section's ``needs`` are
+of the repository (``tests.megatron_shim``) is still found. So whether a section's ``needs`` are
 importable is asked in its own process.
 """
 

@@ -122,7 +122,7 @@ def install_cuda_shim() -> None:
 
 def gpu_check_prelude(section: str) -> None:
     """The GPU check's dry mode with megatron-core on CPU: ``python -m vescale_zero.gpu_check
-    --device cpu --prelude devtools.megatron_shim:gpu_check_prelude`` installs the shim in the
+    --device cpu --prelude tests.megatron_shim:gpu_check_prelude`` installs the shim in the
     megatron section's process, and nowhere else."""
     if section == "megatron":
         install_cuda_shim()
