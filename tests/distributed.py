@@ -100,7 +100,7 @@ def _run_cases(rank: int, world_size: int, cases: Dict[str, Tuple[Callable, tupl
     out = {}
     for name, (fn, args) in cases.items():
         with open(os.environ[_CASE_FILE], "w") as f:
-            f.write(name)
+            f.write(str(name))  # a case name may be a tuple
         try:
             out[name] = fn(rank, world_size, *args)
         except BaseException as e:  # noqa: BLE001 - re-raised naming the case
