@@ -4,10 +4,10 @@
 
 Per FSDP size, for one transformer layer of the model: the bf16 gather (2 bytes/element of
 the padded buffer), the fp8 gather (one byte slot per rank: 1 byte/element of the matrices +
-one fp32 scale per 128x128 tile, bf16 for norms and biases, fp8_gather [Note: one collective
-per group]), their ratio and the padding each layout costs (fp8 matrices need whole 128-row
-tile bands). Then, on this machine, pack + unpack time of one rank's shard against a plain
-bf16 cast of it (the work the fp8 path adds per gather).
+one fp32 scale per 128x128 tile, bf16 for norms and biases, fp8_gather
+[Note: one collective per group]), their ratio and the padding each layout costs (fp8 matrices
+need whole 128-row tile bands). Then, on this machine, pack + unpack time of one rank's shard
+against a plain bf16 cast of it (the work the fp8 path adds per gather).
 """
 
 from __future__ import annotations

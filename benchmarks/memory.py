@@ -515,7 +515,7 @@ def _worst_where(ranks: List[Dict]) -> Dict[str, Dict]:
 
 
 def where_floors(system: str, floor: Dict[str, float]) -> Dict[str, float]:
-    """[Note: offload rows] The floor of each place: offloaded, the device holds the gathered
+    """The floor of each place ([Note: offload rows]): offloaded, the device holds the gathered
     groups and the activations, the host the sharded parameters, gradients and AdamW state;
     otherwise the device holds all of it and the host nothing."""
     if system in OFFLOAD_SYSTEMS:

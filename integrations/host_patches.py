@@ -37,8 +37,9 @@ HOST_VERSIONS: Dict[str, str] = {
 """The host distributions (as pip names them) and the versions every patch was checked against.
 TRL and PEFT are patched nowhere; every read they make of ZeRO-3's internals was surveyed at the
 versions here and is answered for ragged parameters: integrations/deepspeed/zero3_attributes.py
-[Note: ZeRO-3 attributes on ragged parameters], accelerate_stage.py [Note: the stage accelerate
-compares], ``integrations/deepspeed/__init__.py`` [Note: a model built partitioned for ragged]."""
+[Note: ZeRO-3 attributes on ragged parameters], accelerate_stage.py
+[Note: the stage accelerate compares], ``integrations/deepspeed/__init__.py``
+[Note: a model built partitioned for ragged]."""
 
 
 @dataclass(frozen=True)

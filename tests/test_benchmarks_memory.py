@@ -67,12 +67,12 @@ def _offload_rows(rank: int, world: int):
 
 
 def test_memory_offload_rows_place_shards_on_the_host():
-    """[Note: offload rows] With CPUOffloadPolicy the device-side bytes of vescale-zero hold no
-    parameter, gradient or optimizer-state buffer (its master shards, gradient shards and AdamW
-    state are host buffers, by data pointers) and the host-side bytes hold exactly them: the
-    same master shard and AdamW state bytes as the run without offload holds on the device, a
-    gradient shard as large as the master shard, nothing else. Without offload nothing is on
-    the host. FSDP2's CPUOffloadPolicy rows split the same way."""
+    """benchmarks/memory.py [Note: offload rows]: with CPUOffloadPolicy the device-side bytes of
+    vescale-zero hold no parameter, gradient or optimizer-state buffer (its master shards,
+    gradient shards and AdamW state are host buffers, by data pointers) and the host-side bytes
+    hold exactly them: the same master shard and AdamW state bytes as the run without offload
+    holds on the device, a gradient shard as large as the master shard, nothing else. Without
+    offload nothing is on the host. FSDP2's CPUOffloadPolicy rows split the same way."""
     from tests.distributed import run_on_ranks
 
     for rank, rows in enumerate(run_on_ranks(_offload_rows, 2, timeout=240)):

@@ -5,9 +5,9 @@ model trains a few steps on gloo ranks. Two things are proved:
 
 * graphs: a ``CompileCounterWithBackend`` per block counts the graphs Dynamo hands to the
   backend over the whole run. A sharded block compiles whole, into exactly as many graphs as
-  the same compiled block under DDP: 1 (our hooks run eagerly around it, eager_hooks [Note:
-  hooks outside the compiled graph]; with the hooks traced it was 6 and 4, 9 and 7 in bf16,
-  8 and 6 with gradient accumulation);
+  the same compiled block under DDP: 1 (our hooks run eagerly around it, eager_hooks
+  [Note: hooks outside the compiled graph]; with the hooks traced it was 6 and 4, 9 and 7 in
+  bf16, 8 and 6 with gradient accumulation);
 * numbers: compiled + sharded trains exactly like eager + sharded (``aot_eager`` runs the
   same ATen ops, so fp32 and bf16 are bit-exact), hence like the unsharded single-process
   reference and like DDP with the same compiled blocks (fp32, by the derived bounds of
@@ -166,9 +166,10 @@ def test_either_compile_order_is_one_graph_and_the_same_numbers(at_two_ranks):
 @pytest.mark.parametrize("variant", ["", " accum"])
 def test_compiled_trains_like_eager_ddp_and_unsharded_fp32(at_two_ranks, variant):
     """Compiled == eager bit for bit (aot_eager runs the same ATen ops on the same shards).
-    Against DDP and the unsharded model, what the math guarantees (tests/numerics.py [Note:
-    comparing runs that sum in another order]): the first loss bit for bit against DDP (the same
-    weights, data and ops per rank, then the same all-reduce); the first step's reduced gradients
+    Against DDP and the unsharded model, what the math guarantees
+    (tests/numerics.py [Note: comparing runs that sum in another order]): the first loss bit for
+    bit against DDP (the same weights, data and ops per rank, then the same all-reduce); the
+    first step's reduced gradients
     within the bound of two summation orders of the same per-rank micro-batch gradients (DDP's
     all-reduce and the unsharded model's, vs our reduce-scatter); the weights within what STEPS
     AdamW steps can move two runs apart."""

@@ -176,8 +176,8 @@ def _joined(results, stage, optimizer_class, case=""):
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_ragged_matches_stage3_fp32(world_size):
-    """What the math guarantees (tests/numerics.py [Note: comparing runs that sum in another
-    order]): the same first loss; the first step's reduced gradients within the bound of two
+    """What the math guarantees (tests/numerics.py [Note: comparing runs that sum in another order]):
+    the same first loss; the first step's reduced gradients within the bound of two
     summation orders of the world_size * ACCUM per-rank micro-batch gradients (ZeRO-3 reduces
     each micro-batch, we reduce their local sum once); the trained weights within what STEPS
     AdamW steps can move two runs apart."""
@@ -289,10 +289,10 @@ def test_client_optimizer_and_scheduler():
                               timeout=400)
     ref, ours = both["stage 3"], both["ragged"]
     assert ours[0]["lr"] == ref[0]["lr"]
-    # As test_ragged_matches_stage3_fp32 (tests/numerics.py [Note: comparing runs that sum in
-    # another order]): the first loss bit for bit, the first step's reduced gradients within the
-    # summation-order bound, the weights within what 5 AdamW steps at lr <= 1e-2 (the schedule
-    # only lowers it) can move two runs apart.
+    # As test_ragged_matches_stage3_fp32 (tests/numerics.py
+    # [Note: comparing runs that sum in another order]): the first loss bit for bit, the first
+    # step's reduced gradients within the summation-order bound, the weights within what 5 AdamW
+    # steps at lr <= 1e-2 (the schedule only lowers it) can move two runs apart.
     assert ours[0]["losses"][0] == ref[0]["losses"][0], (ours[0]["losses"], ref[0]["losses"])
     _assert_grads_within(ours[0]["grads"], ref[0]["grads"], ref[0]["local_sums"], 2, "client optimizer")
     params = assemble([r["params"] for r in ours])
@@ -409,8 +409,9 @@ def test_save_load_continue_matches_uninterrupted(checkpoint_runs, save_ranks, l
             assert torch.equal(got[name], want[name]), (case, name)
         return
     # at other ranks the uninterrupted run summed every gradient in another order (3 ranks, not 2,
-    # for the first 3 steps): nothing bit-exact after the first step (tests/numerics.py [Note:
-    # comparing runs that sum in another order]); within what 6 AdamW steps can move two runs apart
+    # for the first 3 steps): nothing bit-exact after the first step
+    # (tests/numerics.py [Note: comparing runs that sum in another order]); within what 6 AdamW
+    # steps can move two runs apart
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=adam_divergence_bound(1e-2, 6),
                                    msg=lambda m, name=name: f"{case}, {name}: {m}")
@@ -741,10 +742,11 @@ def test_shard_group_size_and_mics_shard_size_run_hsdp_like_the_flat_run(tmp_pat
     }, 4, timeout=500)
     flat, key, mics, resume = (runs[case] for case in ("flat", "key", "mics", "resume"))
     # HSDP (shard groups of 2, replicas of 2) vs the flat run: each gradient is the mean of the same
-    # 4 x ACCUM terms, summed in two steps instead of one (tests/numerics.py [Note: comparing runs
-    # that sum in another order]): the first loss bit for bit, the first step's reduced gradients
-    # within the summation-order bound, the weights within what the optimizer's steps can move
-    # two runs apart (AdamW: adam_divergence_bound; Muon: _muon_divergence_bound).
+    # 4 x ACCUM terms, summed in two steps instead of one
+    # (tests/numerics.py [Note: comparing runs that sum in another order]): the first loss bit
+    # for bit, the first step's reduced gradients within the summation-order bound, the weights
+    # within what the optimizer's steps can move two runs apart (AdamW: adam_divergence_bound;
+    # Muon: _muon_divergence_bound).
     assert key[0]["losses"][0] == flat[0]["losses"][0], (key[0]["losses"], flat[0]["losses"])
     for case in ("key", "muon key"):
         twin = runs["flat" if case == "key" else "muon flat"][0]

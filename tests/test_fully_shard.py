@@ -78,8 +78,8 @@ def run_sharded_granularities(world_size, granularities) -> list:
 
 
 def _assert_trains_like_unsharded(run, ref, accum=1, case=""):
-    """What the math guarantees (tests/numerics.py [Note: comparing runs that sum in another
-    order]) between a sharded run and the unsharded full-batch reference:
+    """What the math guarantees (tests/numerics.py [Note: comparing runs that sum in another order])
+    between a sharded run and the unsharded full-batch reference:
 
     * the first step's local forward: the same weights, data and ops as the unsharded model on
       the rank's micro-batches, so every rank's local losses are bit-identical to that model's;
@@ -264,9 +264,9 @@ def _zero_copy(rank, world_size, mp):
         # The last block stays gathered from its forward into its backward, from the first
         # step on (runtime [Note: orders]: the group kept for backward): one gather fewer.
         assert (n_ag, n_rs) == (4, 3), (step, n_ag, n_rs)
-        # block 0 is prefetched asynchronously in backward by block 1 (runtime [Note: backward
-        # prefetch order]); from the second step on, once a forward order is known, blocks 0
-        # (by the root) and 1 (by block 0) are prefetched in forward too
+        # block 0 is prefetched asynchronously in backward by block 1 (runtime
+        # [Note: backward prefetch order]); from the second step on, once a forward order is
+        # known, blocks 0 (by the root) and 1 (by block 0) are prefetched in forward too
         n_async = sum(1 for c in calls if c[0] == "ag" and c[4])
         assert n_async == (3 if step else 1), (step, n_async)
         # reduce-scatters run in backward order: block 1, block 0, root

@@ -1,6 +1,6 @@
-"""Gradients accumulated without sync are summed in the reduce dtype (grad_reduce [Note:
-accumulating in the reduce dtype]), as FSDP2, Megatron's DDP (``main_grad``) and DeepSpeed
-(``grad_accum_dtype``) sum them.
+"""Gradients accumulated without sync are summed in the reduce dtype (grad_reduce
+[Note: accumulating in the reduce dtype]), as FSDP2, Megatron's DDP (``main_grad``) and
+DeepSpeed (``grad_accum_dtype``) sum them.
 
 The reference of the fully_shard test: every rank runs an *unsharded* copy of the model in
 bf16 (the compute weights are exactly the bf16 casts of the fp32 masters) on its own

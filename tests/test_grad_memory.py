@@ -1,10 +1,10 @@
 """Gradient memory (gloo, CPU, 2 ranks, one spawn).
 
 * Sharded gradients live from a group's first reduce-scatter until
-  ``zero_grad(set_to_none=True)`` frees them (grad_shard [Note: gradient shards live with their
-  .grad]), counted exactly by LiveBytes and checked by data pointers; ``set_to_none=False``
-  keeps them, zeroed; training is bit-identical either way, with and without gradient
-  accumulation (no-sync micro-batches), and with clipping.
+  ``zero_grad(set_to_none=True)`` frees them (grad_shard
+  [Note: gradient shards live with their .grad]), counted exactly by LiveBytes and checked by
+  data pointers; ``set_to_none=False`` keeps them, zeroed; training is bit-identical either way,
+  with and without gradient accumulation (no-sync micro-batches), and with clipping.
 * A training step's peak live tensor bytes are at or under PyTorch FSDP2's on the same model,
   fp32 and bf16 mixed precision, both on torch's own reduce-scatter (the like-for-like setting
   on gloo: benchmarks/memory.py [Note: what the tracker cannot see]); with one group per layer,

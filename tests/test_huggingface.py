@@ -179,13 +179,14 @@ def test_trainer_saves_the_whole_model_like_zero3(tmp_path):
     * the first step's logged loss equals ZeRO-3's bit for bit (the same weights and data);
     * ``save_model`` and ``checkpoint-N`` load strictly with ``from_pretrained``, hold
       exactly the engine's trained shards, and are within what N AdamW steps can move two runs
-      apart of ZeRO-3's saves (tests/numerics.py [Note: comparing runs that sum in another
-      order]): the engines sum gradients in another order (ZeRO-3's buckets per micro-batch vs
-      one reduce-scatter per group and step), and Adam moves each weight by about LR whatever
-      its gradient's size, so a gradient at rounding level can move either way (seen: 1 of 2048
-      weights 1.88e-5 apart on one machine, 4 of 32768 1.5e-6 on another). Later losses and the
-      evaluation loss come from those weights and are not compared by value; the reduction
-      itself is checked to fp32 rounding in test_deepspeed_zero_init (the same engine);
+      apart of ZeRO-3's saves (tests/numerics.py
+      [Note: comparing runs that sum in another order]): the engines sum gradients in another
+      order (ZeRO-3's buckets per micro-batch vs one reduce-scatter per group and step), and
+      Adam moves each weight by about LR whatever its gradient's size, so a gradient at rounding
+      level can move either way (seen: 1 of 2048 weights 1.88e-5 apart on one machine, 4 of
+      32768 1.5e-6 on another). Later losses and the evaluation loss come from those weights and
+      are not compared by value; the reduction itself is checked to fp32 rounding in
+      test_deepspeed_zero_init (the same engine);
     * ``trainer.train(resume_from_checkpoint="checkpoint-2")`` on a model of other weights
       loads that checkpoint's DeepSpeed state (``global_step2``: our shards, optimizer,
       scheduler) and continues bit for bit: steps 3-4 log the same losses and end in the

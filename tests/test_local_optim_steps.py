@@ -1,9 +1,9 @@
-"""torch's element-wise optimizers step the local pieces of ragged parameters (local_optim_steps [Note:
-torch's optimizers step the local pieces]): each of torch's optimizers and kernels (per-tensor,
-foreach, fused) gives, on ragged parameters alone and with a plain one mixed in, the bits of the
-same step on plain tensors and of the op-by-op dispatch path, keeps its state in the parameters'
-layout (SGD's momentum, made inside the functional, included), bumps the parameters' version
-counters where plain tensors' are bumped, and sends no op of a step through the ragged dispatch; an
+"""torch's element-wise optimizers step the local pieces of ragged parameters (local_optim_steps
+[Note: torch's optimizers step the local pieces]): each of torch's optimizers and kernels (per-tensor,
+foreach, fused) gives, on ragged parameters alone and with a plain one mixed in, the bits of the same
+step on plain tensors and of the op-by-op dispatch path, keeps its state in the parameters' layout
+(SGD's momentum, made inside the functional, included), bumps the parameters' version counters where
+plain tensors' are bumped, and sends no op of a step through the ragged dispatch; an
 optimizer that is not element-wise (Adafactor) is refused, not stepped on pieces. 2 and 3 ranks (3:
 a rank holds an empty piece)."""
 

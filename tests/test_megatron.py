@@ -6,10 +6,11 @@ pipeline parallelism, ``finalize_model_grads``), on CPU/gloo behind the test-onl
 shim. The reference optimizer is Megatron's FP32 step written out (its own
 ``get_grad_norm_fp32`` over the model-parallel group, its clipping rule, then
 ``torch.optim.AdamW``), because Megatron's optimizer classes hard-code CUDA tensors.
-Comparisons: what the math guarantees (tests/numerics.py [Note: comparing runs that sum in
-another order]): bit-exact where both runs add the same terms in the same order (two
-data-parallel ranks: every gradient sum has two addends); otherwise the first loss exactly,
-the first step's reduced gradients within the summation-order bound, weights within Adam's.
+Comparisons: what the math guarantees (tests/numerics.py
+[Note: comparing runs that sum in another order]): bit-exact where both runs add the same
+terms in the same order (two data-parallel ranks: every gradient sum has two addends);
+otherwise the first loss exactly, the first step's reduced gradients within the
+summation-order bound, weights within Adam's.
 """
 
 from __future__ import annotations
@@ -906,17 +907,17 @@ def _bf16_accumulation(rank: int, world_size: int, argv: List[str]) -> Dict:
 def test_bf16_accumulates_in_fp32_like_megatron_ddp(dp):
     """Megatron's DDP with ``--accumulate-allreduce-grads-in-fp32`` sums each rank's bf16
     micro-gradients into its fp32 ``main_grad``, scales by 1/dp and all-reduces; ours sums them
-    into the group's fp32 buffer in the same order (grad_reduce [Note: accumulating in the reduce
-    dtype]), scales alike and reduce-scatters. So each rank's fp32 sums are the same numbers, and
-    only the cross-rank sum's order may differ: with two ranks it cannot (one addition), so
-    the gradients are equal bit for bit; with m ranks each side is within gamma_m S / m of the
-    exact mean (S = sum over ranks of |R_r|; m - 1 additions and one rounding of the 1/m
-    scaling), so they differ by at most reduction_order_bound(S, m) = 2 gamma_m S / m
-    elementwise. The masters after 4 Adam steps (lr 1e-2): equal at dp 2 (same gradients, same
-    updates); at dp 3 an ulp in a gradient can flip the rounding of a bf16 compute weight, after
-    which gradients differ at bf16 level and Adam's normalised step moves near-zero components
-    differently: within adam_divergence_bound(lr, 4) per element, what any two Adam runs from the
-    same weights can be apart (measured 5.1e-3 relative per tensor).
+    into the group's fp32 buffer in the same order (grad_reduce
+    [Note: accumulating in the reduce dtype]), scales alike and reduce-scatters. So each rank's
+    fp32 sums are the same numbers, and only the cross-rank sum's order may differ: with two
+    ranks it cannot (one addition), so the gradients are equal bit for bit; with m ranks each
+    side is within gamma_m S / m of the exact mean (S = sum over ranks of |R_r|; m - 1 additions
+    and one rounding of the 1/m scaling), so they differ by at most reduction_order_bound(S, m)
+    = 2 gamma_m S / m elementwise. The masters after 4 Adam steps (lr 1e-2): equal at dp 2 (same
+    gradients, same updates); at dp 3 an ulp in a gradient can flip the rounding of a bf16
+    compute weight, after which gradients differ at bf16 level and Adam's normalised step moves
+    near-zero components differently: within adam_divergence_bound(lr, 4) per element, what any
+    two Adam runs from the same weights can be apart (measured 5.1e-3 relative per tensor).
     Before the fix (gradients summed in bf16): 4.6e-3 / 3.3e-3 relative off in the gradients
     (6.6e5x / 1.5e5x the bound at dp 2 / 3), masters 0.28 / 0.27 relative off after 4 steps."""
     argv = SMALL + ["--bf16", "--accumulate-allreduce-grads-in-fp32", "--clip-grad", "0", "--train-iters", "4",
@@ -1786,10 +1787,10 @@ def test_megatron_hsdp_equals_flat_vescale_fsdp(tmp_path):
     gradient accumulation and reduction. What is compared (:func:`_check_hsdp`): the first loss
     exactly; the first step's reduced gradients within the summation-order bound (each rank's
     local gradients taken from megatron-core DDP on the same weights and data: in bf16 too, each
-    rank's fp32 sum of its bf16 micro-gradients, grad_reduce [Note: accumulating in the reduce
-    dtype]) -- bit-identical at dp 2; the first norm within the bound that gives; the weights
-    (fp32 masters) within Adam's bound; the resumed step (same weights and Adam state): the same
-    loss, weights within one AdamW step."""
+    rank's fp32 sum of its bf16 micro-gradients, grad_reduce
+    [Note: accumulating in the reduce dtype]) -- bit-identical at dp 2; the first norm within
+    the bound that gives; the weights (fp32 masters) within Adam's bound; the resumed step (same
+    weights and Adam state): the same loss, weights within one AdamW step."""
     (tmp_path / "hsdp-ckpt").mkdir()
     cases = {
         "adam+ckpt": (_megatron_hsdp, (HSDP, str(tmp_path / "hsdp-ckpt"))),

@@ -140,5 +140,7 @@ def _fp8_buffers_live_only_while_gathering(rank, world_size):
 
 def test_fp8_gather_buffers_are_freed_after_each_gather():
     for seen, idle in run_on_ranks(_fp8_buffers_live_only_while_gathering, 2):
-        assert seen and all(seen), seen  # each gather had its byte buffer: m slots (fp8_gather [Note: one collective
-        assert idle == [None] * 3  # per group]); none is kept between gathers
+        # each gather had its byte buffer: m slots (fp8_gather [Note: one collective per group]);
+        # none is kept between gathers
+        assert seen and all(seen), seen
+        assert idle == [None] * 3

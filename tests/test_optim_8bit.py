@@ -147,7 +147,7 @@ def test_quantizer_bad_inputs():
         quantize_blockwise(torch.arange(10), 4)
     with pytest.raises(TypeError, match="uint8 indices"):
         dequantize_blockwise(torch.zeros(4, dtype=torch.int8), torch.ones(1), 4)
-    # [Note: no host sync] negative values are not checked under the unsigned map: they get the code of 0
+    # negative values are not checked under the unsigned map: they get the code of 0 ([Note: no host sync])
     codes, absmax = quantize_blockwise(-torch.ones(8), 4, signed=False)
     assert torch.equal(dequantize_blockwise(codes, absmax, 4, signed=False), torch.zeros(8))
 

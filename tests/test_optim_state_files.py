@@ -1,7 +1,7 @@
 """Optimizer state in files, stepped group by group (vescale_zero/optim/state_files.py), beside
 the same optimizer with its state in memory: the weights and the state are equal bit for bit
-(the step is element-wise, and each group's parameters step exactly as in one call: [Note:
-stepping group by group]); save / resume; the tracker's peak state bytes; corrupt files."""
+(the step is element-wise, and each group's parameters step exactly as in one call:
+[Note: stepping group by group]); save / resume; the tracker's peak state bytes; corrupt files."""
 
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ compares this rank's piece of every parameter with the unsharded tensor (fp32, <
   inplace_on_view_output           a block returns a view, the caller modifies it in place
                                    (runtime [Note: output views])
   kept_grad_after_set_to_none      a ``.grad`` kept across zero_grad(set_to_none=True) is not
-                                   overwritten by the next backward (grad_shard [Note: a kept
-                                   gradient stays the caller's])
+                                   overwritten by the next backward
+                                   (grad_shard [Note: a kept gradient stays the caller's])
   order_changes                    the blocks run in another order from the second iteration:
                                    prefetch and the group kept for backward follow it
                                    (runtime [Note: orders])

@@ -108,12 +108,12 @@ def test_rank_dependent_unused_experts_match_ddp(world_size):
         sequences = [r["sequence"] for r in runs]
         assert all(s == sequences[0] for s in sequences), f"{variant}: ranks issued reduce-scatters in different orders"
         assert sequences[0] == [2, 1, 0] * STEPS, sequences[0]  # blocks[1], blocks[0], root
-        # Against DDP, what the math guarantees (tests/numerics.py [Note: comparing runs that sum
-        # in another order]): the first loss bit for bit (the same weights and data on each rank,
-        # then the same all-reduce); the first step's reduced gradients within the bound of two
-        # summation orders of the same per-rank gradients (an unused expert's are 0 on its ranks;
-        # collectives paired up wrongly would average another parameter's); the weights within
-        # what STEPS AdamW steps can move two runs apart.
+        # Against DDP, what the math guarantees (tests/numerics.py
+        # [Note: comparing runs that sum in another order]): the first loss bit for bit (the same
+        # weights and data on each rank, then the same all-reduce); the first step's reduced
+        # gradients within the bound of two summation orders of the same per-rank gradients (an
+        # unused expert's are 0 on its ranks; collectives paired up wrongly would average another
+        # parameter's); the weights within what STEPS AdamW steps can move two runs apart.
         assert runs[0]["losses"][0] == ddp["losses"][0], (variant, runs[0]["losses"], ddp["losses"])
         grads, ddp_grads = runs[0]["grads"][0], ddp["grads"][0]
         assert_reduced_like(grads, dict(ddp["reference"], mean=ddp_grads), world_size, case=variant)
@@ -201,8 +201,9 @@ def _both_schedules(rank, world_size):
 
 def test_pipeline_schedule_with_idle_experts_equals_sequential_micro_batches():
     """The next micro-batch's forward runs before this one's backward: which groups take
-    part in each backward is judged by the forward it differentiates (runtime [Note: one
-    order of reduce-scatters]), so every rank issues the same collectives in the same order."""
+    part in each backward is judged by the forward it differentiates (runtime
+    [Note: one order of reduce-scatters]), so every rank issues the same collectives in the same
+    order."""
     results = run_on_ranks(_both_schedules, 3, timeout=180)
     for variant in (0, 1):
         sequences = [r[variant][1] for r in results]

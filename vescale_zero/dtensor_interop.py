@@ -155,8 +155,8 @@ def _wrapper(original: Callable, replacement: Callable) -> Callable:
 
 
 def install_dtensor_interop() -> None:
-    """Route torch's DTensor functions for RaggedShard placements ([Note: torch's DTensor
-    functions meet RaggedShard]); once per process."""
+    """Route torch's DTensor functions for RaggedShard placements
+    ([Note: torch's DTensor functions meet RaggedShard]); once per process."""
     if _ORIGINALS:
         return
     from torch.distributed import tensor as dtensor_module

@@ -141,8 +141,8 @@ class RaggedFSDPModule(FSDPModule):
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Accepted as a hint: every group is resharded at the end of backward whatever this
         says, since an optimizer step may change the shards before the next forward and nothing
-        rank-consistent tells whether it did (runtime [Note: nothing stays gathered after
-        forward]); ``False`` then costs FSDP2's one all-gather saved, never a stale weight."""
+        rank-consistent tells whether it did (runtime [Note: nothing stays gathered after forward]);
+        ``False`` then costs FSDP2's one all-gather saved, never a stale weight."""
         for st in self._states(recurse):
             st.reshard_after_backward = bool(reshard_after_backward)
 
@@ -195,8 +195,8 @@ class RaggedFSDPModule(FSDPModule):
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: ``False`` reduce-scatters but does not all-reduce across replicas; the partial
-        results are summed until a backward with all-reduce adds them in (grad_reduce [Note:
-        HSDP]). No effect without replicas."""
+        results are summed until a backward with all-reduce adds them in (grad_reduce
+        [Note: HSDP]). No effect without replicas."""
         for group in self._groups(recurse):
             group.grads.requires_all_reduce = bool(requires_all_reduce)
 

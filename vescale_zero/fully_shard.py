@@ -8,8 +8,8 @@ root; each call makes one group of the parameters not already in a sub-module's 
     fully_shard(model)                      # embeddings, final norm, head
     opt = torch.optim.AdamW(model.parameters())   # sharded (1-D, local) parameters
 
-The hooks and the per-iteration machinery live in :mod:`vescale_zero.runtime` ([Note: the
-iteration], [Note: recompute], [Note: one order of reduce-scatters]); a group's buffers in
+The hooks and the per-iteration machinery live in :mod:`vescale_zero.runtime`
+([Note: the iteration], [Note: recompute], [Note: one order of reduce-scatters]); a group's buffers in
 :mod:`vescale_zero.param_group`.
 """
 
@@ -201,8 +201,8 @@ def fully_shard(
             group's size means ``True``, 1 means ``False``; one in between is refused (not
             implemented), as is what FSDP2 refuses (see :func:`resolve_reshard_after_forward`).
             Outside forward and backward the modules always hold the sharded parameters, and a
-            forward with grad disabled leaves nothing gathered (runtime [Note: nothing stays
-            gathered after forward]).
+            forward with grad disabled leaves nothing gathered
+            (runtime [Note: nothing stays gathered after forward]).
         mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy``: ``param_dtype`` for
             compute and gathers, ``reduce_dtype`` for the gradient reduce-scatter; the
             sharded (master) parameters keep the module's dtype.
@@ -240,7 +240,7 @@ def fully_shard(
             "module is already sharded by torch.distributed.fsdp.fully_shard; shard each module with one FSDP only"
         )
     offload = resolve_offload_policy(offload_policy)
-    install_local_optimizer_steps()  # torch's optimizers step the local pieces ([Note: torch's optimizers ...])
+    install_local_optimizer_steps()  # [Note: torch's optimizers step the local pieces]
     named = _collect_params(module)
     devices = {p.device for _, p, _ in named}
     # A meta module is sharded as planned; vescale_zero.materialize (or to_empty) gives it

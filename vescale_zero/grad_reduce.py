@@ -7,11 +7,12 @@
                                   (see the Note below)
     full           reduce_dtype   issue .. finish; from the first         the collective's input; the
                                   backward without sync when it           gradients accumulated without
-                                  accumulates ([Note: accumulating in     sync
-                                  the reduce dtype]) .. finish
+                                  accumulates (see below) .. finish       sync
     sharded        master dtype   first reduce-scatter .. the last        the sharded params' .grad
-                                  .grad view let go (zero_grad)           (grad_shard [Note: gradient
-                                                                           shards live with their .grad])
+                                  .grad view let go (zero_grad)           (grad_shard, see below)
+
+``full`` from a backward without sync: [Note: accumulating in the reduce dtype]; the sharded
+gradients' lifetime: grad_shard [Note: gradient shards live with their .grad].
 
 ``issue`` copies the gradients into ``full`` (casting to the reduce dtype on the way), or adds
 them to what backwards without sync accumulated there, scales once per group and starts the
@@ -24,6 +25,16 @@ reduced *shard* across the replicas (bytes across replicas = shard size), before
 cast or accumulated: the mean of a mean of equal-sized groups is the mean over the whole
 data-parallel world, as DDP over it gives. A divide factor divides once: SUM in both.
 Without gradient sync nothing is reduced, so the replicas are skipped too.
+
+[Note: what runs after the reduce-scatter]
+FSDP2's settings act on the reduced shard in this order, before it becomes the sharded
+``.grad``: under HSDP the all-reduce across replicas ([Note: HSDP]; with ``requires_all_reduce``
+False the reduced shards are summed instead, and the next backward that all-reduces adds them
+in); then ``all_reduce_hook`` (on its own stream if one was given); then, with ``force_sum``
+(every collective a SUM), one division by the divide factor, or by the ranks the gradient was
+reduced over (shard group x replicas); then the cast or the addition into the sharded gradients
+(after the copy to the host when offloaded). Without ``force_sum`` the collectives average
+(AVG), or a divide factor is applied before a SUM ([Note: divide factor]).
 
 [Note: gradients are copied in at the reduce-scatter]
 Autograd hands a parameter its first gradient as a tensor of its own (AccumulateGrad keeps
@@ -77,8 +88,8 @@ so such training pays no extra copy and no extra buffer. A reduce dtype narrower
 compute dtype (fp32 compute, bf16 reduce) also keeps summing in the wider ``.grad``: FSDP2
 would cast the sum down to the reduce dtype; we never accumulate in less than autograd does.
 The synced path is unchanged when nothing was accumulated: ``full`` is allocated at ``issue``
-and freed at ``finish``, one group in flight ([Note: gradients are copied in at the
-reduce-scatter]).
+and freed at ``finish``, one group in flight
+([Note: gradients are copied in at the reduce-scatter]).
 
 [Note: gradients written into full during backward]
 A framework whose kernels accumulate weight gradients straight into a full-size buffer during
@@ -185,8 +196,9 @@ class GradReducer:
         self._partial = None
 
     def open_full(self) -> None:
-        """``full`` as the accumulator of this backward ([Note: gradients written into full during
-        backward]): allocated and zeroed unless it already holds this window's gradients."""
+        """``full`` as the accumulator of this backward
+        ([Note: gradients written into full during backward]): allocated and zeroed unless it
+        already holds this window's gradients."""
         if self._pending is not None:
             raise RuntimeError(
                 "vescale_zero: a fully_shard group's backward started while its previous reduce-scatter was still "
@@ -290,8 +302,9 @@ class GradReducer:
                     source.full.mul_(1.0 / self.divide_factor)
             op = dist.ReduceOp.SUM
         direct = not accumulate and self.reduce_dtype == self.shard_dtype and self.host_copies is None
-        # The shard gets its storage here if no .grad holds it (grad_shard [Note: gradient
-        # shards live with their .grad]); ``_pending`` holds it until finish hands out the views.
+        # The shard gets its storage here if no .grad holds it
+        # (grad_shard [Note: gradient shards live with their .grad]); ``_pending`` holds it until
+        # finish hands out the views.
         out = self.sharded.allocate() if direct else torch.empty(
             self.plan.shard_size, dtype=self.reduce_dtype, device=self.full.device)
         work = source.reduce_scatter(self.reduce_group, into=out, op=op, stats=self.stats, async_op=True,

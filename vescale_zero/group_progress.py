@@ -9,8 +9,9 @@ besides its buffers.
     backward of k                       BackwardProgress: started, gradients arrived, ready,
                                           reduce-scatter issued; Part: takes part in it or not
 
-The rules these records serve are in ``vescale_zero.param_group`` ([Note: when a group's
-gradients are complete]) and ``vescale_zero.runtime`` ([Note: one order of reduce-scatters]).
+The rules these records serve are in ``vescale_zero.param_group``
+([Note: when a group's gradients are complete]) and ``vescale_zero.runtime``
+([Note: one order of reduce-scatters]).
 """
 
 from __future__ import annotations

@@ -67,10 +67,10 @@ _WRAPPED: Dict[str, Callable] = {}  # "module.name" -> the wrapper installed
 
 
 def install_local_optimizer_steps() -> None:
-    """Wraps torch's element-wise functional optimizers ([Note: torch's optimizers step the
-    local pieces]); once per process, on the first ``fully_shard``. A functional whose
-    signature is not the expected one (another torch) is left alone: its ops take the
-    dispatch path."""
+    """Wraps torch's element-wise functional optimizers
+    ([Note: torch's optimizers step the local pieces]); once per process, on the first
+    ``fully_shard``. A functional whose signature is not the expected one (another torch) is
+    left alone: its ops take the dispatch path."""
     for module_name, name in _FUNCTIONALS:
         key = f"{module_name}.{name}"
         if key in _WRAPPED:

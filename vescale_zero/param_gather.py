@@ -78,9 +78,10 @@ class DirectGather(ParamGather):
 
 class CastGather(ParamGather):
     """Mixed precision, or a master shard in host memory: copy (cast) the master shard into
-    this rank's slot of the full buffer and gather in place (see [Note: every gather re-reads
-    the master]). Offloaded, the copy and the collective run from the copy stream (offload
-    [Note: host copies and their streams]): always asynchronous, :meth:`finish` waits."""
+    this rank's slot of the full buffer and gather in place
+    (see [Note: every gather re-reads the master]). Offloaded, the copy and the collective run
+    from the copy stream (offload [Note: host copies and their streams]): always asynchronous,
+    :meth:`finish` waits."""
 
     def __init__(self, master: DBuffer, compute: DBuffer, process_group: dist.ProcessGroup, stats: CommStats,
                  host_copies: Optional[HostCopies] = None) -> None:

@@ -14,17 +14,19 @@ One group owns, per rank::
                     (autograd's own tensors)                   (or the end of a backward without sync)
     reduce input    grads.full                  reduce_dtype   reduce-scatter issued .. finished; also
                                                                the gradients accumulated without sync
-                                                               (grad_reduce [Note: accumulating in the
-                                                               reduce dtype])
+                                                               (grad_reduce: see below)
     sharded grads   grads.sharded (GradShard)   param's own    first reduce-scatter .. zero_grad(set_to_none)
-                                                               (``param.grad`` views hold it: grad_shard
-                                                               [Note: gradient shards live with their .grad])
+                                                               (``param.grad`` views hold it: grad_shard,
+                                                               see below)
+
+The gradients accumulated without sync: grad_reduce [Note: accumulating in the reduce dtype]; the
+lifetime of the sharded gradients: grad_shard [Note: gradient shards live with their .grad].
 
 Every parameter object the module sees is a view: a sharded parameter into
 ``master.local``, an unsharded parameter into ``compute.full``, a sharded gradient into the
 shard of ``grads.sharded``. The unsharded parameters' gradients are autograd's own tensors
-until the reduce-scatter copies them into ``grads.full`` (grad_reduce [Note: gradients are
-copied in at the reduce-scatter]).
+until the reduce-scatter copies them into ``grads.full``
+(grad_reduce [Note: gradients are copied in at the reduce-scatter]).
 
 [Note: when a group's gradients are complete]
 The reduce-scatter needs every gradient of the group for this backward. The group is
@@ -344,12 +346,12 @@ class ParamGroup:
     # ---- backward --------------------------------------------------------------------
     def set_grads_written_into_full(self, expose: Callable[[nn.Parameter, torch.Tensor], None],
                                     written: Callable[[nn.Parameter], bool]) -> None:
-        """Kernels add weight gradients into full-size views during backward (grad_reduce [Note:
-        gradients written into full during backward]): ``expose(unsharded param, its view of the
-        full gradient buffer)`` now, for every parameter with a gradient (the views stay valid
-        while the buffer is freed and allocated again); each backward's start zeroes the buffer
-        unless it holds the window's gradients; ``written(unsharded param)``: its ``.grad`` is a
-        dummy, the gradient is in the view."""
+        """Kernels add weight gradients into full-size views during backward
+        (grad_reduce [Note: gradients written into full during backward]):
+        ``expose(unsharded param, its view of the full gradient buffer)`` now, for every parameter
+        with a gradient (the views stay valid while the buffer is freed and allocated again); each
+        backward's start zeroes the buffer unless it holds the window's gradients;
+        ``written(unsharded param)``: its ``.grad`` is a dummy, the gradient is in the view."""
         self._expose_full_grad = expose
         self.grads.written_into_full = written
         for i in self._grad_indices:
@@ -413,8 +415,8 @@ class ParamGroup:
 
     def issue_reduce_scatter(self) -> bool:
         """Copy the gradients in and start the reduce-scatter; False while gradient sync is off
-        (the gradients then accumulate, for the next synced backward: grad_reduce [Note:
-        accumulating in the reduce dtype])."""
+        (the gradients then accumulate, for the next synced backward:
+        grad_reduce [Note: accumulating in the reduce dtype])."""
         self.progress.issued = True
         if not self._grad_indices:
             return False
@@ -448,8 +450,8 @@ class ParamGroup:
         self.grads.finish([(i, self.params[i].sharded) for i in self._grad_indices])
 
     def settle_host_copies(self) -> None:
-        """An offloaded group: return when its host copies are complete (offload [Note: host
-        copies and their streams]); a no-op otherwise."""
+        """An offloaded group: return when its host copies are complete
+        (offload [Note: host copies and their streams]); a no-op otherwise."""
         if self.host_copies is not None:
             self.host_copies.settle()
 

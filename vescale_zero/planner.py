@@ -16,8 +16,8 @@ choose a start offset ``offset_t`` for each and a shard size ``S``::
                S % align == 0
                offset_t % start_align == 0      (start_align divides align)
 
-The shard size is the smallest feasible one for the order used (exact, see [Note: exact
-search] and [Note: aligned starts]); `shard_lower_bound` is a bound no order can beat.
+The shard size is the smallest feasible one for the order used (exact, see [Note: exact search]
+and [Note: aligned starts]); `shard_lower_bound` is a bound no order can beat.
 
 [Note: plan is a pure function]
 The plan depends only on (numels, granularities, world size, align, start_align,

@@ -18,9 +18,9 @@ subclass answers the ops itself (``__torch_dispatch__``), in three kinds:
   that position (a parameter, its gradient, its optimizer state), so the op runs on the
   local pieces and its results get the layout back: what an optimizer does is exact and
   costs one unwrap per tensor (torch's element-wise optimizers skip even that: their lists
-  are unwrapped once per step, local_optim_steps [Note: torch's optimizers step the local
-  pieces]). Plain 0-dim tensors (Adam's ``step``, a grad scale) and replicated DTensors (a
-  clip coefficient) join as they are.
+  are unwrapped once per step, local_optim_steps
+  [Note: torch's optimizers step the local pieces]). Plain 0-dim tensors (Adam's ``step``, a
+  grad scale) and replicated DTensors (a clip coefficient) join as they are.
 * reductions to a number: ``_foreach_norm`` gives DTensors *partial* over the shard
   dimension (torch's own ``_NormPartial``), so torch's ``clip_grad_norm_`` reduces the norms
   across ranks exactly as it does for FSDP2's ``Shard(0)`` parameters (one all-reduce when the
@@ -85,8 +85,8 @@ def shard_mesh(group: dist.ProcessGroup, device: torch.device) -> DeviceMesh:
     described on its shard group alone: a norm reduces over the shard group (what
     ``vz.clip_grad_norm_`` does), and ``torch.distributed.checkpoint`` drops the replicas'
     duplicate boxes (same offsets) when it plans a save. (Beside tensor parallelism the tp
-    dimensions join the shard one, the replicas still left out: tensor_parallel [Note: ragged
-    inside the tensor-parallel piece].) A meta-device group's mesh takes the
+    dimensions join the shard one, the replicas still left out:
+    tensor_parallel [Note: ragged inside the tensor-parallel piece].) A meta-device group's mesh takes the
     backend's device type (it is rebuilt when the group leaves the meta device)."""
     device_type = device.type
     if device_type == "meta":
@@ -135,8 +135,8 @@ def is_ragged(t: Any) -> bool:
 def ragged_placement_of(placements: Any) -> Optional[RaggedShard]:
     """The RaggedShard among ``placements`` (``None`` if there is none); refuses a second one, or
     a neighbour other than ``Replicate()`` or ``Shard(d)`` (the layouts of vescale_zero's sharded
-    parameters: [Note: one mesh dimension]; beside tensor parallelism, tensor_parallel [Note:
-    ragged inside the tensor-parallel piece])."""
+    parameters: [Note: one mesh dimension]; beside tensor parallelism, tensor_parallel's
+    [Note: ragged inside the tensor-parallel piece])."""
     placements = tuple(placements or ())
     ragged = [p for p in placements if isinstance(p, RaggedShard)]
     if not ragged:
@@ -354,8 +354,8 @@ class RaggedDTensor(DTensor):
                 local.copy_(value)
 
     def enter_gathered(self, full: torch.Tensor) -> None:
-        """[Note: gathered mode] ``full`` (this parameter's whole tensor) stands for it until
-        :meth:`leave_gathered`."""
+        """``full`` (this parameter's whole tensor) stands for it until :meth:`leave_gathered`
+        ([Note: gathered mode])."""
         if self.__dict__.get("_gathered_full") is None:
             RaggedDTensor._gathered_count += 1
         self.__dict__["_gathered_full"] = full
@@ -619,10 +619,10 @@ def _vector_norm(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _norm_identity(p: float) -> float:
-    """[Note: empty pieces in norms] The norm of an empty piece, as the reduction across ranks
-    needs it: 0 for ``p >= 0`` (the max of the pieces' inf-norms, the sum of their ``|x|^p``, of
-    their non-zero counts), +inf for ``p < 0`` (the min of the -inf norms; a negative ``p``'s
-    sum of ``|x|^p`` then gets ``inf ** p = 0``)."""
+    """The norm of an empty piece, as the reduction across ranks needs it
+    ([Note: empty pieces in norms]): 0 for ``p >= 0`` (the max of the pieces' inf-norms, the sum
+    of their ``|x|^p``, of their non-zero counts), +inf for ``p < 0`` (the min of the -inf
+    norms; a negative ``p``'s sum of ``|x|^p`` then gets ``inf ** p = 0``)."""
     return math.inf if p < 0 else 0.0
 
 

@@ -12,8 +12,8 @@ forward:  pre-hook   (the root: a new forward, [Note: nothing stays gathered aft
 backward: pre-hook   (first gradient of an output) gather again, install the full parameters,
                      attach gradient views, prefetch the group backward needs next (see
                      [Note: backward prefetch order]); the first one queues the final callback
-          ready      the group's gradients are complete (param_group [Note: when a group's
-                     gradients are complete]): reduce-scatter, in the one order below
+          ready      the group's gradients are complete: reduce-scatter, in the one order below
+                     (param_group [Note: when a group's gradients are complete])
           final      every participating group reduce-scattered, waited for, resharded
 
 [Note: nothing stays gathered after forward]
@@ -177,8 +177,8 @@ def _arm_input_trigger(trigger: Optional[InputGradTrigger], args: tuple, kwargs:
 
 def _pre_backward_targets(output: Any, args: tuple) -> List[torch.Tensor]:
     """The tensors whose gradients announce a module's backward: each output that requires
-    grad, or its base if it is a view of something made inside the module ([Note: output
-    views]; a view of an input has no backward inside the module)."""
+    grad, or its base if it is a view of something made inside the module
+    ([Note: output views]; a view of an input has no backward inside the module)."""
     inputs = {id(a._base if a._base is not None else a) for a in args if torch.is_tensor(a)}
     targets: List[torch.Tensor] = []
     seen: Set[int] = set()

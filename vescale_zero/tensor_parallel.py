@@ -26,8 +26,8 @@ group's full buffer)::
 * The sharded parameter is a ``RaggedDTensor`` with the global shape on the mesh of the
   shard dimension and the tp dimensions, sliced from the world mesh in its order, placed
   ``(RaggedShard, <TP placement>)``; its local tensor is a flat range of the TP-local
-  tensor. Under HSDP the replicate dimension is left out (ragged_tensor [Note: one mesh
-  dimension]). Code that needs the ragged dimension finds it by type.
+  tensor. Under HSDP the replicate dimension is left out
+  (ragged_tensor [Note: one mesh dimension]). Code that needs the ragged dimension finds it by type.
 * Its whole tensor (``full_tensor()``), its checkpoint boxes (global coordinates: the
   TP-local tensor's global offset plus a box of the ragged range inside it) and its norms
   (partial over the shard and the tp-sharded dimensions) come from that spec alone.
@@ -62,11 +62,11 @@ USE_DCP = ("save and load with torch.distributed.checkpoint (dcp.save / dcp.load
 
 @dataclass(frozen=True)
 class TensorParallelLayout:
-    """Where a tensor-parallel parameter of a group lives ([Note: ragged inside the
-    tensor-parallel piece]): ``spec``, its own DTensor spec on the tp mesh (placements,
-    global shape and stride); ``mesh``, the (shard, tp...) mesh of its ragged tensors;
-    ``ragged_dim``, the shard dimension of ``mesh``; ``tp_dims``, for each other dimension
-    of ``mesh``, its dimension in ``spec.mesh``."""
+    """Where a tensor-parallel parameter of a group lives
+    ([Note: ragged inside the tensor-parallel piece]): ``spec``, its own DTensor spec on the tp
+    mesh (placements, global shape and stride); ``mesh``, the (shard, tp...) mesh of its ragged
+    tensors; ``ragged_dim``, the shard dimension of ``mesh``; ``tp_dims``, for each other
+    dimension of ``mesh``, its dimension in ``spec.mesh``."""
 
     spec: DTensorSpec
     mesh: DeviceMesh

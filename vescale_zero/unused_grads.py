@@ -102,8 +102,8 @@ class GradUsage:
 def usage_anywhere(groups: Sequence["ParamGroup"]) -> List[Tuple["ParamGroup", Optional[torch.Tensor]]]:
     """One all-reduce (MAX) of the usage flags of every group on a process group, in the order
     of ``groups`` (the same on every rank); ``[(group, flags)]``, ``flags`` the group's part of
-    the reduced flags where this rank must read them, else None ([Note: usage flags without a
-    host read])."""
+    the reduced flags where this rank must read them, else None
+    ([Note: usage flags without a host read])."""
     buckets: Dict[tuple, List[Tuple["ParamGroup", List[int]]]] = {}
     for group in groups:
         flags = group.usage.local_flags()

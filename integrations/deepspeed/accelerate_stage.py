@@ -111,8 +111,8 @@ def present_ragged_plugins_as_zero3() -> None:
 
 
 def present_ragged_as_zero3_to_transformers() -> None:
-    """Make ``HfDeepSpeedConfig.is_zero3()`` True for a ragged config (see [Note: the stage
-    transformers compares]); idempotent, and nothing happens without accelerate."""
+    """Make ``HfDeepSpeedConfig.is_zero3()`` True for a ragged config
+    (see [Note: the stage transformers compares]); idempotent, and nothing happens without accelerate."""
     if importlib.util.find_spec("accelerate") is None:
         return
     from accelerate.utils.deepspeed import HfDeepSpeedConfig

@@ -279,8 +279,8 @@ class RaggedEngineMixin:
             self._support_torch_style_backward = True  # [Note: backward without engine.backward]
 
     def _sync_gradients_in_this_backward(self) -> None:
-        """[Note: when gradients are reduced] Managed accumulation (DeepSpeed's default): only
-        the boundary micro-batch's backward reduce-scatters; the ones before it accumulate
+        """[Note: when the ragged engine reduces gradients] Managed accumulation (DeepSpeed's
+        default): only the boundary micro-batch's backward reduce-scatters; the ones before it accumulate
         locally, and their sum is reduced once. With ``"managed_gradient_accumulation": false``
         the caller owns the boundary: it is ``step()``, and no backward knows whether it is the
         last before it (``is_gradient_accumulation_boundary()`` is true only inside ``step()``),
@@ -359,8 +359,8 @@ class RaggedEngineMixin:
         super()._take_model_step(lr_kwargs)
 
     def _skip_step(self) -> None:
-        """Count a skipped step as DeepSpeed's engine counts one (see [Note: a step with non-finite
-        gradients is skipped]); every rank takes this path together."""
+        """Count a skipped step as DeepSpeed's engine counts one
+        (see [Note: a step with non-finite gradients is skipped]); every rank takes this path together."""
         self._global_grad_norm = float("inf")
         self.zero_grad()
         self._step_applied = False

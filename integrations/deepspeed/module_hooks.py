@@ -45,8 +45,8 @@ class _NoParameterHookState:
 
 
 class RaggedModuleHooks:
-    """What ``DeepSpeedZeRoOffload`` is to callers that pause ZeRO-3's hooks ([Note: pausing the
-    hooks for generation])."""
+    """What ``DeepSpeedZeRoOffload`` is to callers that pause ZeRO-3's hooks
+    ([Note: pausing the hooks for generation])."""
 
     def __init__(self, module: nn.Module) -> None:
         self._module = module

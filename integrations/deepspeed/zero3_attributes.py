@@ -1,10 +1,10 @@
 """ZeRO-3's per-parameter attributes, answered on ragged parameters for the libraries that read them.
 
 [Note: ZeRO-3 attributes on ragged parameters]
-"ragged" answers ``is_deepspeed_zero3_enabled()`` with True (accelerate_stage [Note: the stage
-transformers compares]), so the libraries around the Trainer take their ZeRO-3 branches and
-some read ZeRO-3's attributes of a parameter. Every such read in trl 1.16.0, peft 0.21.2,
-accelerate 1.15.0 and transformers 5.24.0 (``grep -rn "ds_status|ds_id|ds_numel|ds_shape|
+"ragged" answers ``is_deepspeed_zero3_enabled()`` with True (accelerate_stage
+[Note: the stage transformers compares]), so the libraries around the Trainer take their ZeRO-3
+branches and some read ZeRO-3's attributes of a parameter. Every such read in trl 1.16.0,
+peft 0.21.2, accelerate 1.15.0 and transformers 5.24.0 (``grep -rn "ds_status|ds_id|ds_numel|ds_shape|
 ds_tensor|ZeroParamStatus|ds_grads_remaining"``), and what a ragged parameter answers::
 
     attribute  read by                                          a ragged parameter answers

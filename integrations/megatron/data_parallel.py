@@ -139,8 +139,9 @@ def _expose_main_grad(param: nn.Parameter, view: torch.Tensor) -> None:
     Megatron's DDP points ``main_grad`` into its gradient buffer; here the full (unsharded)
     parameter gets the full-size view of its group's gradient buffer (reduce dtype: fp32 under
     --accumulate-allreduce-grads-in-fp32 or fp32 training), which is zeroed at the group's first
-    backward of the step and reduce-scattered as usual (vescale_zero.grad_reduce [Note:
-    gradients written into full during backward]); dummies are dropped, as DDP's hook drops them."""
+    backward of the step and reduce-scattered as usual
+    (vescale_zero.grad_reduce [Note: gradients written into full during backward]); dummies are
+    dropped, as DDP's hook drops them."""
     param.main_grad = view
     if not hasattr(param, "grad_added_to_main_grad"):
         param.grad_added_to_main_grad = False

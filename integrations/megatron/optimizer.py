@@ -181,8 +181,8 @@ class VeScaleOptimizer(MegatronOptimizer):
     # ---- the step protocol -----------------------------------------------------------
     @torch.no_grad()
     def prepare_grads(self) -> bool:
-        """Unscale fp16 gradients; True if any rank found inf/nan (every rank then skips).
-        [Note: host reads in the step] once, the skip decision, as megatron-core's own."""
+        """Unscale fp16 gradients; True if any rank found inf/nan (every rank then skips). One
+        host read, the skip decision, as megatron-core's own ([Note: host reads in the step])."""
         if self.grad_scaler is None:
             return False
         grads = [local_piece(p.grad) for p in self.get_parameters() if p.grad is not None]
@@ -439,9 +439,9 @@ class VeScaleOptimizer(MegatronOptimizer):
 
     def _streamed_sharded_state_dict(self, boxes: Dict[int, List[Any]], names: Tuple[str, ...],
                                      metadata: Optional[dict], common: Dict[str, Any]) -> Dict[Any, Any]:
-        """The model-space state on the model's boxes (dist_checkpoint.py [Note: streamed
-        dist-checkpoint save]): views of this rank's state shards (and of its fp32 masters, the
-        shards themselves); one all-reduce of the step."""
+        """The model-space state on the model's boxes
+        (dist_checkpoint.py [Note: streamed dist-checkpoint save]): views of this rank's state
+        shards (and of its fp32 masters, the shards themselves); one all-reduce of the step."""
         parts, expert, prefix = self._model_space_parts(metadata)
         tensors: Dict[Optional[bool], Dict[str, Any]] = {part: {} for part in parts}
         steps = set()

@@ -35,12 +35,13 @@ name means different tensors on different ranks (each TP rank's slice); an integ
 sets ``param.checkpoint_domain`` (e.g. ``"tp1-pp0"``) on the sharded parameters, and names
 are qualified by it (``"tp1-pp0/decoder..."``), so pieces only meet pieces of the same tensor.
 
-[Note: crash safety] Writers fill a temporary directory and publish it with one
-``os.replace`` after the metadata (with every file's sha256) is written; readers check the
-metadata and the checksum of every file they read, and name the file when one is wrong.
-Every file is fsynced before the step that publishes it (the metadata, the rename, a
-``latest`` pointer), and the directory after, so a machine that goes down -- not only a
-killed process -- leaves the previous checkpoint and ``latest`` as they were.
+Crash safety (checkpoint.sharded [Note: crash safety]): writers fill a temporary directory
+and publish it with one ``os.replace`` after the metadata (with every file's sha256) is
+written; readers check the metadata and the checksum of every file they read, and name the
+file when one is wrong. Every file is fsynced before the step that publishes it (the
+metadata, the rename, a ``latest`` pointer), and the directory after, so a machine that goes
+down -- not only a killed process -- leaves the previous checkpoint and ``latest`` as they
+were.
 
 Other frameworks' directories are recognised here too (:func:`is_dcp_checkpoint`), and a
 DCP directory is read whole in one process (:func:`read_dcp`), for the converters and for

@@ -46,12 +46,29 @@ def _optimizer_chain(engine) -> List[str]:
     return names
 
 
+def _jit_build_missing() -> str:
+    """What a CUDA extension's JIT build needs and this machine lacks ("" if nothing)."""
+    from torch.utils import cpp_extension
+
+    home = cpp_extension.CUDA_HOME
+    if not home or not os.path.exists(os.path.join(home, "bin", "nvcc")):
+        return "this machine has no nvcc (CUDA_HOME: %s)" % (home or "unset")
+    if not cpp_extension.is_ninja_available():
+        return "this machine has no ninja"
+    return ""
+
+
 def _deepspeed(ctx: Context, name: str, fused: bool) -> Outcome:
     if ctx.device.type != "cuda":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     elif fused:  # the JIT build: this device's architecture only, into this section's own directory
+        missing = _jit_build_missing()
+        if missing:
+            return Outcome(name, "SKIP", f"DeepSpeed's FusedAdam is built on first use and {missing}")
+        # Always this device's own "major.minor": DeepSpeed 0.19.8 parses the list itself and fails on
+        # arch-specific entries such as "9.0a" that CUDA containers set (ValueError: '0a'; H200, 2026-11-27)
         major, minor = torch.cuda.get_device_capability(ctx.device)
-        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}")
+        os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"
         os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(ctx.workdir, "torch_extensions")
     import deepspeed
 

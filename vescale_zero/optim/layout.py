@@ -3,11 +3,21 @@
 A block-wise optimizer (8-bit AdamW's quantization blocks, Shampoo's preconditioner bands)
 needs each block on one rank. Whether a piece splits a block depends on the *shard group's*
 plan -- the 1-D mesh, or under HSDP the ``"shard"`` dimension of the mesh, whose size picks
-the shard size -- not on the parameter alone. [Note: layout checked from the plan] At the
-optimizer's first step (after a checkpoint load, which refuses such layouts itself), each
-parameter's group plan gives every rank's piece, so every rank finds the same split block
-and raises the same error (a check of its own piece only would raise on some ranks while
-the others wait in the next collective).
+the shard size -- not on the parameter alone.
+
+[Note: layout checked from the plan] At the optimizer's first step (after a checkpoint load,
+which refuses such layouts itself), each parameter's group plan gives every rank's piece, so
+every rank finds the same split block and raises the same error (a check of its own piece only
+would raise on some ranks while the others wait in the next collective).
+
+[Note: per-block state is ragged over blocks] State with one entry, or one fixed-shape row, per
+optimizer block (8-bit AdamW's absmax, Shampoo's stacked preconditioners) is a
+:class:`RaggedDTensor` itself: its global shape is ``(blocks of the whole tensor,) + the
+per-block shape``, and rank ``r``'s piece is the rows of the blocks inside rank ``r``'s range of
+the parameter (a ``RaggedShard`` with one count per rank). No block crosses a rank
+([Note: layout checked from the plan]), so the ranks' blocks add up to the whole tensor's, and
+DCP saves and reshards this state as it does the parameter: at any world size and granularity
+whose pieces keep the blocks whole.
 """
 
 from __future__ import annotations

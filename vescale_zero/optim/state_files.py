@@ -119,11 +119,13 @@ def _files_step(optimizer: torch.optim.Optimizer, closure: Optional[Callable] = 
 
 
 def _installed_step(optimizer: torch.optim.Optimizer) -> Callable:
-    """``optimizer.step`` as installed. [Note: LR schedulers] A torch LR scheduler wraps
-    ``optimizer.step`` (checked against torch 2.13: ``LRScheduler.__init__`` binds
-    ``step.__func__`` to the optimizer and marks the wrapper ``_wrapped_by_lr_sched``, warning
-    when a step without the mark runs). A scheduler made later wraps this bound method; one
-    made before is inside it (the step that runs per group), so the replacement keeps its mark."""
+    """``optimizer.step`` as installed.
+
+    [Note: LR schedulers] A torch LR scheduler wraps ``optimizer.step`` (checked against torch
+    2.13: ``LRScheduler.__init__`` binds ``step.__func__`` to the optimizer and marks the wrapper
+    ``_wrapped_by_lr_sched``, warning when a step without the mark runs). A scheduler made later
+    wraps this bound method; one made before is inside it (the step that runs per group), so the
+    replacement keeps its mark."""
     if not getattr(optimizer.step, "_wrapped_by_lr_sched", False):
         return types.MethodType(_files_step, optimizer)
     owner = weakref.ref(optimizer)
