@@ -406,8 +406,8 @@ def methods_case(rank, world_size):
         model = build(kind)
         model.set_reshard_after_forward(False)
         loss = model(*(t.chunk(2)[index] for t in batch))
-        # ours shows the sharded parameters between forward and backward (runtime [Note: nothing stays
-        # gathered after forward]): its group stays gathered
+        # ours shows the sharded parameters between forward and backward
+        # (runtime [Note: nothing stays gathered after forward]): its group stays gathered
         out["kept after forward", kind] = (model.blocks[0].vescale_group.state is not GroupState.SHARDED
                                            if kind == "ours" else not _sharded_2d(model))
         loss.backward()

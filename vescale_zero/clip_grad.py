@@ -133,8 +133,8 @@ def grad_norm_over_groups(pieces: Sequence[Tuple[Union[None, dist.ProcessGroup, 
 
 
 def _replica_groups(module: nn.Module) -> Groups:
-    """The process groups over which ``module``'s ranks hold replicas ([Note: replicas agree on
-    the norm]), in the order its groups first name them (the same on every rank)."""
+    """The process groups over which ``module``'s ranks hold replicas
+    ([Note: replicas agree on the norm]), in the order its groups first name them (the same on every rank)."""
     found: Dict[int, dist.ProcessGroup] = {}
     for g in groups_of(module):
         if g.replicate_group is not None:
