@@ -96,9 +96,10 @@ def _parallelize(model: LM, tp_mesh, sequence_parallel: bool) -> None:
         parallelize_module(block, tp_mesh, plan)
 
 
-def _build(shard, world_mesh, dp_mesh, sequence_parallel=False, seed=0, **kwargs) -> LM:
-    """An LM parallelized over ``world_mesh["tp"]`` and sharded by ``shard`` (ours or FSDP2's) over ``dp_mesh``."""
-    model = LM(seed)
+def _build(shard, world_mesh, dp_mesh, sequence_parallel=False, seed=0, cls=None, **kwargs) -> LM:
+    """An LM (``cls``, a subclass of it) parallelized over ``world_mesh["tp"]`` and sharded by ``shard``
+    (ours or FSDP2's) over ``dp_mesh``."""
+    model = (cls or LM)(seed)
     _parallelize(model, world_mesh["tp"], sequence_parallel)
     for block in model.blocks:
         shard(block, mesh=dp_mesh, **kwargs)

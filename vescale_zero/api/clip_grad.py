@@ -18,6 +18,17 @@ across the whole world) pass that one group to :func:`grad_norm_over_groups`. A
 tensor-parallel parameter's pieces are spread over its shard group and the tp ranks that
 shard it (tensor_parallel [Note: ragged inside the tensor-parallel piece]): its terms are
 reduced over each of those groups in turn; a parameter replicated over tp is counted once.
+
+[Note: replicas agree on the norm]
+Ranks that hold replicas of the same pieces -- HSDP's replicas, the tp ranks of a parameter
+replicated over tp (a ``SequenceParallel`` norm, and every plain parameter of a model with
+tensor parallelism) -- reduce the same terms only while the replicas are equal. When they are
+not (a NaN or an Inf on one rank only, a rank that dropped its gradients) each would get the
+norm of its own replica: clip by another coefficient, or decide another way whether to skip a
+step (nonfinite [Note: skipping a non-finite step]), and the replicas drift apart silently.
+So the total is agreed on over the replica groups (HSDP's replicate group, the tp dimensions of
+the module's tensor-parallel parameters): the largest, or NaN if any replica's is NaN (one
+all-reduce of ``(total, is NaN)`` per such group; equal replicas keep their value bit for bit).
 """
 
 from __future__ import annotations
@@ -121,13 +132,44 @@ def grad_norm_over_groups(pieces: Sequence[Tuple[Union[None, dist.ProcessGroup, 
     return total if inf else total ** (1.0 / norm_type)
 
 
+def _replica_groups(module: nn.Module) -> Groups:
+    """The process groups over which ``module``'s ranks hold replicas
+    ([Note: replicas agree on the norm]), in the order its groups first name them (the same on every rank)."""
+    found: Dict[int, dist.ProcessGroup] = {}
+    for g in groups_of(module):
+        if g.replicate_group is not None:
+            found.setdefault(id(g.replicate_group), g.replicate_group)
+        for m in g.managed:
+            if m.tp is not None:
+                for d in range(m.tp.mesh.ndim):
+                    if d != m.tp.ragged_dim:
+                        pg = m.tp.mesh.get_group(d)
+                        found.setdefault(id(pg), pg)
+    return tuple(found.values())
+
+
+def _agreed(total: torch.Tensor, replica_groups: Groups) -> torch.Tensor:
+    """[Note: replicas agree on the norm]: the largest of the replicas' totals, NaN if any is NaN."""
+    if not replica_groups:
+        return total
+    pair = torch.stack([total, torch.isnan(total).to(total.dtype)])
+    for pg in replica_groups:
+        where = collective_device(pg, total.device)
+        on = pair.to(where)
+        dist.all_reduce(on, op=dist.ReduceOp.MAX, group=pg)
+        pair = on.to(total.device)
+    return torch.where(pair[1] > 0, torch.full_like(total, math.nan), pair[0])
+
+
 def sharded_grad_norm(module: nn.Module, norm_type: Union[float, int] = 2.0) -> torch.Tensor:
     """The norm of all of ``module``'s gradients, as if they were unsharded (groups sharded
-    over several process groups included: see [Note: several process groups])."""
+    over several process groups included: see [Note: several process groups]), the same on
+    every replica ([Note: replicas agree on the norm])."""
     by_pg, replicated, device = _split(module)
     if device is None:
         device = replicated[0].device if replicated else torch.device("cpu")
-    return grad_norm_over_groups(list(by_pg.values()) + [(None, replicated)], norm_type, device)
+    total = grad_norm_over_groups(list(by_pg.values()) + [(None, replicated)], norm_type, device)
+    return _agreed(total, _replica_groups(module))
 
 
 def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: Union[float, int] = 2.0) -> torch.Tensor:

@@ -290,10 +290,17 @@ def _broadcast_from_rank0(
     world = dist.get_world_size()
     narrow = [g for g in groups if dist.get_world_size(g.process_group) != world]
     if narrow:
+        # one broadcast of a group's buffer fills every rank's copy of it alike: a group narrower than the
+        # world may be another module on other ranks (a pipeline stage, an expert), or, beside tensor
+        # parallelism, hold another TP-local piece of each tensor on each tp rank
+        tp = any(m.tp is not None for g in groups for m in g.managed)
+        why, torchs = ("tensor parallelism", ", or load it from rank 0 with torch's set_model_state_dict(model, "
+                       "state_dict, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))") if tp \
+            else ("model or expert parallelism, or a sub-mesh", "")
         raise ValueError(
             f"load_full_state_dict(broadcast_from_rank0=True) needs every group sharded over all {world} ranks; "
-            f"{len(narrow)} group(s) are sharded over {dist.get_world_size(narrow[0].process_group)} (model or "
-            "expert parallelism, or a sub-mesh): pass the full state dict on every rank instead"
+            f"{len(narrow)} group(s) are sharded over {dist.get_world_size(narrow[0].process_group)} ({why}): pass "
+            f"the full state dict on every rank instead{torchs}"
         )
     position = {id(g): n for n, g in enumerate(groups)}
     header: List[Any] = [None]

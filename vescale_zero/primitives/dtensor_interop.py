@@ -36,7 +36,6 @@ per process when vescale_zero is imported, by ``vescale_zero/host_patches.py`` (
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
@@ -44,7 +43,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .ragged_tensor import RaggedDTensor, ragged_from_full, ragged_placement_of, ragged_spec
+from .ragged_tensor import RaggedDTensor, check_ragged_piece, ragged_from_full, ragged_placement_of, ragged_spec
 
 __all__ = ["routed_from_local", "routed_redistribute", "routed_distribute_tensor", "routed_distribute_tensors"]
 
@@ -71,15 +70,12 @@ def _from_local(local_tensor: torch.Tensor, device_mesh: Optional[DeviceMesh] = 
     if shape is None:
         raise ValueError(f"DTensor.from_local with {placement} needs shape= (the global shape, p.shape): a ragged "
                          "piece does not tell it")
-    spec = ragged_spec(mesh, placement, shape, local_tensor.dtype)
+    spec = ragged_spec(mesh, placement, shape, local_tensor.dtype, placements)
     if stride is not None and tuple(stride) != tuple(spec.tensor_meta.stride):
         raise ValueError(f"DTensor.from_local with {placement}: stride {tuple(stride)} is not the contiguous stride "
                          f"{tuple(spec.tensor_meta.stride)} of shape {tuple(shape)} (a ragged tensor is laid out flat)")
-    rank = mesh.get_local_rank(mesh.ndim - 1)
-    if math.prod(shape) != placement.numel or local_tensor.numel() != placement.local_numel(rank):
-        raise ValueError(
-            f"DTensor.from_local with {placement}: rank {rank}'s piece holds {placement.local_numel(rank)} of the "
-            f"{placement.numel} elements, got a local tensor of {local_tensor.numel()} for shape {tuple(shape)}")
+    what = f"DTensor.from_local: a local tensor of {local_tensor.numel()} elements for shape {tuple(shape)}"
+    check_ragged_piece(spec, local_tensor.numel(), what)
     return RaggedDTensor(local_tensor.reshape(-1), spec, requires_grad=local_tensor.requires_grad)
 
 

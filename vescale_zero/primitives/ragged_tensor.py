@@ -58,7 +58,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
 from ..torch_compat import DTensorSpec, TensorMeta, honour_torch_dispatch, tree_flatten, tree_unflatten
@@ -70,7 +70,7 @@ from .placement import RaggedShard, ShardedRange, flat_range_boxes
 from .tensor_parallel import reduction_dims, tp_local_box, tp_local_of_whole, whole_from_tp_local
 
 __all__ = ["RaggedDTensor", "ragged_spec", "shard_mesh", "local_piece", "is_ragged", "like_param", "local_rows",
-           "ragged_from_full", "ragged_placement_of"]
+           "ragged_from_full", "ragged_placement_of", "check_ragged_piece"]
 
 aten = torch.ops.aten
 
@@ -133,34 +133,50 @@ def is_ragged(t: Any) -> bool:
 
 
 def ragged_placement_of(placements: Any) -> Optional[RaggedShard]:
-    """The RaggedShard among ``placements`` (``None`` if there is none); refuses one that is
-    not on the last mesh dimension or beside anything but ``Replicate()``
-    ([Note: one mesh dimension])."""
+    """The RaggedShard among ``placements`` (``None`` if there is none); refuses a second one, or
+    a neighbour other than ``Replicate()`` or ``Shard(d)`` (the layouts of vescale_zero's sharded
+    parameters: [Note: one mesh dimension]; beside tensor parallelism, tensor_parallel's
+    [Note: ragged inside the tensor-parallel piece])."""
     placements = tuple(placements or ())
     ragged = [p for p in placements if isinstance(p, RaggedShard)]
     if not ragged:
         return None
-    if not isinstance(placements[-1], RaggedShard) or not all(isinstance(p, Replicate) for p in placements[:-1]):
+    if len(ragged) > 1 or not all(p in ragged or type(p) is Shard or p.is_replicate() for p in placements):
         raise NotImplementedError(
-            f"placements {placements}: a RaggedShard must be on the last mesh dimension, with Replicate() on the "
-            "others (the layout of a vescale_zero sharded parameter: its placements)"
+            f"placements {placements}: one RaggedShard, with Replicate() or Shard(dim) (tensor parallelism) on the "
+            "other mesh dimensions (the layout of a vescale_zero sharded parameter: its placements)"
         )
-    return placements[-1]
+    return ragged[0]
 
 
 def ragged_from_full(full: torch.Tensor, mesh: DeviceMesh, placements: Any) -> "RaggedDTensor":
     """A ragged tensor laid out by ``placements`` holding ``full``'s values: this rank's range of
-    the whole tensor ``full`` (a copy, on ``full``'s device; no communication)."""
+    the whole tensor ``full`` (beside tensor parallelism: of this rank's TP-local part of it; a
+    copy, on ``full``'s device; no communication)."""
     placement = ragged_placement_of(placements)
     if placement is None:
         raise ValueError(f"placements {tuple(placements)} hold no RaggedShard")
-    if full.numel() != placement.numel or placement.world_size != mesh.size(mesh.ndim - 1):
+    spec = ragged_spec(mesh, placement, full.shape, full.dtype, placements)
+    rank = check_ragged_piece(spec, None, f"a tensor of shape {tuple(full.shape)}")
+    start, end = placement.local_range(rank)
+    piece = tp_local_of_whole(full.detach(), spec).reshape(-1)[start:end].clone()
+    return RaggedDTensor(piece, spec, requires_grad=False)
+
+
+def check_ragged_piece(spec: DTensorSpec, local_numel: Optional[int], what: str) -> int:
+    """This rank's index on the ragged dimension of ``spec``, once its RaggedShard is checked to
+    cut the TP-local tensor of ``spec``'s shape over that dimension's ranks (and ``local_numel``,
+    if given, to be this rank's piece's length); ``ValueError`` naming ``what`` otherwise."""
+    dim = next(d for d, p in enumerate(spec.placements) if isinstance(p, RaggedShard))
+    placement, rank = spec.placements[dim], spec.mesh.get_local_rank(dim)
+    tp_local = math.prod(tp_local_box(spec)[0])
+    if tp_local != placement.numel or placement.world_size != spec.mesh.size(dim) or (
+            local_numel is not None and local_numel != placement.local_numel(rank)):
         raise ValueError(
-            f"a tensor of shape {tuple(full.shape)} ({full.numel()} elements) cannot be laid out by {placement} "
-            f"({placement.numel} elements over {placement.world_size} ranks) on a mesh of shape {tuple(mesh.shape)}")
-    start, end = placement.local_range(mesh.get_local_rank(mesh.ndim - 1))
-    piece = full.detach().reshape(-1)[start:end].clone()
-    return RaggedDTensor(piece, ragged_spec(mesh, placement, full.shape, full.dtype), requires_grad=False)
+            f"{what} cannot be laid out by {placement} ({placement.numel} elements over {placement.world_size} ranks"
+            f"{'' if local_numel is None else f'; rank {rank} holds {placement.local_numel(rank)}'}) on mesh "
+            f"dimension {dim} of {tuple(spec.mesh.shape)} placed {tuple(spec.placements)} ({tp_local} elements each)")
+    return rank
 
 
 def local_piece(t: torch.Tensor) -> torch.Tensor:
