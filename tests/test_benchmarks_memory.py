@@ -10,6 +10,7 @@ import re
 import pytest
 
 
+@pytest.mark.slow  # the benchmark end to end: ~20 s each on 2 cores
 @pytest.mark.parametrize("precision, systems", [("fp32", None), ("bf16", ("vescale", "fsdp2", "zero3"))])
 def test_memory_benchmark_smoke(capsys, precision, systems):
     """bf16: [Note: inputs in the compute dtype] (fp32 inputs failed the whole run: "expected m1
@@ -66,6 +67,7 @@ def _offload_rows(rank: int, world: int):
             for system in ("vescale", "vescale_off", "fsdp2_off")}
 
 
+@pytest.mark.slow  # ~20 s on 2 cores
 def test_memory_offload_rows_place_shards_on_the_host():
     """benchmarks/memory.py [Note: offload rows]: with CPUOffloadPolicy the device-side bytes of
     vescale-zero hold no parameter, gradient or optimizer-state buffer (its master shards,

@@ -98,6 +98,7 @@ def _rank(rank: int, world_size: int):
     return {"init_peak": init_peak, "init_cap": init_cap, "train_peak": train_peak, "train_cap": train_cap}
 
 
+@pytest.mark.slow  # ~30 s on 2 cores
 def test_bigger_than_a_rank():
     """4 ranks: meta build + fully_shard + materialize + 3 AdamW steps within per-rank caps below
     the unsharded model (init) and below the model + AdamW state (training); fp32 losses

@@ -143,6 +143,7 @@ def _ds_load_latest(rank, world_size, directory):
             "refusal": _refusal(lambda: engine.load_checkpoint(directory, tag="B"))}
 
 
+@pytest.mark.slow  # ~20 s on 2 cores
 def test_a_rank_killed_in_deepspeed_save_checkpoint_leaves_latest(tmp_path):
     """DeepSpeed's ``engine.save_checkpoint`` (stage "ragged", 2 ranks): rank 1 killed
     half-way through its file of tag B. The survivor raises; ``latest`` still names A, which

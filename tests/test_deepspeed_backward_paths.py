@@ -141,6 +141,7 @@ def _assert_norms_close(got, want, case):
         assert math.isinf(g) if math.isinf(w) else abs(g - w) <= bound * w, (case, got, want, bound)
 
 
+@pytest.mark.slow  # ~30 s on 2 cores
 def test_caller_owned_boundary_trains_as_stage3(runs):
     """Item 1: ``"managed_gradient_accumulation": false`` (DeepSpeed 0.19: ``step()`` is the
     boundary, any number of backwards before it). "ragged" did not train at all (it synced

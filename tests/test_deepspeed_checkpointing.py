@@ -20,6 +20,7 @@ pytest.importorskip("deepspeed")  # the [test] extra installs it; without it the
 from tests.distributed import run_on_ranks  # noqa: E402
 from tests.models import VOCAB, AwkwardLM, assemble, make_batches  # noqa: E402
 from tests.numerics import adam_divergence_bound  # noqa: E402
+from tests.sweeps import sweep  # noqa: E402
 from tests.test_deepspeed import (  # noqa: E402
     ACCUM,
     GLOBAL_BATCH,
@@ -76,7 +77,7 @@ def _variants(rank, world_size):
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda ws: f"{ws}ranks")
+@pytest.fixture(scope="module", params=sweep([2, 3], quick=3), ids=lambda ws: f"{ws}ranks")
 def trained(request):
     return request.param, run_on_ranks(_variants, request.param, timeout=500)
 

@@ -11,6 +11,7 @@ import vescale_zero as vz
 from tests.comm_spy import CommSpy
 from tests.distributed import run_on_ranks
 from tests.models import AwkwardLM, make_batches, rank_slice
+from tests.sweeps import sweep
 from vescale_zero.runtime.fp8_gather import default_fp8_filter, dequantize_tiles, quantize_tiles, tile_band_granularity
 
 TILE = 4  # small, so AwkwardLM's prime-sized tensors have many tiles, bands and edge tiles
@@ -68,7 +69,7 @@ def _gathered_vs_qdq(rank, world_size):
             "bytes_per_element": gathered / max(1, elements)}
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", sweep([1, 2, 3, 4], quick=3))
 def test_gathered_weights_equal_unsharded_tile_quantization(world_size):
     for res in run_on_ranks(_gathered_vs_qdq, world_size):
         assert not res["mismatches"], res["mismatches"][:5]

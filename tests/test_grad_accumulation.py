@@ -28,6 +28,7 @@ import torch.distributed as dist
 import vescale_zero as vz
 from tests.distributed import run_on_ranks
 from tests.models import AwkwardLM, make_batches, rank_slice
+from tests.sweeps import sweep
 from vescale_zero.api.fully_shard import groups_of
 
 MICRO, LOCAL_MICRO_BATCH = 32, 2
@@ -261,7 +262,7 @@ def _abs_micro_grads(rank: int, world_size: int) -> Dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", sweep([2, 3], quick=3))
 def test_deepspeed_accumulation_beside_zero3(world_size, precision):
     """Gradient accumulation 8 under "ragged" and ZeRO-3 (``grad_accum_dtype`` fp32), same
     config. fp16: no step skipped where ZeRO-3 skips none (before: this rank's fp16 sum of 8

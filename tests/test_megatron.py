@@ -32,6 +32,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is a test dependency 
 
 from tests.distributed import run_cases_on_ranks, run_on_ranks  # noqa: E402
 from tests.numerics import adam_divergence_bound, adam_step_bound, gamma, reduction_order_bound  # noqa: E402
+from tests.sweeps import sweep  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "megatron", "pretrain_gpt.py")
@@ -485,7 +486,7 @@ def _check_recorded(results: List[Dict], variants: List[str], exact: bool,
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("world_size", [2, 3], ids=["dp2", "dp3"])
+@pytest.mark.parametrize("world_size", sweep([2, 3], quick=2), ids=["dp2", "dp3"])
 def test_activation_recompute_equals_megatron_ddp(world_size):
     """``--recompute-granularity full`` (uniform by 1 and 2 layers, block) and ``selective``
     (core attention; MLP and layernorms): RaggedFSDP equals megatron-core DDP with the same
@@ -632,6 +633,7 @@ def _noting_host_side(pg, args):
     return before_variant, report
 
 
+@pytest.mark.slow  # ~12 s on 2 cores; the offload itself is checked quick in test_offload
 def test_optimizer_cpu_offload_equals_the_run_without():
     """``--optimizer-cpu-offload`` (fraction 1.0, and 0.3 with ``--no-pin-cpu-grads``) on GPTModel
     tp1 x dp2, fp32: RaggedFSDP equals megatron-core DDP and its own run without the flag step by
@@ -903,7 +905,7 @@ def _bf16_accumulation(rank: int, world_size: int, argv: List[str]) -> Dict:
                 "masters": {k: _abs_error(ours[k], v) for k, v in reference.items()}}
 
 
-@pytest.mark.parametrize("dp", [2, 3])
+@pytest.mark.parametrize("dp", sweep([2, 3], quick=3))
 def test_bf16_accumulates_in_fp32_like_megatron_ddp(dp):
     """Megatron's DDP with ``--accumulate-allreduce-grads-in-fp32`` sums each rank's bf16
     micro-gradients into its fp32 ``main_grad``, scales by 1/dp and all-reduces; ours sums them
@@ -1081,7 +1083,7 @@ def _structured(rank: int, world_size: int, argv: List[str], name: str) -> Dict:
                 "moved": sum(not torch.equal(before[k], after[k]) for k in before), "losses": run["losses"]}
 
 
-@pytest.mark.parametrize("name", ["adamw8bit", "shampoo", "muon"])
+@pytest.mark.parametrize("name", sweep(["adamw8bit", "shampoo", "muon"], quick="muon"))
 def test_structured_optimizer_flags(name):
     """``--vescale-optimizer adamw8bit | shampoo | muon``: the granularity follows the
     optimizer's block (every piece starts on one; Muon needs none), and training moves

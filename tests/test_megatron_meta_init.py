@@ -28,6 +28,7 @@ from torch import nn
 pytest.importorskip("megatron.core", reason="megatron-core is a test dependency (pip install -e '.[test]')")
 
 from tests.distributed import run_cases_on_ranks  # noqa: E402
+from tests.sweeps import sweep
 from tests.test_megatron import _megatron_job, _relative_error  # noqa: E402
 
 ARGV = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -148,8 +149,10 @@ def _cases(argv: List[str], with_errors: bool) -> Dict:
     return cases
 
 
-@pytest.mark.parametrize("world_size,extra", [(2, []), (3, ["--global-batch-size", "6"]),
-                                              (4, ["--tensor-model-parallel-size", "2"])], ids=["dp2", "dp3", "tp2dp2"])
+@pytest.mark.parametrize("world_size,extra", sweep([(2, []), (3, ["--global-batch-size", "6"]),
+                                                    (4, ["--tensor-model-parallel-size", "2"])],
+                                                   quick=(4, ["--tensor-model-parallel-size", "2"])),
+                         ids=["dp2", "dp3", "tp2dp2"])
 def test_meta_device_init_trains_like_eager(world_size, extra):
     results = run_cases_on_ranks(_cases(ARGV + extra, with_errors=world_size == 2), world_size)
     for r in results["equal"]:

@@ -21,6 +21,7 @@ from torch import nn
 import vescale_zero as vz
 from tests.distributed import run_on_ranks
 from tests.models import SEQ, VOCAB, AwkwardBlock, AwkwardLM
+from tests.sweeps import sweep
 from vescale_zero.api.fully_shard import groups_of
 from vescale_zero.testing.gpt import GPT, GPTConfig
 
@@ -282,7 +283,7 @@ def _rank(rank: int, world_size: int) -> None:
     {1: _bad_input, 2: _peak_memory, 3: _fsdp2_recipe}[world_size](rank, world_size)
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("world_size", sweep([1, 2, 3], quick=3))
 def test_meta_init(world_size):
     """Every world size: materialize equals the eager values and training (1.). One spawn per
     world size also runs: 1 rank the bad input (4.), 2 ranks the peak memory (3.), 3 ranks

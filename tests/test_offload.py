@@ -26,6 +26,7 @@ import vescale_zero as vz
 from tests.distributed import run_cases_on_ranks
 from tests.models import AwkwardLM, assemble, local_pieces, make_batches, rank_slice
 from tests.numerics import adam_divergence_bound
+from tests.sweeps import sweep
 from vescale_zero.api.fully_shard import groups_of
 from vescale_zero.optim.adamw8bit import AdamW8bit
 from vescale_zero.optim.muon import Muon
@@ -197,7 +198,7 @@ def _cases(tmp):
     return cases
 
 
-@pytest.fixture(scope="module", params=[2, 3])
+@pytest.fixture(scope="module", params=sweep([2, 3], quick=3))
 def runs(request, tmp_path_factory):
     world = request.param
     return world, run_cases_on_ranks(_cases(os.fspath(tmp_path_factory.mktemp(f"offload{world}"))), world)

@@ -8,6 +8,7 @@ import torch
 import vescale_zero as vz
 from tests.distributed import run_on_ranks
 from tests.models import local_pieces
+from tests.sweeps import sweep
 from tests.test_optim_8bit import _full_grads
 from vescale_zero.optim import Shampoo
 from vescale_zero.testing import GPT, GPTConfig, SyntheticCorpus
@@ -42,7 +43,7 @@ def _sharded_vs_unsharded(rank, world_size):
     return shampoo_params
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", sweep([1, 2, 3, 4], quick=3))
 def test_sharded_shampoo_equals_unsharded_bit_for_bit(world_size):
     counts = run_on_ranks(_sharded_vs_unsharded, world_size)
     assert sum(counts) > 0, "no matrix was preconditioned"
