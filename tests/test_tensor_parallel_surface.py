@@ -54,7 +54,7 @@ from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import vescale_zero as vz
-from vescale_zero.param_group import GroupState
+from vescale_zero.runtime.group_progress import GroupState
 
 from .distributed import run_cases_on_ranks
 from .test_fsdp2_surface import NORM_TYPES, _norm_tolerances, _outcome
