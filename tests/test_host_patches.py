@@ -94,7 +94,7 @@ def test_patched_host_functions_keep_the_signatures_the_patches_were_written_for
                  f"{HOST_VERSIONS[patch.host]}, installed {patch.host} {installed})")
         if got.startswith("missing"):
             problems.append(f"{where}: gone from the host ({got})")
-        elif patch.signature is not None and got != patch.signature:
+        elif patch.signature is not None and got not in patch.signature.split(" | "):
             problems.append(f"{where}: signature changed\n    expected {patch.signature}\n    found    {got}")
         checked += 1
     assert not problems, ("host functions patched by vescale_zero.integrations changed; re-read each patch against "

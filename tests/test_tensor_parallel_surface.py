@@ -33,6 +33,7 @@ derived bound with 4 terms per element (dp x tp).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import math
@@ -51,7 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import UnshardHandle, register_fsdp_forward_method
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, placement_types
 
 import vescale_zero as vz
 from vescale_zero.runtime.group_progress import GroupState
@@ -133,6 +134,15 @@ def round_trip_case(rank, world_size):
 
 
 # ---- torch.save / torch.load --------------------------------------------------------------------
+def _loading(kind: str):
+    """FSDP2's tensor-parallel pieces carry torch's ``_StridedShard``, which ``torch.load``'s
+    weights_only mode allowlists only from torch 2.12 (2.11: "Unsupported global"); ours load as
+    they are on every torch."""
+    if kind == "fsdp2" and hasattr(placement_types, "_StridedShard"):
+        return torch.serialization.safe_globals([placement_types._StridedShard])
+    return contextlib.nullcontext()
+
+
 def save_case(rank, world_size, folder):
     out = {}
     batches = _batches(2)
@@ -146,12 +156,14 @@ def save_case(rank, world_size, folder):
             buf = io.BytesIO()
             torch.save(model.blocks[0].fc2.weight, buf)
             buf.seek(0)
-            p = torch.load(buf)  # weights_only
+            with _loading(kind):
+                p = torch.load(buf)  # weights_only
             saved = _whole(model)
             _train(model, opt, batches[1:], index)  # the uninterrupted run
             resumed = _build(shard, mesh, dp_mesh, seed=7)
             resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=LR)
-            state = torch.load(path)
+            with _loading(kind):
+                state = torch.load(path)
             resumed.load_state_dict(state["model"])
             resumed_opt.load_state_dict(state["optim"])
             loaded = _whole(resumed)

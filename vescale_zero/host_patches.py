@@ -103,7 +103,8 @@ class HostPatch:
         host: its distribution, a key of :data:`HOST_VERSIONS`.
         signature_of: the dotted path of the host callable whose signature the patch relies on
             (the replaced function itself, or what the patched name holds).
-        signature: that signature at the checked version, annotations left out; ``None``: not
+        signature: that signature at the checked versions, annotations left out (where they differ,
+            each one, separated by `` | ``: the patch handles all of them); ``None``: not
             checkable on our machines (the host is not installable here), not a callable (then
             only its existence is checked), or checked by ``by`` itself when installed.
         by: ``"module:name"`` of ours: what is put there, or what puts it (see ``kind``).
@@ -166,8 +167,9 @@ _DS_ACCESSORS = {  # deepspeed.utils.tensor_fragment: the accessors routed for r
 }
 
 _DTENSOR = "torch.distributed.tensor"
-_FROM_LOCAL = "(local_tensor, device_mesh=None, placements=None, *, run_check=False, shape=None, stride=None, " \
-              "grad_placements=None)"
+_FROM_LOCAL = ("(local_tensor, device_mesh=None, placements=None, *, run_check=False, shape=None, stride=None)"  # 2.11
+               " | (local_tensor, device_mesh=None, placements=None, *, run_check=False, shape=None, stride=None, "
+               "grad_placements=None)")  # torch 2.12 and later
 _REDISTRIBUTE = "(self, device_mesh=None, placements=None, *, async_op=False, forward_dtype=None, backward_dtype=None)"
 _DISTRIBUTE = "(tensor, device_mesh=None, placements=None, *, src_data_rank=0)"
 

@@ -64,8 +64,10 @@ def _from_local(local_tensor: torch.Tensor, device_mesh: Optional[DeviceMesh] = 
                 grad_placements: Optional[Sequence[Any]] = None) -> DTensor:
     placement = ragged_placement_of(placements)
     if placement is None:
-        return _ORIGINALS["from_local"](local_tensor, device_mesh, placements, run_check=run_check, shape=shape,
-                                        stride=stride, grad_placements=grad_placements)
+        given = {"run_check": run_check, "shape": shape, "stride": stride}
+        if grad_placements is not None:  # torch 2.11's from_local has no grad_placements: pass it only if given
+            given["grad_placements"] = grad_placements
+        return _ORIGINALS["from_local"](local_tensor, device_mesh, placements, **given)
     mesh = _mesh_of(device_mesh, "DTensor.from_local")
     if shape is None:
         raise ValueError(f"DTensor.from_local with {placement} needs shape= (the global shape, p.shape): a ragged "
