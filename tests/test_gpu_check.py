@@ -40,6 +40,7 @@ def sabotage(section: str) -> None:
         os._exit(3)
 
 
+@pytest.mark.slow  # ~25 s; CI's own stage also runs the dry mode on the oldest torch
 def test_dry_mode_passes_or_skips_every_section_and_writes_its_report(tmp_path):
     pytest.importorskip("deepspeed")
     pytest.importorskip("megatron.core")

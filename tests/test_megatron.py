@@ -259,14 +259,14 @@ def _check(results: List[Dict], exact: bool, steps: int = 3) -> None:
 
 @pytest.mark.parametrize(
     "world_size, dp, layout",
-    [
+    sweep([
         (2, 2, ["--tensor-model-parallel-size", "1"]),
         (3, 3, ["--tensor-model-parallel-size", "1"]),  # an odd data-parallel size
         (4, 2, ["--tensor-model-parallel-size", "2", "--vescale-granularity", "row"]),
         (4, 2, ["--pipeline-model-parallel-size", "2"]),  # 1F1B; the embedding is tied across stages
         # MoE: dense parameters over dp=4, experts over expert-dp=2 (ep=2)
         (4, 4, ["--num-experts", "4", "--expert-model-parallel-size", "2"]),
-    ],
+    ], quick=(3, 3, ["--tensor-model-parallel-size", "1"])),
     ids=["tp1-dp2", "tp1-dp3", "tp2-dp2-row", "pp2-dp2", "moe-ep2-dp4"],
 )
 def test_vescale_fsdp_equals_megatron_ddp(world_size, dp, layout):
