@@ -222,7 +222,8 @@ HOST_PATCHES: Dict[str, HostPatch] = {p.patched: p for p in (
     *(_same(f"torch.distributed.fsdp.FSDPModule.{name}", "torch", signature,
             "vescale_zero.api.fsdp_module:RaggedFSDPModule", "override")
       for name, signature in (("_get_fsdp_state", "(self)"), ("_set_unshard_async_op", "(self, async_op)"),
-                              ("_apply", "(self, *args, **kwargs)"), ("_orig_cls_mro_index", None))),
+                              ("_apply", "(self, *args, **kwargs) | (self, fn, recurse=True)"),  # 2.15: named
+                              ("_orig_cls_mro_index", None))),
     # on the CUDA sanitizer's event handler (an instance), for the GPU check: vescale_zero/torch_compat.py
     _same("torch.cuda._sanitizer.EventHandler._handle_kernel_launch", "torch",
           "(self, stream, read_only, read_write, outputs, operator, tensor_aliases)",
