@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-rm -rf .whl && mkdir .whl
+rm -rf .whl build && mkdir .whl  # build/: setuptools would ship a stale build/lib's old modules in the wheel
 "$PY" -m pip wheel -q --no-deps -w .whl .                     # vescale-zero (pure Python)
 "$PY" -m pip wheel -q --no-deps -w .whl deepspeed==0.19.8     # from its sdist, no ops built (~30 s): pure Python
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
