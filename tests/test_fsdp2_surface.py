@@ -565,6 +565,11 @@ def methods_case(rank, world):
     model = _build("ours")
     out["refusals"] = {
         "symm_mem": _outcome(lambda: model.set_symm_mem_for_comm()),
+        "keep storage": _outcome(lambda: model.set_keep_unsharded_storage(True)),
+        "keep storage off": _outcome(lambda: model.set_keep_unsharded_storage(False)),
+        "manual finalization": _outcome(lambda: model.set_manual_backward_finalization(True)),
+        "manual finalization off": _outcome(lambda: model.set_manual_backward_finalization(False)),
+        "finalize": _outcome(lambda: model.finalize_backward()),
         "pg_alloc": _outcome(lambda: model.set_allocate_memory_from_process_group_for_comm(True)),
         "pg_alloc off": _outcome(lambda: model.set_allocate_memory_from_process_group_for_comm(False)),
         "raf not bool": _outcome(lambda: model.set_reshard_after_forward(2)),
@@ -618,6 +623,8 @@ def test_every_fsdp_module_method_is_ours_with_fsdp2s_recurse_default():
         if not callable(fsdp2) or name in ("__new__",) or (name.startswith("__") and name.endswith("__")):
             continue
         assert name in vars(ours), f"FSDPModule.{name} is not overridden by RaggedFSDPModule"
+        if name == "_apply":  # nn.Module's own recurse (default True), which FSDP2 forwards (2.15: names it)
+            continue
         theirs = inspect.signature(fsdp2).parameters.get("recurse")
         mine = inspect.signature(getattr(ours, name)).parameters.get("recurse")
         if theirs is None:
@@ -770,8 +777,10 @@ def test_8_fsdp_module_methods(results):
         else:
             _close(r["reset"]["ours"], r["reset"]["ref"], "after reset_iter_state: ours vs unsharded", RTOL, ATOL)
         refusals = r["refusals"]
-        for key in ("symm_mem", "pg_alloc"):
+        for key in ("symm_mem", "pg_alloc", "keep storage", "manual finalization"):
             assert refusals[key][:2] == ("error", "NotImplementedError") and "not supported" in refusals[key][2]
+        for key in ("keep storage off", "manual finalization off", "finalize"):  # torch 2.15's, at their defaults
+            assert refusals[key][0] == "ok", (key, refusals[key])
         assert refusals["pg_alloc off"][0] == refusals["private async"][0] == refusals["share_comm_ctx"][0] == "ok"
         assert refusals["raf not bool"][:2] == refusals["fsdp2 raf not bool"][:2] == ("error", "ValueError")
     assert world in (2, 3)

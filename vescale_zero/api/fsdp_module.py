@@ -323,6 +323,29 @@ class RaggedFSDPModule(FSDPModule):
                           "its all-gathers and reduce-scatters run on the group's own flat buffers (the parameters "
                           "and gradients view them), with no staging buffers to allocate elsewhere; leave it unset")
 
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """FSDP2's (torch 2.15) for CUDA graph capture: ``False`` (the default) is what every group
+        does, freeing the gathered storage at reshard; ``True`` is refused."""
+        if keep:
+            raise _refuse("set_keep_unsharded_storage(True)",
+                          "a group frees its gathered buffer at reshard, and capturing sharded modules in CUDA "
+                          "graphs is not supported; to keep parameters gathered, use reshard_after_forward=False")
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """FSDP2's (torch 2.15): ``False`` (the default) is what a backward does here, finishing its
+        reduce-scatters at its end; ``True`` is refused."""
+        if enabled:
+            raise _refuse("set_manual_backward_finalization(True)",
+                          "every backward finishes its reduce-scatters at its end; to reduce once after several "
+                          "backwards, turn gradient sync off for them and call reduce_accumulated_grads()")
+
+    def finalize_backward(self, *, async_op: bool = False) -> None:
+        """FSDP2's (torch 2.15): without manual finalization (refused above) a backward here is
+        finalized when it returns, so this has nothing left to do (as FSDP2's after a finished one)."""
+        if async_op:
+            raise _refuse("finalize_backward(async_op=True)",
+                          "a backward is finalized when it returns; call finalize_backward() or nothing")
+
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         """Refused: FSDP2 puts its all-gather staging buffers in symmetric memory; ours have none."""
         raise _refuse("set_symm_mem_for_comm",
@@ -331,7 +354,7 @@ class RaggedFSDPModule(FSDPModule):
 
     # ---- module methods -------------------------------------------------------------------
     # host patch torch.distributed.fsdp.FSDPModule._apply: checked against torch 2.11.0-2.15.0
-    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> nn.Module:
+    def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
         """``nn.Module._apply`` (``to``, ``to_empty``, ``float()``...) on a sharded module.
 
         [Note: casting and moving sharded parameters] The group's parameters are views of its
@@ -343,7 +366,7 @@ class RaggedFSDPModule(FSDPModule):
         parameters outside the group get ``fn`` as usual."""
         group = self.vescale_group
         if group is None:
-            return super(FSDPModule, self)._apply(fn, *args, **kwargs)  # the module's own (FSDP2's reads its state)
+            return super(FSDPModule, self)._apply(fn, recurse)  # the module's own (FSDP2's reads its state)
         with torch.no_grad():
             probe = fn(torch.empty(0, dtype=group.orig_dtype, device=group.device))
         moved = probe.device != group.device
@@ -360,7 +383,7 @@ class RaggedFSDPModule(FSDPModule):
         for owner, attr, _ in held:
             owner._parameters[attr] = None  # skipped by _apply, keeps its place in the module's order
         try:
-            module = super(FSDPModule, self)._apply(fn, *args, **kwargs)
+            module = super(FSDPModule, self)._apply(fn, recurse)
         finally:
             for owner, attr, param in held:
                 owner._parameters[attr] = param
