@@ -602,9 +602,9 @@ def results(request, tmp_path_factory):
 
 
 def _with_fsdp2_if_it_has(method: str) -> tuple:
-    """("ours", "fsdp2"), or ("ours",) where this torch's FSDP2 lacks ``method`` (torch 2.11 and 2.12
-    lack reset_iter_state, set_reduce_scatter_unused_params, ...; ours offers torch 2.14's methods
-    on every torch): then ours is checked against the unsharded model or its own meaning alone."""
+    """("ours", "fsdp2"), or ("ours",) where this torch's FSDP2 lacks ``method`` (2.11 lacks
+    reset_iter_state; 2.11 and 2.12 lack set_reduce_scatter_unused_params; ours offers torch 2.15's
+    methods on every torch): then ours is checked against the unsharded model or its own meaning alone."""
     return ("ours", "fsdp2") if hasattr(FSDPModule, method) else ("ours",)
 
 

@@ -393,8 +393,8 @@ class ModuleState:
     # torch's share_comm_ctx (pipeline chunks sharing FSDP2's streams) finds nothing to share:
     # our collectives are issued on the current stream
     _comm_ctx: Any = None
-    _fsdp_param_groups: tuple = ()  # torch >= 2.13 reads the list
-    _fsdp_param_group: Any = None  # torch 2.11 and 2.12 read the one group
+    _fsdp_param_groups: tuple = ()  # torch 2.12 and later read the list
+    _fsdp_param_group: Any = None  # torch 2.11 reads the one group
 
     def __init__(
         self,

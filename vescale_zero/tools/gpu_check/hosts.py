@@ -53,7 +53,7 @@ def _jit_build_missing() -> str:
 
     home = cpp_extension.CUDA_HOME
     if not home or not os.path.exists(os.path.join(home, "bin", "nvcc")):
-        return "this machine has no nvcc (CUDA_HOME: %s)" % (home or "unset")
+        return f"this machine has no nvcc (CUDA_HOME: {home or 'unset'})"
     if not cpp_extension.is_ninja_available():
         return "this machine has no ninja"
     return ""
