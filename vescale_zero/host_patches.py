@@ -65,30 +65,66 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import re
 import sys
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 __all__ = ["HOST_PATCHES", "HOST_VERSIONS", "HostPatch", "KINDS", "install", "uninstall", "installed", "scoped",
-           "assign"]
+           "assign", "supported_releases", "check_release"]
 
 HOST_VERSIONS: Dict[str, str] = {
     "torch": "2.11.0-2.15.0",  # every release CI tests (setup.py): the signatures are checked on each
-    "deepspeed": "0.19.8",
-    "accelerate": "1.15.0",
-    "transformers": "5.24.0",
-    "megatron-core": "0.16.1",
-    "Megatron-LM": "core_v0.16.1",  # not on the package index: read from its source at that tag
-    "trl": "1.16.0",  # nothing patched: its reads of ZeRO-3 internals surveyed at this version (see below)
-    "peft": "0.21.2",  # nothing patched: likewise
+    "deepspeed": "0.16.9-0.19.8",  # the newest patch of each minor release: CI installs each
+    "accelerate": "1.10.1-1.15.0",
+    "transformers": "4.57.6-5.24.0",
+    "megatron-core": "0.15.3-0.19.2",
+    "Megatron-LM": "0.15.3-0.19.2",  # megatron/training of these megatron-core releases (in its wheel from 0.17)
+    "trl": "1.10.0-1.16.0",  # nothing patched: its reads of ZeRO-3 internals surveyed at these versions (see below)
+    "peft": "0.18.1-0.21.2",  # nothing patched: likewise
 }
-"""The host distributions (as pip names them) and the versions every patch was checked against.
+"""The host distributions (as pip names them) and the releases every patch was checked against:
+the oldest and the newest CI installs (``FIRST-LAST``; what is between, as far as CI installs it:
+.ci/run). A signature that differs between them is recorded with each form (``signature``).
 TRL and PEFT are patched nowhere; every read they make of ZeRO-3's internals was surveyed at the
 versions here and is answered for ragged parameters: integrations/deepspeed/zero3_attributes.py
 [Note: ZeRO-3 attributes on ragged parameters], accelerate_stage.py
 [Note: the stage accelerate compares], ``integrations/deepspeed/__init__.py``
 [Note: a model built partitioned for ragged]."""
+
+
+def _minor(version: str) -> Tuple[int, int]:
+    digits = [int(re.match(r"\d*", part).group() or 0) for part in version.split(".")[:2]]
+    return (digits + [0, 0])[0], (digits + [0, 0])[1]
+
+
+def supported_releases(distribution: str) -> Tuple[str, str]:
+    """``(first, last)`` minor releases of ``distribution`` that vescale-zero supports, e.g.
+    ``("0.16", "0.19")``: from the oldest to the newest minor release of ``HOST_VERSIONS``,
+    every patch release of each (setup.py's extras state the same ranges)."""
+    first, _, last = HOST_VERSIONS[distribution].partition("-")
+    return tuple(".".join(map(str, _minor(v))) for v in (first, last or first))
+
+
+def check_release(distribution: str) -> str:
+    """The installed version of ``distribution``; an ``ImportError`` of one line naming the
+    supported releases and the installed one when it is outside them ([Note: host releases])."""
+    from importlib import metadata
+
+    try:
+        found = metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        raise ImportError(f"{distribution} is not installed: install a release from "
+                          f"{' to '.join(supported_releases(distribution))}") from None
+    first, last = supported_releases(distribution)
+    if not _minor(first) <= _minor(found) <= _minor(last):
+        above = ".".join(map(str, (_minor(last)[0], _minor(last)[1] + 1)))
+        raise ImportError(f"vescale-zero supports {distribution} {first}.x to {last}.x, this environment has "
+                          f"{distribution} {found}: install one of those releases "
+                          f"(pip install '{distribution}>={first},<{above}')")
+    return found
+
 
 KINDS = ("replace", "wrap", "everywhere", "route", "scoped", "setting", "instance", "override", "import")
 INSTALLED_KINDS = ("replace", "wrap", "everywhere", "route")

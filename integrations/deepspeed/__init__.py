@@ -19,6 +19,7 @@ partitioned under a ragged config as under ZeRO-3 (:mod:`.accelerate_stage`), an
 (:mod:`.safe_accessors`); ``get_fp32_state_dict_from_zero_checkpoint`` and the checkpoint's
 ``zero_to_fp32.py`` read ragged checkpoints (:mod:`.recovery_scripts`).
 """
+# ruff: noqa: E402 - the release check comes before the adapter's imports
 
 from __future__ import annotations
 
@@ -28,9 +29,13 @@ import json
 import os
 from typing import Any, Dict, Optional, Tuple
 
-import deepspeed
-
 from vescale_zero import host_patches
+
+# Before any module of the adapter imports DeepSpeed's internals: a release outside the supported
+# range fails here, in one line naming both ([Note: one door to DeepSpeed's releases]).
+host_patches.check_release("deepspeed")
+
+import deepspeed
 
 from .checkpoint_conversion import from_deepspeed
 from .config import RAGGED_STAGE, RaggedOptions, apply_top_level_keys, parse_precision, parse_ragged_section
@@ -88,9 +93,9 @@ def _as_ragged(zero: Dict[str, Any]) -> Dict[str, Any]:
     return section
 
 
-# host patch deepspeed.initialize: checked against deepspeed 0.19.8
-# host patch deepspeed.DeepSpeedEngine: checked against deepspeed 0.19.8 (for one call)
-# host patch deepspeed.PipelineEngine: checked against deepspeed 0.19.8 (for one call)
+# host patch deepspeed.initialize: checked against deepspeed 0.16.9-0.19.8
+# host patch deepspeed.DeepSpeedEngine: checked against deepspeed 0.16.9-0.19.8 (for one call)
+# host patch deepspeed.PipelineEngine: checked against deepspeed 0.16.9-0.19.8 (for one call)
 @functools.wraps(_original_initialize)
 def initialize(*args: Any, **kwargs: Any):
     names = ("args", "model", "optimizer", "model_parameters")

@@ -72,11 +72,11 @@ def present_ragged_stage_to_accelerate() -> None:
         return
     for plugin in plugins.values() if isinstance(plugins, dict) else [plugins]:
         if plugin.hf_ds_config.get_value("zero_optimization.stage") == RAGGED_STAGE:
-            # host patch accelerate.utils.DeepSpeedPlugin.zero_stage: checked against accelerate 1.15.0
+            # host patch accelerate.utils.DeepSpeedPlugin.zero_stage: checked against accelerate 1.10.1-1.15.0
             plugin.zero_stage = ZERO_STAGE_SEEN_BY_ACCELERATE
 
 
-# host patch accelerate.utils.deepspeed.HfDeepSpeedConfig.is_zero3: checked against accelerate 1.15.0
+# host patch accelerate.utils.deepspeed.HfDeepSpeedConfig.is_zero3: checked against accelerate 1.10.1-1.15.0
 def ragged_is_zero3(is_zero3: Callable[[Any], bool]) -> Callable[[Any], bool]:
     """``HfDeepSpeedConfig.is_zero3`` that is True for a ragged config too
     (see [Note: the stage transformers compares])."""
@@ -88,7 +88,7 @@ def ragged_is_zero3(is_zero3: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return wrapper
 
 
-# host patch accelerate.utils.DeepSpeedPlugin.__post_init__: checked against accelerate 1.15.0
+# host patch accelerate.utils.DeepSpeedPlugin.__post_init__: checked against accelerate 1.10.1-1.15.0
 def plugin_reads_3(post_init: Callable[[Any], None]) -> Callable[[Any], None]:
     """``DeepSpeedPlugin.__post_init__`` after which a plugin made from a ragged config reads
     ``zero_stage`` 3 from its creation (see [Note: the stage accelerate compares])."""

@@ -57,11 +57,16 @@ import warnings
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 import torch
-from deepspeed.runtime.config import DtypeEnum, get_communication_data_type, get_gradient_allreduce_op
-from deepspeed.runtime.precision_config import DeepSpeedFP16Config, get_bfloat16_config, get_float16_config
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .deepspeed_compat import (
+    DtypeEnum,
+    bf16_section,
+    fp16_section,
+    get_communication_data_type,
+    gradient_allreduce_op,
+)
 from .offload import OFFLOAD_KEYS, OffloadOptions, read_offload, warn_ignored
 
 __all__ = ["RaggedOptions", "ACCEPTED", "NvmeOptimizerOffload", "nvme_offload_of", "parse_ragged_section",
@@ -292,13 +297,13 @@ def _our_problems(error: ValidationError) -> str:
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def parse_precision(config: Dict[str, Any]) -> Tuple[Optional[torch.dtype], DeepSpeedFP16Config]:
+def parse_precision(config: Dict[str, Any]) -> Tuple[Optional[torch.dtype], Any]:
     """``(compute dtype or None, the fp16 section)`` of a whole config, read by DeepSpeed's own
     models ([Note: validated as DeepSpeed validates]: ``"auto"`` is the default, ``"false"``
     False, a value DeepSpeed refuses is refused). Our master shards are fp32, so ZeRO's bf16 /
     fp16 master weights are refused."""
     sections = {}
-    for name, read in (("bf16", get_bfloat16_config), ("fp16", get_float16_config)):
+    for name, read in (("bf16", bf16_section), ("fp16", fp16_section)):  # [Note: one door to DeepSpeed's releases]
         given = {k: v for k, v in config.items() if k in ("bf16", "bfloat16", "fp16") and v is not None}
         try:
             sections[name] = read(given)
@@ -309,8 +314,9 @@ def parse_precision(config: Dict[str, Any]) -> Tuple[Optional[torch.dtype], Deep
     bf16, fp16 = sections["bf16"], sections["fp16"]
     if bf16.enabled and fp16.enabled:
         raise ValueError("bf16 and fp16 are both enabled; enable one")
-    low = [f"bf16.{k}" for k in ("bf16_master_weights_and_grads", "bf16_optimizer_states") if getattr(bf16, k)]
-    low += ["fp16.fp16_master_weights_and_grads"] if fp16.fp16_master_weights_and_grads else []
+    # before 0.18 DeepSpeed has no 16-bit masters in these sections [Note: one door to DeepSpeed's releases]
+    low = [f"bf16.{k}" for k in ("bf16_master_weights_and_grads", "bf16_optimizer_states") if getattr(bf16, k, False)]
+    low += ["fp16.fp16_master_weights_and_grads"] if getattr(fp16, "fp16_master_weights_and_grads", False) else []
     if low:
         raise ValueError(
             f"{', '.join(low)}: 16-bit master weights, gradients or optimizer states are not implemented with stage "
@@ -325,7 +331,7 @@ def apply_top_level_keys(config: Dict[str, Any], options: RaggedOptions) -> Ragg
     module docstring): ``communication_data_type`` becomes ``reduce_dtype``;
     ``grad_accum_dtype`` other than the reduce dtype and ``gradient_allreduce_op: "sum"`` are
     refused."""
-    if get_gradient_allreduce_op(config) == "sum":  # DeepSpeed's reading (and refusal of unknown ops)
+    if gradient_allreduce_op(config) == "sum":  # DeepSpeed's reading (and refusal of unknown ops)
         raise ValueError(
             "gradient_allreduce_op \"sum\" is not supported with stage 'ragged' (DeepSpeed refuses it with ZeRO "
             "stage 3 as well): gradients are averaged over the data-parallel ranks. Remove the key (or set \"mean\"); "

@@ -38,10 +38,8 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler, LossScalerBase
 from deepspeed.runtime.pipe.engine import PipelineEngine
-from deepspeed.runtime.precision_config import DeepSpeedFP16Config
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 from deepspeed.utils import groups
-from deepspeed.utils.torch import is_functorch_transforming
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import vescale_zero as vz
@@ -54,6 +52,13 @@ from vescale_zero.torch_compat import queue_backward_callback
 from .accelerate_stage import present_ragged_stage_to_accelerate
 from .checkpoint_conversion import is_deepspeed_checkpoint
 from .config import RaggedOptions
+from .deepspeed_compat import (
+    BACKWARD_HOOKS,
+    fp16_section,
+    is_functorch_transforming,
+    managed_gradient_accumulation,
+    refine_include_states,
+)
 from .module_hooks import RaggedModuleHooks
 from .nvme_offload import offload_optimizer_to_nvme
 from .offload import offload_policy
@@ -75,9 +80,9 @@ class RaggedPrecision:
     """The user's ``bf16`` / ``fp16`` sections, which DeepSpeed itself does not see: the compute
     dtype, and the fp16 section as DeepSpeed parsed it (its loss scaling)."""
 
-    def __init__(self, dtype: Optional[torch.dtype], fp16: Optional[DeepSpeedFP16Config] = None) -> None:
+    def __init__(self, dtype: Optional[torch.dtype], fp16: Any = None) -> None:
         self.dtype = dtype
-        self.fp16 = fp16 if fp16 is not None else DeepSpeedFP16Config()
+        self.fp16 = fp16 if fp16 is not None else fp16_section()
 
 
 class RaggedEngineMixin:
@@ -88,7 +93,7 @@ class RaggedEngineMixin:
     ragged_precision: RaggedPrecision = RaggedPrecision(None)
 
     # ---- construction ------------------------------------------------------------------
-    # host patch deepspeed.runtime.engine.DeepSpeedEngine._configure_distributed_model: checked against deepspeed 0.19.8
+    # host patch deepspeed.runtime.engine.DeepSpeedEngine._configure_distributed_model: checked against deepspeed 0.16.9-0.19.8  # noqa: E501
     def _configure_distributed_model(self, model: torch.nn.Module) -> None:
         super()._configure_distributed_model(model)
         opts, precision = self.ragged_options, self.ragged_precision
@@ -211,7 +216,7 @@ class RaggedEngineMixin:
                 "already sharded with fully_shard: shard it with granularity=<the optimizer's block>, or pass the "
                 "unsharded model to deepspeed.initialize")
 
-    # host patch deepspeed.runtime.engine.DeepSpeedEngine._broadcast_model: checked against deepspeed 0.19.8
+    # host patch deepspeed.runtime.engine.DeepSpeedEngine._broadcast_model: checked against deepspeed 0.16.9-0.19.8
     def _broadcast_model(self) -> None:
         """Rank 0's parameters to every rank, as DeepSpeed does -- except a model sharded
         before ``deepspeed.initialize``, whose sharded parameters differ per rank by design."""
@@ -238,12 +243,12 @@ class RaggedEngineMixin:
         default = inspect.signature(self._structured_optimizer()).parameters["block"].default
         return int((self.optimizer_params() or {}).get("block", default))
 
-    # host patch deepspeed.runtime.engine.DeepSpeedEngine._is_supported_optimizer: checked against deepspeed 0.19.8
+    # host patch deepspeed.runtime.engine.DeepSpeedEngine._is_supported_optimizer: checked against deepspeed 0.16.9-0.19.8  # noqa: E501
     def _is_supported_optimizer(self, optimizer_name: str) -> bool:
         name = (optimizer_name or "").lower()
         return name in STRUCTURED_OPTIMIZERS or super()._is_supported_optimizer(optimizer_name)
 
-    # host patch deepspeed.runtime.engine.DeepSpeedEngine._configure_basic_optimizer: checked against deepspeed 0.19.8
+    # host patch deepspeed.runtime.engine.DeepSpeedEngine._configure_basic_optimizer: checked against deepspeed 0.16.9-0.19.8  # noqa: E501
     def _configure_basic_optimizer(self, model_parameters: Any):
         cls = self._structured_optimizer()
         if cls is None:
@@ -254,7 +259,7 @@ class RaggedEngineMixin:
             params.setdefault("process_group", groups._get_data_parallel_group())
         return cls(model_parameters, **params)
 
-    # host patch deepspeed.runtime.engine.DeepSpeedEngine._configure_optimizer: checked against deepspeed 0.19.8
+    # host patch deepspeed.runtime.engine.DeepSpeedEngine._configure_optimizer: checked against deepspeed 0.16.9-0.19.8
     def _configure_optimizer(self, client_optimizer: Any, model_parameters: Any) -> None:
         if isinstance(client_optimizer, torch.optim.Optimizer):
             if any(client_optimizer.state.values()):
@@ -289,7 +294,7 @@ class RaggedEngineMixin:
         so every backward reduce-scatters and the shards accumulate the reduced gradients, as
         ZeRO-3 reduces every backward in that mode."""
         if not self._is_pipeline():
-            sync = not self.managed_gradient_accumulation() or self.is_gradient_accumulation_boundary()
+            sync = not managed_gradient_accumulation(self) or self.is_gradient_accumulation_boundary()
             self.module.set_requires_gradient_sync(sync)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
@@ -304,9 +309,9 @@ class RaggedEngineMixin:
         scaled = super().scale(loss)  # DeepSpeed's checks; marks the next direct backward as scaled
         return scaled * self._ragged_scaler.loss_scale if self._ragged_scaler is not None else scaled
 
-    # host patch deepspeed.runtime.engine.DeepSpeedEngine._backward_prologue: checked against deepspeed 0.19.8
-    def _backward_prologue(self) -> None:
-        """[Note: backward without engine.backward] DeepSpeed 0.19 (checked against 0.19.8) runs
+    # host patch deepspeed.runtime.engine.DeepSpeedEngine._backward_prologue: checked against deepspeed 0.16.9-0.19.8
+    def _backward_prologue(self, *before_018: Any, **before_018_kw: Any) -> Any:
+        """[Note: backward without engine.backward] DeepSpeed 0.18 and later run
         this from hooks it puts on the forward's outputs, for ``engine.backward(loss)`` and for a
         direct ``loss.backward()`` / ``engine.scale(loss).backward()`` alike; its per-tensor hook
         divides a direct backward's output gradients by the accumulation steps, as
@@ -317,6 +322,9 @@ class RaggedEngineMixin:
         reduces, and refuse an unscaled fp16 loss (its gradients would be divided by a scale
         they never had). The epilogue, which ``engine.backward`` calls after its backward, runs
         at the end of a direct backward's graph, as ZeRO-3 runs it from its post-backward hook."""
+        # [Note: one door to DeepSpeed's releases]
+        if not BACKWARD_HOOKS:  # before 0.18: called by engine.backward with (loss, scale_wrt_gas)
+            return super()._backward_prologue(*before_018, **before_018_kw)
         direct = not (self._running_engine_backward or self._is_pipeline() or is_functorch_transforming())
         if direct:
             if self._ragged_scaler is not None and not self._manual_backward_expected:
@@ -336,7 +344,7 @@ class RaggedEngineMixin:
         """Clip by the norm :meth:`_take_model_step` took for this step (no second all-reduce)."""
         vz.clip_grads_with_norm_(self.module, self.gradient_clipping(), self._global_grad_norm)
 
-    # host patch deepspeed.runtime.engine.DeepSpeedEngine._take_model_step: checked against deepspeed 0.19.8
+    # host patch deepspeed.runtime.engine.DeepSpeedEngine._take_model_step: checked against deepspeed 0.16.9-0.19.8
     def _take_model_step(self, lr_kwargs: Any) -> None:
         """[Note: the reported gradient norm] ``get_global_grad_norm()`` after every step is
         what ZeRO-3 reports: the global norm of the (unscaled) gradients the step used, also
@@ -370,7 +378,7 @@ class RaggedEngineMixin:
         self._step_applied = False
         self.skipped_steps += 1
         self.global_steps += 1
-        if self.managed_gradient_accumulation():
+        if managed_gradient_accumulation(self):
             self.global_samples += self.train_batch_size()
         else:  # a caller-owned step counts the micro-batches it accumulated, as DeepSpeed's
             per_micro_batch = self.train_batch_size() // self.gradient_accumulation_steps()
@@ -411,7 +419,7 @@ class RaggedEngineMixin:
         host memory) leaves hp_params and optim_states out; ``device`` "none" does nothing and
         "nvme" is refused. Unlike ZeRO-3 any optimizer's state moves (ZeRO-3: FusedAdam only).
         A forward before :meth:`reload_states` is refused."""
-        include = self._refine_include_states(include)
+        include = refine_include_states(self, include)
         if device == OffloadDeviceEnum.none:
             return
         if device == OffloadDeviceEnum.nvme:
@@ -571,14 +579,14 @@ class RaggedEngineMixin:
         """Always: a ragged model is gathered group by group whenever the whole model is saved."""
         return True
 
-    # host patch deepspeed.runtime.engine.DeepSpeedEngine._zero3_consolidated_16bit_state_dict: checked against deepspeed 0.19.8  # noqa: E501
+    # host patch deepspeed.runtime.engine.DeepSpeedEngine._zero3_consolidated_16bit_state_dict: checked against deepspeed 0.16.9-0.19.8  # noqa: E501
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> Optional[dict]:
         """The full state dict on rank 0 (CPU, compute dtype), ``None`` elsewhere, as ZeRO-3's.
         Collective: every rank must call it."""
         self._refuse_pipeline_consolidation("the consolidated state dict")
         return consolidated_state_dict(self.module, exclude_frozen_parameters)
 
-    # host patch deepspeed.runtime.engine.DeepSpeedEngine._consolidated_16bit_state_dict: checked against deepspeed 0.19.8  # noqa: E501
+    # host patch deepspeed.runtime.engine.DeepSpeedEngine._consolidated_16bit_state_dict: checked against deepspeed 0.16.9-0.19.8  # noqa: E501
     _consolidated_16bit_state_dict = _zero3_consolidated_16bit_state_dict
 
     def module_state_dict(self, destination: Optional[dict] = None, prefix: str = "", keep_vars: bool = False,

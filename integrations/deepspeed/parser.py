@@ -66,8 +66,8 @@ def is_ragged_config(config: ds_config.DeepSpeedConfig) -> bool:
 _original_get_zero_config = getattr(ds_zero_config.get_zero_config, "__wrapped__", ds_zero_config.get_zero_config)
 
 
-# host patch deepspeed.runtime.zero.config.get_zero_config: checked against deepspeed 0.19.8
-# host patch deepspeed.runtime.config.get_zero_config: checked against deepspeed 0.19.8 (DeepSpeedConfig's name)
+# host patch deepspeed.runtime.zero.config.get_zero_config: checked against deepspeed 0.16.9-0.19.8
+# host patch deepspeed.runtime.config.get_zero_config: checked against deepspeed 0.16.9-0.19.8 (DeepSpeedConfig's name)
 @functools.wraps(_original_get_zero_config)
 def get_zero_config(param_dict: Dict[str, Any]) -> ds_zero_config.DeepSpeedZeroConfig:
     section = param_dict.get(ds_zero_config.ZERO_OPTIMIZATION)
@@ -92,7 +92,7 @@ _original_init = getattr(partition_parameters.Init.__init__, "__wrapped__", part
 _init_signature = inspect.signature(_original_init)
 
 
-# host patch deepspeed.runtime.zero.partition_parameters.Init.__init__: checked against deepspeed 0.19.8
+# host patch deepspeed.runtime.zero.partition_parameters.Init.__init__: checked against deepspeed 0.16.9-0.19.8
 @functools.wraps(_original_init)
 def ragged_zero_init(self: partition_parameters.Init, *args: Any, **kwargs: Any) -> None:
     bound = _init_signature.bind(self, *args, **kwargs)
@@ -118,7 +118,7 @@ def _without_precision(config: Dict[str, Any]) -> Dict[str, Any]:
 _original_sanity_check = getattr(DeepSpeedEngine._do_sanity_check, "__wrapped__", DeepSpeedEngine._do_sanity_check)
 
 
-# host patch deepspeed.runtime.engine.DeepSpeedEngine._do_sanity_check: checked against deepspeed 0.19.8
+# host patch deepspeed.runtime.engine.DeepSpeedEngine._do_sanity_check: checked against deepspeed 0.16.9-0.19.8
 @functools.wraps(_original_sanity_check)
 def engine_sanity_check(self: DeepSpeedEngine) -> None:
     if is_ragged_config(self._config):

@@ -218,19 +218,19 @@ _OURS: Dict[str, Callable[..., Any]] = {
 # ---- routing: [Note: routing the host's accessors] -------------------------------------------
 
 
-# host patch deepspeed.utils.tensor_fragment.safe_get_full_grad: checked against deepspeed 0.19.8
-# host patch deepspeed.utils.tensor_fragment.safe_set_full_grad: checked against deepspeed 0.19.8
-# host patch deepspeed.utils.tensor_fragment.safe_get_full_fp32_param: checked against deepspeed 0.19.8
-# host patch deepspeed.utils.tensor_fragment.safe_set_full_fp32_param: checked against deepspeed 0.19.8
-# host patch deepspeed.utils.tensor_fragment.safe_get_full_optimizer_state: checked against deepspeed 0.19.8
-# host patch deepspeed.utils.tensor_fragment.safe_set_full_optimizer_state: checked against deepspeed 0.19.8
-# host patch deepspeed.utils.tensor_fragment.safe_get_local_grad: checked against deepspeed 0.19.8
-# host patch deepspeed.utils.tensor_fragment.safe_set_local_grad: checked against deepspeed 0.19.8
-# host patch deepspeed.utils.tensor_fragment.safe_get_local_fp32_param: checked against deepspeed 0.19.8
-# host patch deepspeed.utils.tensor_fragment.safe_set_local_fp32_param: checked against deepspeed 0.19.8
-# host patch deepspeed.utils.tensor_fragment.safe_get_local_optimizer_state: checked against deepspeed 0.19.8
-# host patch deepspeed.utils.tensor_fragment.safe_set_local_optimizer_state: checked against deepspeed 0.19.8
-# host patch deepspeed.utils.tensor_fragment.safe_update_full_grad_vectorized: checked against deepspeed 0.19.8
+# host patch deepspeed.utils.tensor_fragment.safe_get_full_grad: checked against deepspeed 0.16.9-0.19.8
+# host patch deepspeed.utils.tensor_fragment.safe_set_full_grad: checked against deepspeed 0.16.9-0.19.8
+# host patch deepspeed.utils.tensor_fragment.safe_get_full_fp32_param: checked against deepspeed 0.16.9-0.19.8
+# host patch deepspeed.utils.tensor_fragment.safe_set_full_fp32_param: checked against deepspeed 0.16.9-0.19.8
+# host patch deepspeed.utils.tensor_fragment.safe_get_full_optimizer_state: checked against deepspeed 0.16.9-0.19.8
+# host patch deepspeed.utils.tensor_fragment.safe_set_full_optimizer_state: checked against deepspeed 0.16.9-0.19.8
+# host patch deepspeed.utils.tensor_fragment.safe_get_local_grad: checked against deepspeed 0.16.9-0.19.8
+# host patch deepspeed.utils.tensor_fragment.safe_set_local_grad: checked against deepspeed 0.16.9-0.19.8
+# host patch deepspeed.utils.tensor_fragment.safe_get_local_fp32_param: checked against deepspeed 0.16.9-0.19.8
+# host patch deepspeed.utils.tensor_fragment.safe_set_local_fp32_param: checked against deepspeed 0.16.9-0.19.8
+# host patch deepspeed.utils.tensor_fragment.safe_get_local_optimizer_state: checked against deepspeed 0.16.9-0.19.8
+# host patch deepspeed.utils.tensor_fragment.safe_set_local_optimizer_state: checked against deepspeed 0.16.9-0.19.8
+# host patch deepspeed.utils.tensor_fragment.safe_update_full_grad_vectorized: checked against deepspeed 0.16.9-0.19.8
 def routed_accessor(original: Callable[..., Any]) -> Callable[..., Any]:
     """What DeepSpeed's accessor (``original``: a copy of its body) forwards to once routed in place
     by ``vescale_zero.host_patches.install("deepspeed")``: a ragged parameter to the function here,

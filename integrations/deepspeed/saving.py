@@ -57,7 +57,7 @@ def consolidated_state_dict(
     return state
 
 
-# host patch accelerate.Accelerator.get_state_dict: checked against accelerate 1.15.0
+# host patch accelerate.Accelerator.get_state_dict: checked against accelerate 1.10.1-1.15.0
 def wrap_get_state_dict(original):
     """``Accelerator.get_state_dict`` that gathers a ragged-sharded model (others go through untouched)."""
 
@@ -71,7 +71,7 @@ def wrap_get_state_dict(original):
     return get_state_dict
 
 
-# host patch transformers.modeling_utils.PreTrainedModel.save_pretrained: checked against transformers 5.24.0
+# host patch transformers.modeling_utils.PreTrainedModel.save_pretrained: checked against transformers 4.57.6-5.24.0
 def wrap_save_pretrained(original):
     """``PreTrainedModel.save_pretrained`` that refuses a ragged-sharded model without ``state_dict=``."""
 

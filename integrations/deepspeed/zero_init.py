@@ -96,7 +96,7 @@ def mark_ragged_partitions(init: partition_parameters.Init) -> None:
         convert(param)
         setattr(param, RAGGED_PARTITION, True)
 
-    # host patch deepspeed.runtime.zero.partition_parameters.Init._convert_to_deepspeed_param: checked against deepspeed 0.19.8  # noqa: E501
+    # host patch deepspeed.runtime.zero.partition_parameters.Init._convert_to_deepspeed_param: checked against deepspeed 0.16.9-0.19.8  # noqa: E501
     init._convert_to_deepspeed_param = convert_and_mark  # on this instance only
 
 
@@ -172,8 +172,8 @@ def fill_from_zero3(module: nn.Module, sources: Zero3Sources) -> None:
     fill_group_by_group(module, open_group, device)
 
 
-# host patch deepspeed.runtime.zero.partition_parameters.GatheredParameters: checked against deepspeed 0.19.8
-# host patch deepspeed.zero.GatheredParameters: checked against deepspeed 0.19.8
+# host patch deepspeed.runtime.zero.partition_parameters.GatheredParameters: checked against deepspeed 0.16.9-0.19.8
+# host patch deepspeed.zero.GatheredParameters: checked against deepspeed 0.16.9-0.19.8
 class GatheredParameters(partition_parameters.GatheredParameters):
     """``deepspeed.zero.GatheredParameters`` that also gathers our sharded parameters (see
     ``vescale_zero.api.full_parameters``); ZeRO-3 parameters go to DeepSpeed's own, others are ignored."""

@@ -39,7 +39,7 @@ def is_ragged_checkpoint(tag_dir: str) -> bool:
     return os.path.isfile(os.path.join(tag_dir, METADATA_FILE))
 
 
-# host patch deepspeed.utils.zero_to_fp32._get_fp32_state_dict_from_zero_checkpoint: checked against deepspeed 0.19.8  # noqa: E501
+# host patch deepspeed.utils.zero_to_fp32._get_fp32_state_dict_from_zero_checkpoint: checked against deepspeed 0.16.9-0.19.8  # noqa: E501
 def ragged_reader(original: Callable[..., Dict[str, Any]]) -> Callable[..., Dict[str, Any]]:
     """DeepSpeed's reading step ``original``, answering ragged checkpoints with the consolidator
     (fp32 master weights and buffers, tied parameters under every name)."""
@@ -88,7 +88,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("-d", "--debug", action="store_true", help="DeepSpeed's debug prints")
     args = parser.parse_args(argv)
     host = host_converter()
-    # host patch deepspeed.utils.zero_to_fp32.debug: checked against deepspeed 0.19.8
+    # host patch deepspeed.utils.zero_to_fp32.debug: checked against deepspeed 0.16.9-0.19.8
     host_patches.assign("deepspeed.utils.zero_to_fp32.debug", args.debug)  # what DeepSpeed's own -d sets
     host.convert_zero_checkpoint_to_fp32_state_dict(
         args.checkpoint_dir, args.output_dir, max_shard_size=args.max_shard_size,

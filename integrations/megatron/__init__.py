@@ -20,6 +20,13 @@ Megatron ``torch_dist`` checkpoints (see data_parallel.py [Note: dist-checkpoint
     loaded = dist_checkpointing.load(state, path)              # Megatron reshards any layout
     model.load_state_dict(loaded["model"]); optimizer.load_state_dict(loaded["optimizer"])
 """
+# ruff: noqa: E402 - the release check comes before the adapter's imports
+
+from vescale_zero import host_patches
+
+# Before any module of the adapter imports megatron-core's internals: a release outside the supported
+# range fails here, in one line naming both ([Note: one door to Megatron's releases]).
+host_patches.check_release("megatron-core")
 
 from .arguments import (
     add_vescale_fsdp_args,

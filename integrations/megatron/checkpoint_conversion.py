@@ -42,6 +42,8 @@ import torch
 
 from vescale_zero.hosts import CheckpointError, read_dcp, write_whole
 
+from .megatron_compat import common_state
+
 __all__ = ["from_megatron", "megatron_iteration_dir", "LAYER_SPECS"]
 
 LAYER_SPECS = ("local", "te")
@@ -145,7 +147,7 @@ def _unstack(key: str, tensor: torch.Tensor, inverse: Dict[str, str],
 
 
 def _common_steps(common: Any) -> List[Any]:
-    """Every optimizer step in common.pt's optimizer part: ``state.common_step`` (nested
+    """Every optimizer step in the common state's optimizer part: ``state.common_step`` (nested
     under chained and mixed-precision optimizers), or the distributed optimizer's
     ``param_groups[i]["step"]``."""
     found: List[Any] = []
@@ -172,7 +174,7 @@ def from_megatron(src: str, dst: str, iteration: Optional[int] = None, layer_spe
     _check_torch_dist(path)
     inverse = _inverse_keys_map(layer_spec)
     state = read_dcp(path)
-    common = torch.load(os.path.join(path, "common.pt"), map_location="cpu", weights_only=False)
+    common = common_state(path, state)  # common.pt, or inside the DCP files: [Note: one door to Megatron's releases]
     model: Dict[str, torch.Tensor] = {}
     optim: Dict[str, Dict[str, torch.Tensor]] = {}
     for key, value in state.items():
@@ -213,7 +215,7 @@ def from_megatron(src: str, dst: str, iteration: Optional[int] = None, layer_spe
         if weights_only or not moments:
             continue
         if not steps:
-            raise CheckpointError(f"{path}/common.pt holds no optimizer step (state.common_step); "
+            raise CheckpointError(f"{path}: its common state holds no optimizer step (state.common_step); "
                                   "convert with --weights-only")
         split = {k: dict(_unstack(key, v, inverse, layer_spec)) for k, v in moments.items()}
         for name in pieces:

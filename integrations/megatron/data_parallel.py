@@ -59,7 +59,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-# host patch megatron.core.distributed.data_parallel_base._BaseDataParallel: checked against megatron-core 0.16.1
+# host patch megatron.core.distributed.data_parallel_base._BaseDataParallel: checked against megatron-core 0.15.3-0.19.2
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.core.process_groups_config import ProcessGroupCollection

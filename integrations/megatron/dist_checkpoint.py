@@ -184,7 +184,7 @@ def checkpoint_parameters(chunk: Any) -> Iterator[None]:
                 dict_list_map_inplace(_refuse_meta, out)
                 return out
 
-            # host patch megatron.core.transformer.module.MegatronModule.sharded_state_dict: checked against megatron-core 0.16.1  # noqa: E501
+            # host patch megatron.core.transformer.module.MegatronModule.sharded_state_dict: checked against megatron-core 0.15.3-0.19.2  # noqa: E501
             target.sharded_state_dict = streamed  # an instance attribute: Megatron-LM calls the unwrapped model's
             overridden.append(target)
     setattr(chunk, STREAMING, True)

@@ -85,7 +85,7 @@ def use_vescale_fsdp_in_megatron_lm(get_args: Optional[Callable[[], Any]] = None
 # ---- the replacements (each given Megatron's own): [Note: host patches] -------------------------------------------
 
 
-# host patch megatron.core.utils.unwrap_model: checked against megatron-core 0.16.1
+# host patch megatron.core.utils.unwrap_model: checked against megatron-core 0.15.3-0.19.2
 def unwrap_vescale(unwrap_model: Callable) -> Callable:
     """``unwrap_model`` that also peels ``RaggedFSDP`` (Megatron's checks name its classes); it is
     imported by name into many modules: replaced in every one (kind ``everywhere``)."""
@@ -102,7 +102,7 @@ def unwrap_vescale(unwrap_model: Callable) -> Callable:
     return unwrap
 
 
-# host patch megatron.training.training.DDP: checked against megatron-core 0.16.1
+# host patch megatron.training.training.DDP: checked against megatron-core 0.15.3-0.19.2
 def data_parallel_switch(megatron_ddp: type) -> type:
     """What Megatron-LM's module-level ``DDP`` becomes: a class (Megatron-LM tests
     ``isinstance(model[0], (megatron_FSDP, DDP))`` and asserts ``isinstance(chunk, DDP)``) whose
@@ -136,7 +136,7 @@ def _vescale_fsdp(args: Any, config: Any, ddp_config: Any, module: Any, disable_
     return RaggedFSDP(config, ddp_config, module, disable_bucketing, options=vescale_options_from_args(args), **kwargs)
 
 
-# host patch megatron.training.training.get_megatron_optimizer: checked against megatron-core 0.16.1
+# host patch megatron.training.training.get_megatron_optimizer: checked against megatron-core 0.15.3-0.19.2
 def optimizer_switch(megatron_optimizer: Callable) -> Callable:
     """``get_megatron_optimizer`` that builds ours under ``--use-vescale-fsdp``."""
 
@@ -151,7 +151,7 @@ def optimizer_switch(megatron_optimizer: Callable) -> Callable:
     return optimizer
 
 
-# host patch megatron.training.training.get_megatron_muon_optimizer: checked against Megatron-LM core_v0.16.1
+# host patch megatron.training.training.get_megatron_muon_optimizer: checked against Megatron-LM 0.15.3-0.19.2
 def muon_optimizer_switch(megatron_muon: Callable) -> Callable:
     """``get_megatron_muon_optimizer`` (``--optimizer muon``) that builds our Muon under ``--use-vescale-fsdp``."""
 
@@ -165,7 +165,7 @@ def muon_optimizer_switch(megatron_muon: Callable) -> Callable:
     return muon_optimizer
 
 
-# host patch megatron.training.training.get_model: checked against Megatron-LM core_v0.16.1
+# host patch megatron.training.training.get_model: checked against Megatron-LM 0.15.3-0.19.2
 def checked_get_model(megatron_get_model: Callable) -> Callable:
     """``get_model`` that checks our flags first (``--use-megatron-fsdp`` / ``--use-torch-fsdp2``
     beside ``--use-vescale-fsdp`` would otherwise pick those wrappers silently)."""
@@ -180,7 +180,7 @@ def checked_get_model(megatron_get_model: Callable) -> Callable:
     return get_model
 
 
-# host patch megatron.training.training.to_empty_if_meta_device: checked against Megatron-LM core_v0.16.1
+# host patch megatron.training.training.to_empty_if_meta_device: checked against Megatron-LM 0.15.3-0.19.2
 def kept_on_meta(megatron_to_empty: Callable) -> Callable:
     """``to_empty_if_meta_device`` (``--init-model-with-meta-device``) that leaves the model on meta
     under ``--use-vescale-fsdp``."""
@@ -196,7 +196,7 @@ def kept_on_meta(megatron_to_empty: Callable) -> Callable:
     return to_empty_if_meta_device
 
 
-# host patch megatron.training.training.calc_params_l2_norm: checked against Megatron-LM core_v0.16.1
+# host patch megatron.training.training.calc_params_l2_norm: checked against Megatron-LM 0.15.3-0.19.2
 def params_norm_of_shards(megatron_params_norm: Callable) -> Callable:
     """``calc_params_l2_norm`` (``--log-params-norm``) that sums our shards over their own groups."""
 
@@ -207,7 +207,7 @@ def params_norm_of_shards(megatron_params_norm: Callable) -> Callable:
     return calc_params_l2_norm
 
 
-# host patch megatron.training.training.check_param_hashes_across_dp_replicas: checked against Megatron-LM core_v0.16.1  # noqa: E501
+# host patch megatron.training.training.check_param_hashes_across_dp_replicas: checked against Megatron-LM 0.15.3-0.19.2  # noqa: E501
 def hashes_of_full_parameters(megatron_hashes: Callable) -> Callable:
     """``check_param_hashes_across_dp_replicas`` that hashes the full parameters."""
 
@@ -232,8 +232,8 @@ def _chunks_of(model: Any) -> List[RaggedFSDP]:
     return [m for m in (model if isinstance(model, list) else [model]) if isinstance(m, RaggedFSDP)]
 
 
-# host patch megatron.training.checkpointing.save_checkpoint: checked against Megatron-LM core_v0.16.1
-# host patch megatron.training.training.save_checkpoint: checked against Megatron-LM core_v0.16.1
+# host patch megatron.training.checkpointing.save_checkpoint: checked against Megatron-LM 0.15.3-0.19.2
+# host patch megatron.training.training.save_checkpoint: checked against Megatron-LM 0.15.3-0.19.2
 def checkpoint_saver(megatron_save: Callable) -> Callable:
     """Megatron-LM's ``save_checkpoint`` with ``RaggedFSDP`` chunks.
 
@@ -273,8 +273,8 @@ def checkpoint_saver(megatron_save: Callable) -> Callable:
     return save_checkpoint
 
 
-# host patch megatron.training.checkpointing.load_checkpoint: checked against Megatron-LM core_v0.16.1
-# host patch megatron.training.training.load_checkpoint: checked against Megatron-LM core_v0.16.1
+# host patch megatron.training.checkpointing.load_checkpoint: checked against Megatron-LM 0.15.3-0.19.2
+# host patch megatron.training.training.load_checkpoint: checked against Megatron-LM 0.15.3-0.19.2
 def checkpoint_loader(megatron_load: Callable) -> Callable:
     """Megatron-LM's ``load_checkpoint`` with ``RaggedFSDP`` chunks: the load runs with full
     parameters installed (``RaggedFSDP.full_parameters``), into which Megatron's loader reshards

@@ -67,7 +67,7 @@ def _tp_rank_size(module: nn.Module) -> tuple:
 
 def _parallel_weight(module: nn.Module, config: TransformerConfig, init_method: Callable) -> None:
     """The constructor's weight initialisation of a megatron-core parallel linear / embedding."""
-    # host patch megatron.core.tensor_parallel.layers._initialize_affine_weight_cpu: checked against megatron-core 0.16.1  # noqa: E501
+    # host patch megatron.core.tensor_parallel.layers._initialize_affine_weight_cpu: checked against megatron-core 0.15.3-0.19.2  # noqa: E501
     from megatron.core.tensor_parallel.layers import (
         RowParallelLinear,
         VocabParallelEmbedding,

@@ -70,7 +70,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-# host patch megatron.core.optimizer._get_param_groups: checked against megatron-core 0.16.1
+# host patch megatron.core.optimizer._get_param_groups: checked against megatron-core 0.15.3-0.19.2
 from megatron.core.optimizer import OptimizerConfig, _get_param_groups
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from megatron.core.optimizer.optimizer import MegatronOptimizer
@@ -93,6 +93,7 @@ from .data_parallel import RaggedFSDP
 from .dist_checkpoint import boxes_by_parameter, state_boxes
 from .distrib_optim_file import megatron_parameter_state
 from .hsdp import replica_rank, shard_group
+from .megatron_compat import common_state, muon_nesterov
 from .optimizer_offload import check_offload_matches
 
 __all__ = ["RaggedOptimizer", "get_vescale_optimizer", "SUPPORTED_OPTIMIZERS", "check_dist_checkpoint_optimizer"]
@@ -520,10 +521,7 @@ def check_dist_checkpoint_optimizer(path: str) -> None:
     ``path`` whose distributed-optimizer state is laid out by Megatron's gradient buckets
     (``dp_reshardable``, Megatron-LM's default): it maps to parameters only through
     Megatron's own bucket layout. No-op for other checkpoints."""
-    common = os.path.join(path, "common.pt")
-    if not os.path.isfile(common):
-        return
-    state = torch.load(common, map_location="cpu", weights_only=False)
+    state = common_state(path)  # [Note: one door to Megatron's releases]
     optimizer = state.get("optimizer") if isinstance(state, dict) else None
     fmt = optimizer.get("param_state_sharding_type") if isinstance(optimizer, dict) else None
     if fmt not in _MODEL_SPACE_FORMATS:
@@ -621,7 +619,7 @@ def get_vescale_optimizer(
             raise ValueError("--vescale-optimizer muon: expert parameters (another data-parallel group) are not "
                              "supported yet; use adam for MoE models")
         inner = Muon(groups, lr=config.lr, momentum=getattr(config, "muon_momentum", 0.95),
-                     nesterov=getattr(config, "muon_use_nesterov", True),
+                     nesterov=muon_nesterov(config),
                      ns_steps=getattr(config, "muon_num_ns_steps", 5),
                      weight_decay=config.weight_decay, adamw_lr=config.lr,
                      adamw_betas=(config.adam_beta1, config.adam_beta2), adamw_eps=config.adam_eps,

@@ -76,7 +76,7 @@ def _deepspeed(ctx: Context, name: str, fused: bool) -> Outcome:
     import vescale_zero.integrations.deepspeed  # noqa: F401  (registers the stage "ragged")
 
     if ctx.device.type != "cuda":
-        # host patch deepspeed.ops.__compatible_ops__: checked against deepspeed 0.19.8
+        # host patch deepspeed.ops.__compatible_ops__: checked against deepspeed 0.16.9-0.19.8
         host_patches.assign("deepspeed.ops.__compatible_ops__", False, key="deepspeed_shm_comm")  # a 40 s CPU build
     s = ctx.sizes
     deepspeed.init_distributed(dist_backend="nccl" if ctx.device.type == "cuda" else "gloo",
