@@ -156,9 +156,9 @@ class MegatronFP32Step:
     groups -- here."""
 
     def __init__(self, model, config) -> None:
-        from megatron.core.optimizer import _get_param_groups
+        from vescale_zero.integrations.megatron.megatron_compat import param_groups
 
-        groups = _get_param_groups([model], config, None)
+        groups = param_groups([model], config)  # as get_megatron_optimizer builds them, on every release
         for g in groups:
             g["lr"] = g["max_lr"] * g["lr_mult"]
             g["weight_decay"] = config.weight_decay * g["wd_mult"]

@@ -113,7 +113,8 @@ def _stand_in(args) -> types.ModuleType:
         if not ddp_config.overlap_grad_reduce:
             ddp_config.bucket_size = None
         return [dp(config=config, ddp_config=ddp_config, module=chunk,
-                   disable_bucketing=(i > 0) or args.overlap_param_gather_with_optimizer_step)
+                   disable_bucketing=(i > 0) or args.overlap_param_gather_with_optimizer_step,
+                   **_full_param_layout(dp, training, chunk, ddp_config))
                 for i, chunk in enumerate(model)]
 
     training.get_model = get_model
@@ -134,6 +135,25 @@ def _stand_in(args) -> types.ModuleType:
     sys.modules.update({"megatron.training": package, "megatron.training.training": training,
                         "megatron.training.checkpointing": checkpointing})
     return training
+
+
+def _full_param_layout(dp, training, chunk, ddp_config) -> Dict[str, Any]:
+    """megatron-core 0.18 and later, training.py wrap_model_chunks_with_ddp (0.19.2: lines
+    1570-1700): with the distributed optimizer, the layout of DDP's buffers is computed by
+    ``DistributedOptimizer.compute_full_param_layout`` over the chunk's trainable parameters,
+    the bucket size and the data-parallel size, and passed as ``full_param_layout`` to the class
+    ``get_model`` wraps with when it is Megatron-LM's ``DDP`` (the name, switched or not).
+    Earlier releases: nothing."""
+    from megatron.core import parallel_state
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    compute = getattr(DistributedOptimizer, "compute_full_param_layout", None)
+    if compute is None or not ddp_config.use_distributed_optimizer or dp is not training.DDP:
+        return {}
+    params = [p for p in chunk.parameters() if p.requires_grad]
+    return {"full_param_layout": compute(
+        params, ddp_config.bucket_size, parallel_state.get_data_parallel_world_size(with_context_parallel=True),
+        ddp_config, expert_data_parallel_world_size=parallel_state.get_expert_data_parallel_world_size())}
 
 
 def _checkpoint_name(root: str, iteration: int) -> str:
@@ -397,8 +417,12 @@ def _torch_checkpoint(rank: int, world_size: int, root: str) -> Dict[str, Any]:
 
 
 # ---- C and --use-distributed-optimizer ------------------------------------------------
-def _forward_pre_hooks(training, model, enable: bool, param_sync: bool = True) -> None:
-    """core_v0.16.1 training.py enable_forward_pre_hook / disable_forward_pre_hook, lines 2147-2156."""
+def _forward_pre_hooks(training, model, enable: bool, param_sync: bool = True, optimizer=None) -> None:
+    """core_v0.16.1 training.py enable_forward_pre_hook / disable_forward_pre_hook, lines 2147-2156;
+    from megatron-core 0.19 disabling with a sync first stages the optimizer's main parameters
+    into DDP's buffers (0.19.2 training.py lines 3014-3019: ``prepare_model_params_for_param_sync``)."""
+    if not enable and param_sync and hasattr(optimizer, "prepare_model_params_for_param_sync"):
+        optimizer.prepare_model_params_for_param_sync()
     for chunk in model:
         assert isinstance(chunk, training.DDP)
         chunk.enable_forward_pre_hook() if enable else chunk.disable_forward_pre_hook(param_sync=param_sync)
@@ -423,7 +447,7 @@ def _train_with_dist_opt(training, pg, args, model, optimizer, config, first: in
             _forward_pre_hooks(training, model, True)
             config.param_sync_func = param_sync_func
     if hooks:
-        _forward_pre_hooks(training, model, False)
+        _forward_pre_hooks(training, model, False, optimizer=optimizer)
     return losses
 
 

@@ -181,14 +181,21 @@ _ZERO_INIT = ("(self, module=None, data_parallel_group=None, mem_efficient_linea
               "pin_memory=False, config_dict_or_path=None, config=None, enabled=True, dtype=None, mpu=None, "
               "zero_param_parallel_group=None, zero_quantized_weights=False, "
               "zero_quantized_nontrainable_weights=False, sequence_data_parallel_group=None, param_swapper=None, "
-              "tensor_overrides=[<DeepSpeedTensorOverride.dtype: 1>, <DeepSpeedTensorOverride.device: 2>])")
+              "tensor_overrides=[<DeepSpeedTensorOverride.dtype: 1>, <DeepSpeedTensorOverride.device: 2>])"
+              " | (self, module=None, data_parallel_group=None, mem_efficient_linear=True, remote_device=None, "
+              "pin_memory=False, config_dict_or_path=None, config=None, enabled=True, dtype=None, mpu=None, "
+              "zero_param_parallel_group=None, zero_quantized_weights=False, "
+              "zero_quantized_nontrainable_weights=False, sequence_data_parallel_group=None, param_swapper=None)")
 _GATHERED = "(params, modifier_rank=None, fwd_module=None, enabled=True)"
 _SAVE_PRETRAINED = ("(self, save_directory, is_main_process=True, state_dict=None, push_to_hub=False, "
                     "max_shard_size='50GB', variant=None, token=None, save_peft_format=True, "
                     "save_original_format=True, distributed_checkpoint=False, **kwargs)")
-_MCORE_DDP = "(config, ddp_config, module, disable_bucketing=False, pg_collection=None)"
+_MCORE_DDP = ("(config, ddp_config, module, disable_bucketing=False, pg_collection=None)"  # the second: 0.18 on
+              " | (config, ddp_config, module, disable_bucketing=False, pg_collection=None, full_param_layout=None)")
 _MCORE_OPTIMIZER = ("(config, model_chunks, config_overrides=None, use_gloo_process_groups=True, pg_collection=None, "
-                    "dump_param_to_param_group_map=None)")
+                    "dump_param_to_param_group_map=None)"
+                    " | (config, model_chunks, no_weight_decay_cond=None, scale_lr_cond=None, lr_mult=1.0, "  # 0.15
+                    "use_gloo_process_groups=True, default_skip_embedding_weight_decay=False, pg_collection=None)")
 _TRAINING = "megatron.training.training"
 _DS_ACCESSORS = {  # deepspeed.utils.tensor_fragment: the accessors routed for ragged parameters
     "safe_get_full_grad": "(param)", "safe_set_full_grad": "(param, value)",
@@ -218,8 +225,8 @@ _DS_ENGINE_OVERRIDES = {  # DeepSpeedEngine's private methods RaggedEngineMixin 
     "_configure_optimizer": "(self, client_optimizer, model_parameters)",
     "_is_supported_optimizer": "(self, optimizer_name)",
     "_broadcast_model": "(self)",
-    "_backward_prologue": "(self)",
-    "_take_model_step": "(self, lr_kwargs)",
+    "_backward_prologue": "(self) | (self, loss, scale_wrt_gas=True)",  # the second: 0.16 and 0.17
+    "_take_model_step": "(self, lr_kwargs) | (self, lr_kwargs, block_eigenvalue={})",  # the second: up to 0.19.0
     "_zero3_consolidated_16bit_state_dict": "(self, exclude_frozen_parameters=False)",
     "_consolidated_16bit_state_dict": "(self, exclude_frozen_parameters=False)",
 }
@@ -322,8 +329,10 @@ HOST_PATCHES: Dict[str, HostPatch] = {p.patched: p for p in (
           "instance"),
     _same("megatron.core.distributed.data_parallel_base._BaseDataParallel", "megatron-core", "(config, module)",
           f"{_MEG}.data_parallel:RaggedFSDP", "import"),
-    _same("megatron.core.optimizer._get_param_groups", "megatron-core", "(model_chunks, config, config_overrides)",
-          f"{_MEG}.optimizer:RaggedOptimizer", "import"),
+    _same("megatron.core.optimizer._get_param_groups", "megatron-core",
+          "(model_chunks, config, config_overrides)"  # 0.16 and later; 0.15:
+          " | (model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult, lr, min_lr, decoupled_lr, decoupled_min_lr, "
+          "default_skip_embedding_weight_decay=False)", f"{_MEG}.megatron_compat:param_groups", "import"),
     _same("megatron.core.tensor_parallel.layers._initialize_affine_weight_cpu", "megatron-core",
           "(weight, output_size, input_size, per_partition_size, partition_dim, init_method, stride=1, "
           "return_master_weight=False, *, params_dtype=torch.float32, rank=None, world_size=None, "

@@ -113,6 +113,15 @@ class FP16Section:
     bf16_master_weights_and_grads: bool = False
     bf16_optimizer_states: bool = False
 
+    def dynamic_loss_scale_args(self) -> Dict[str, Any]:
+        """The dynamic loss scaler's arguments, as 0.17's model gives them."""
+        from deepspeed.runtime.fp16 import loss_scaler
+
+        return {loss_scaler.INITIAL_LOSS_SCALE: 2 ** self.initial_scale_power,
+                loss_scaler.SCALE_WINDOW: self.loss_scale_window, loss_scaler.DELAYED_SHIFT: self.hysteresis,
+                loss_scaler.CONSECUTIVE_HYSTERESIS: self.consecutive_hysteresis,
+                loss_scaler.MIN_LOSS_SCALE: self.min_loss_scale}
+
 
 def _section_016(config: Dict[str, Any], bf16: bool) -> FP16Section:
     if bf16:

@@ -14,6 +14,13 @@ import time (the offline converter reads checkpoints without it).
   optimizer's layout of DDP's buffers, which Megatron-LM's ``get_model`` computes for the class it
   wraps with. ``RaggedFSDP`` lays out its own buffers: the argument is accepted and not used
   (``megatron_lm._vescale_fsdp``).
+* Megatron's parameter groups (``megatron.core.optimizer._get_param_groups``): 0.15 takes the
+  weight-decay and LR conditions (``no_weight_decay_cond``, ``scale_lr_cond``, ``lr_mult``) and
+  the learning rates; 0.16 on take the ``OptimizerConfig`` and ``config_overrides``. With no
+  overrides, 0.16 and 0.17 apply Megatron's standard ones inside (no weight decay on biases and
+  1-D parameters); from 0.18 ``get_megatron_optimizer`` does, and ``_get_param_groups`` alone
+  would decay every parameter. :func:`param_groups` gives the groups ``get_megatron_optimizer``
+  builds on every release.
 * Muon's settings in ``OptimizerConfig``: none in 0.15; ``muon_use_nesterov`` in 0.16 and 0.17,
   renamed ``muon_nesterov`` in 0.18. :func:`muon_nesterov` reads whichever the release has (a
   missing field would silently mean the default).
@@ -32,19 +39,45 @@ import time (the offline converter reads checkpoints without it).
 
 from __future__ import annotations
 
+import inspect
 import io
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-__all__ = ["muon_nesterov", "common_state", "COMMON_FILE", "COMMON_STATE_KEY"]
+__all__ = ["param_groups", "muon_nesterov", "common_state", "COMMON_FILE", "COMMON_STATE_KEY"]
 
 COMMON_FILE = "common.pt"
 """Where megatron-core up to 0.18 saves a ``torch_dist`` checkpoint's common state."""
 COMMON_STATE_KEY = "common_state/shard_0_1"
 """The DCP key of the sharded object holding the common state from 0.19 on (``ShardedObject
 ("common_state", ..., (1,), (0,))``'s unique key)."""
+
+
+def param_groups(model_chunks: List[Any], config: Any, config_overrides: Optional[Dict[Any, Any]] = None, *,
+                 no_weight_decay_cond: Optional[Callable] = None, scale_lr_cond: Optional[Callable] = None,
+                 lr_mult: float = 1.0, default_skip_embedding_weight_decay: bool = False) -> List[Dict[str, Any]]:
+    """Megatron's parameter groups of ``model_chunks``, as the installed ``get_megatron_optimizer``
+    builds them from its arguments (the keyword ones: 0.15's, refused elsewhere unless at their defaults)."""
+    # host patch megatron.core.optimizer._get_param_groups: checked against megatron-core 0.15.3-0.19.2
+    from megatron.core import optimizer as megatron_optimizer
+
+    get_groups = megatron_optimizer._get_param_groups
+    if "config" not in inspect.signature(get_groups).parameters:  # 0.15
+        if config_overrides is not None:
+            raise ValueError("config_overrides needs megatron-core 0.16 or later; with 0.15 pass "
+                             "no_weight_decay_cond / scale_lr_cond / lr_mult")
+        return get_groups(model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult, config.lr, config.min_lr,
+                          config.decoupled_lr, config.decoupled_min_lr, default_skip_embedding_weight_decay)
+    if no_weight_decay_cond is not None or scale_lr_cond is not None or lr_mult != 1.0 \
+            or default_skip_embedding_weight_decay:
+        raise ValueError("no_weight_decay_cond, scale_lr_cond, lr_mult and default_skip_embedding_weight_decay are "
+                         "megatron-core 0.15's; from 0.16 on express them as config_overrides")
+    if config_overrides is None:  # what get_megatron_optimizer does from 0.18 (and _get_param_groups before)
+        standard = getattr(megatron_optimizer, "get_standard_config_overrides", None)
+        config_overrides = standard(config) if standard is not None else None
+    return get_groups(model_chunks, config, config_overrides)
 
 
 def muon_nesterov(config: Any) -> bool:

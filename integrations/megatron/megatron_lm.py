@@ -27,6 +27,7 @@ Without ``--use-vescale-fsdp`` every call goes to Megatron's own classes unchang
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 from contextlib import ExitStack
@@ -136,6 +137,10 @@ def _vescale_fsdp(args: Any, config: Any, ddp_config: Any, module: Any, disable_
     return RaggedFSDP(config, ddp_config, module, disable_bucketing, options=vescale_options_from_args(args), **kwargs)
 
 
+_GROUP_ARGUMENTS = ("config_overrides", "no_weight_decay_cond", "scale_lr_cond", "lr_mult",
+                    "default_skip_embedding_weight_decay")
+
+
 # host patch megatron.training.training.get_megatron_optimizer: checked against megatron-core 0.15.3-0.19.2
 def optimizer_switch(megatron_optimizer: Callable) -> Callable:
     """``get_megatron_optimizer`` that builds ours under ``--use-vescale-fsdp``."""
@@ -145,8 +150,12 @@ def optimizer_switch(megatron_optimizer: Callable) -> Callable:
         if not _on(args):
             return megatron_optimizer(config, model_chunks, *rest, **kwargs)
         name = vescale_optimizer_name(args)
-        return get_vescale_optimizer(config, model_chunks, kwargs.pop("config_overrides", None), optimizer=name,
-                                     block=vescale_optimizer_block(args) if name else None)
+        # the parameter-group arguments by name, whichever release's order they came in: 0.15's conditions
+        # or config_overrides ([Note: one door to Megatron's releases])
+        given = inspect.signature(megatron_optimizer).bind(config, model_chunks, *rest, **kwargs).arguments
+        groups = {k: given[k] for k in _GROUP_ARGUMENTS if k in given}
+        return get_vescale_optimizer(config, model_chunks, groups.pop("config_overrides", None), optimizer=name,
+                                     block=vescale_optimizer_block(args) if name else None, **groups)
 
     return optimizer
 

@@ -69,9 +69,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-
-# host patch megatron.core.optimizer._get_param_groups: checked against megatron-core 0.15.3-0.19.2
-from megatron.core.optimizer import OptimizerConfig, _get_param_groups
+from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
@@ -93,7 +91,7 @@ from .data_parallel import RaggedFSDP
 from .dist_checkpoint import boxes_by_parameter, state_boxes
 from .distrib_optim_file import megatron_parameter_state
 from .hsdp import replica_rank, shard_group
-from .megatron_compat import common_state, muon_nesterov
+from .megatron_compat import common_state, muon_nesterov, param_groups
 from .optimizer_offload import check_offload_matches
 
 __all__ = ["RaggedOptimizer", "get_vescale_optimizer", "SUPPORTED_OPTIMIZERS", "check_dist_checkpoint_optimizer"]
@@ -594,7 +592,10 @@ def get_vescale_optimizer(
             twin_of[id(twin)] = p
             named.append((fqn, twin))
         chunks.append(_TwinChunk(named))
-    groups = _get_param_groups(chunks, config, config_overrides)
+    # megatron-core 0.15's conditions, positional in its get_megatron_optimizer: [Note: one door to Megatron's releases]
+    conditions = {k: unused[k] for k in ("no_weight_decay_cond", "scale_lr_cond", "lr_mult",
+                                         "default_skip_embedding_weight_decay") if unused.get(k) is not None}
+    groups = param_groups(chunks, config, config_overrides, **conditions)
     for group in groups:
         group["params"] = [twin_of[id(t)] for t in group["params"]]
         # What Megatron's scheduler sets on its first step, so a run without one is right too.
