@@ -182,6 +182,7 @@ _ZERO_INIT = ("(self, module=None, data_parallel_group=None, mem_efficient_linea
               "zero_param_parallel_group=None, zero_quantized_weights=False, "
               "zero_quantized_nontrainable_weights=False, sequence_data_parallel_group=None, param_swapper=None, "
               "tensor_overrides=[<DeepSpeedTensorOverride.dtype: 1>, <DeepSpeedTensorOverride.device: 2>])"
+              # the second: 0.16
               " | (self, module=None, data_parallel_group=None, mem_efficient_linear=True, remote_device=None, "
               "pin_memory=False, config_dict_or_path=None, config=None, enabled=True, dtype=None, mpu=None, "
               "zero_param_parallel_group=None, zero_quantized_weights=False, "
