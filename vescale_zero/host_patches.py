@@ -55,6 +55,18 @@ function still has the signature recorded here (parameter names, kinds and defau
 annotations left out), and that :func:`uninstall` restores every original. A host upgrade that
 changes one of them needs the patch re-read against the new version, then its entry updated.
 
+[Note: host releases]
+Each host is supported over a range of releases: ``HOST_VERSIONS`` names the oldest and the newest
+that CI installs (``FIRST-LAST``), and every minor release between them, any patch release of
+each, is supported (setup.py's extras state the same ranges; tests/test_host_releases.py checks
+it). An adapter checks the installed release before it imports the host's internals
+(:func:`check_release`): another release fails the import in one line naming the range and the
+release found. Where the releases differ, each adapter asks one module of its own (as
+``vescale_zero/torch_compat.py`` for torch): integrations/deepspeed/deepspeed_compat.py,
+integrations/megatron/megatron_compat.py. A signature that differs between releases is recorded
+in each form (``HostPatch.signature``), and CI checks the registry in a venv of each release
+(.ci/run).
+
 Each entry's ``by`` carries, at its definition, the line ``# host patch KEY: checked against HOST
 VERSION`` (the test checks that every entry has one and that they agree). This module imports no
 host and none of ours at import time.

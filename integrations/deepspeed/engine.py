@@ -322,8 +322,8 @@ class RaggedEngineMixin:
         reduces, and refuse an unscaled fp16 loss (its gradients would be divided by a scale
         they never had). The epilogue, which ``engine.backward`` calls after its backward, runs
         at the end of a direct backward's graph, as ZeRO-3 runs it from its post-backward hook."""
-        # [Note: one door to DeepSpeed's releases]
-        if not BACKWARD_HOOKS:  # before 0.18: called by engine.backward with (loss, scale_wrt_gas)
+        # before 0.18: called by engine.backward with (loss, scale_wrt_gas) ([Note: one door to DeepSpeed's releases])
+        if not BACKWARD_HOOKS:
             return super()._backward_prologue(*before_018, **before_018_kw)
         direct = not (self._running_engine_backward or self._is_pipeline() or is_functorch_transforming())
         if direct:
