@@ -27,7 +27,7 @@ SITE = re.compile(r"#\s*host patch (\S+): checked against (\S+) (\S+)")
 # patched them already. Prints {path: signature | "missing: <why>" | "not callable"} and the
 # installed versions.
 _PROBE = r"""
-import importlib, importlib.metadata, inspect, json, os, sys, typing
+import importlib, importlib.metadata, inspect, json, os, re, sys, typing
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 if not hasattr(typing, "override"):  # Python 3.11: megatron-core 0.18+'s megatron.training imports 3.12's name
     import typing_extensions
@@ -61,8 +61,9 @@ for path in paths:
         out[path] = "not callable"
         continue
     empty = inspect.Parameter.empty
-    out[path] = str(sig.replace(parameters=[p.replace(annotation=empty) for p in sig.parameters.values()],
-                                return_annotation=empty))
+    text = str(sig.replace(parameters=[p.replace(annotation=empty) for p in sig.parameters.values()],
+                           return_annotation=empty))
+    out[path] = re.sub(r" at 0x[0-9a-f]+>", ">", text)  # a function default: without its address
 versions = {}
 for host in hosts:
     try:

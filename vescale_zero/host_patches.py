@@ -202,7 +202,11 @@ _ZERO_INIT = ("(self, module=None, data_parallel_group=None, mem_efficient_linea
 _GATHERED = "(params, modifier_rank=None, fwd_module=None, enabled=True)"
 _SAVE_PRETRAINED = ("(self, save_directory, is_main_process=True, state_dict=None, push_to_hub=False, "
                     "max_shard_size='50GB', variant=None, token=None, save_peft_format=True, "
-                    "save_original_format=True, distributed_checkpoint=False, **kwargs)")
+                    "save_original_format=True, distributed_checkpoint=False, **kwargs)"
+                    # the second: 4.57 (a function default is shown without its address)
+                    " | (self, save_directory, is_main_process=True, state_dict=None, save_function=<function save>, "
+                    "push_to_hub=False, max_shard_size='5GB', safe_serialization=True, variant=None, token=None, "
+                    "save_peft_format=True, **kwargs)")
 _MCORE_DDP = ("(config, ddp_config, module, disable_bucketing=False, pg_collection=None)"  # the second: 0.18 on
               " | (config, ddp_config, module, disable_bucketing=False, pg_collection=None, full_param_layout=None)")
 _MCORE_OPTIMIZER = ("(config, model_chunks, config_overrides=None, use_gloo_process_groups=True, pg_collection=None, "

@@ -49,7 +49,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler, get_canonical_lr_for_logging
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module
@@ -64,6 +64,7 @@ from vescale_zero.integrations.megatron import (
     vescale_optimizer_name,
     vescale_options_from_args,
 )
+from vescale_zero.integrations.megatron.megatron_compat import canonical_lr
 from vescale_zero.testing import SyntheticCorpus
 
 
@@ -457,7 +458,7 @@ def train_loop(
             num_microbatches=num_microbatches, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
             forward_only=False,
         )
-        lrs.append(get_canonical_lr_for_logging(optimizer.param_groups) if hasattr(optimizer, "param_groups")
+        lrs.append(canonical_lr(optimizer.param_groups) if hasattr(optimizer, "param_groups")
                    else None)
         ok, grad_norm, _ = optimizer.step()
         if ok and scheduler is not None:
@@ -476,7 +477,7 @@ def train_loop(
                 interval["nan"] += int(not math.isfinite(losses[-1]))
         if printer and iteration % args.log_interval == 0:
             scale = optimizer.get_loss_scale() if hasattr(optimizer, "get_loss_scale") else None
-            lr = get_canonical_lr_for_logging(optimizer.param_groups) if hasattr(optimizer, "param_groups") else None
+            lr = canonical_lr(optimizer.param_groups) if hasattr(optimizer, "param_groups") else None
             loss = interval["loss"] / max(1, interval["advanced"]) if losses else None
             print(training_log(args, iteration, consumed, 1e3 * times[-1], lr, batch_size, loss,
                                float(scale) if scale is not None else 1.0,

@@ -21,6 +21,9 @@ import time (the offline converter reads checkpoints without it).
   1-D parameters); from 0.18 ``get_megatron_optimizer`` does, and ``_get_param_groups`` alone
   would decay every parameter. :func:`param_groups` gives the groups ``get_megatron_optimizer``
   builds on every release.
+* The learning rate Megatron-LM logs: 0.16 on, ``get_canonical_lr_for_logging`` (the first
+  ``default_config`` group's); 0.15 has no such function nor flag: :func:`canonical_lr` takes the
+  first group that is not a decoupled-LR one there.
 * Muon's settings in ``OptimizerConfig``: none in 0.15; ``muon_use_nesterov`` in 0.16 and 0.17,
   renamed ``muon_nesterov`` in 0.18. :func:`muon_nesterov` reads whichever the release has (a
   missing field would silently mean the default).
@@ -46,7 +49,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-__all__ = ["param_groups", "muon_nesterov", "common_state", "COMMON_FILE", "COMMON_STATE_KEY"]
+__all__ = ["param_groups", "canonical_lr", "muon_nesterov", "common_state", "COMMON_FILE", "COMMON_STATE_KEY"]
 
 COMMON_FILE = "common.pt"
 """Where megatron-core up to 0.18 saves a ``torch_dist`` checkpoint's common state."""
@@ -78,6 +81,16 @@ def param_groups(model_chunks: List[Any], config: Any, config_overrides: Optiona
         standard = getattr(megatron_optimizer, "get_standard_config_overrides", None)
         config_overrides = standard(config) if standard is not None else None
     return get_groups(model_chunks, config, config_overrides)
+
+
+def canonical_lr(param_groups: List[Dict[str, Any]]) -> Optional[float]:
+    """The learning rate Megatron-LM logs for these optimizer parameter groups."""
+    from megatron.core import optimizer_param_scheduler
+
+    canonical = getattr(optimizer_param_scheduler, "get_canonical_lr_for_logging", None)
+    if canonical is not None:
+        return canonical(param_groups)
+    return next((g.get("lr") for g in param_groups if not g.get("is_decoupled_lr", False)), None)
 
 
 def muon_nesterov(config: Any) -> bool:
