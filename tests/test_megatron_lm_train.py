@@ -107,7 +107,8 @@ def _stand_in(args) -> types.ModuleType:
         fields["pad_buckets_for_high_nccl_busbw"] = args.ddp_pad_buckets_for_high_nccl_busbw
         fields["reduce_scatter_with_fp32_accumulation"] = args.ddp_reduce_scatter_with_fp32_accumulation
         fields["average_in_collective"] = args.ddp_average_in_collective
-        ddp_config = DistributedDataParallelConfig(**fields)
+        known = {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}  # 0.15 lacks some
+        ddp_config = DistributedDataParallelConfig(**{k: v for k, v in fields.items() if k in known})
         if ddp_config.bucket_size is None:
             ddp_config.bucket_size = max(40000000, 1000000 * torch.distributed.get_world_size())
         if not ddp_config.overlap_grad_reduce:
