@@ -8,24 +8,26 @@ with one line naming both: ``host_patches.check_release``). Where those releases
 adapter asks this module, which answers by what the installed release has (no version number is
 compared here), as ``vescale_zero/torch_compat.py`` does for torch:
 
-* ``gradient_allreduce_op`` (a top-level key, ``"mean"`` or ``"sum"``) is read by 0.19.1 and
-  later (``get_gradient_allreduce_op``); earlier releases do not know the key and always average:
+* ``gradient_allreduce_op`` (a top-level key, ``"mean"`` or ``"sum"``) is read by releases after
+  0.19.5 (``get_gradient_allreduce_op``; 0.19.8 has it); earlier releases do not know the key and always average:
   :func:`gradient_allreduce_op` reads it as the installed DeepSpeed does.
 * Backward. From 0.18 on, DeepSpeed runs ``_backward_prologue()`` from hooks on the forward's
   outputs, so ``loss.backward()`` and ``engine.scale(loss).backward()`` work beside
   ``engine.backward(loss)``. Before 0.18, only ``engine.backward(loss)`` backpropagates through
   the engine; it calls ``_backward_prologue(loss, scale_wrt_gas)``, which returns the loss
   divided by the accumulation steps. :data:`BACKWARD_HOOKS` says which one the engine has.
-* ``is_functorch_transforming`` (0.19.1 and later: the engine's backward hooks stand aside under
+* ``is_functorch_transforming`` (0.19.2 and later: the engine's backward hooks stand aside under
   ``torch.func`` transforms): :func:`is_functorch_transforming` is DeepSpeed's where it has one,
   else ``False``, as the engine of those releases never stands aside.
-* ``managed_gradient_accumulation`` (0.19.1 and later; a config key, ``false``: the caller's
+* ``managed_gradient_accumulation`` (0.19.4 and later; a config key, ``false``: the caller's
   ``step()`` is the accumulation boundary): earlier releases always manage accumulation, so
   :func:`managed_gradient_accumulation` is ``True`` there.
 * ``offload_states``: 0.18 and later refine ``include`` in ``_refine_include_states`` (with
   the optimizer offloaded, its masters and state are in host memory already and are left out);
   0.16 and 0.17 refuse an engine whose optimizer is offloaded. :func:`refine_include_states`
   is DeepSpeed's where it has one, else the same rule.
+* ``bf16.bf16_master_weights_and_grads`` / ``bf16_optimizer_states`` exist from 0.18 (before,
+  the section has no such fields: nothing to refuse).
 * The ``bf16`` / ``fp16`` sections: 0.17 and later parse them with pydantic models
   (``deepspeed.runtime.precision_config``); 0.16 reads each key with its own getter in
   ``deepspeed.runtime.config``. :func:`bf16_section` and :func:`fp16_section` give the model of the
@@ -35,6 +37,7 @@ compared here), as ``vescale_zero/torch_compat.py`` does for torch:
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass
 from typing import Any, Container, Dict, Optional
 
@@ -64,7 +67,7 @@ def is_functorch_transforming() -> bool:
 
 
 def managed_gradient_accumulation(engine: DeepSpeedEngine) -> bool:
-    """Whether the engine decides the accumulation boundary (DeepSpeed's default; always before 0.19.1)."""
+    """Whether the engine decides the accumulation boundary (DeepSpeed's default; always before 0.19.4)."""
     managed = getattr(engine, "managed_gradient_accumulation", None)
     return True if managed is None else bool(managed())
 
@@ -84,7 +87,7 @@ def refine_include_states(engine: DeepSpeedEngine,
 
 def gradient_allreduce_op(config: Dict[str, Any]) -> str:
     """``"mean"`` or ``"sum"``: how the installed DeepSpeed reduces gradients under ``config``
-    (releases before 0.19.1 do not read ``gradient_allreduce_op``: they average)."""
+    (releases up to 0.19.5 do not read ``gradient_allreduce_op``: they average)."""
     read = getattr(ds_config, "get_gradient_allreduce_op", None)
     return "mean" if read is None else read(config)
 
@@ -133,17 +136,11 @@ def _section_016(config: Dict[str, Any], bf16: bool) -> FP16Section:
     dynamic = ds_config.get_dynamic_loss_scale_args(config) or {}
     return FP16Section(
         enabled=True, auto_cast=ds_config.get_fp16_auto_cast(config), loss_scale=ds_config.get_loss_scale(config),
-        initial_scale_power=int(round(_log2(dynamic.get("init_scale", 2 ** 16)))),
+        initial_scale_power=int(round(math.log2(dynamic.get("init_scale", 2 ** 16)))),
         loss_scale_window=int(dynamic.get("scale_window", 1000)), hysteresis=int(dynamic.get("delayed_shift", 2)),
         consecutive_hysteresis=bool(dynamic.get("consecutive_hysteresis", False)),
         min_loss_scale=float(dynamic.get("min_scale", 1.0)),
         fp16_master_weights_and_grads=ds_config.get_fp16_master_weights_and_grads_enabled(config))
-
-
-def _log2(x: float) -> float:
-    import math
-
-    return math.log2(x)
 
 
 def bf16_section(config: Dict[str, Any]) -> Any:
