@@ -831,10 +831,11 @@ def _muon(rank: int, world_size: int) -> Dict[str, Any]:
 def _megatron_optimizer_config(args, drop=()):
     """core_v0.16.1 training.py get_megatron_optimizer_config, lines 1410-1435: the Adam config's
     fields read from the arguments by name (``drop``: fields left at their defaults)."""
-    from megatron.core.optimizer import AdamOptimizerConfig
+    from megatron.core import optimizer
 
-    return AdamOptimizerConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(AdamOptimizerConfig)
-                                  if hasattr(args, f.name) and f.name not in drop})
+    cls = getattr(optimizer, "AdamOptimizerConfig", optimizer.OptimizerConfig)  # megatron-core 0.16 and 0.17 have it
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                  if hasattr(args, f.name) and f.name not in drop})
 
 
 def _offload(rank: int, world_size: int) -> Dict[str, Any]:
