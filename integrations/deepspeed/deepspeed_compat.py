@@ -46,7 +46,8 @@ import deepspeed.utils.torch as ds_torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
 
-__all__ = ["gradient_allreduce_op", "BACKWARD_HOOKS", "is_functorch_transforming", "bf16_section", "fp16_section",
+__all__ = ["gradient_allreduce_op", "BACKWARD_HOOKS", "CALLER_OWNED_BOUNDARY", "READS_GRADIENT_ALLREDUCE_OP",
+           "PRECISION_MODELS", "is_functorch_transforming", "bf16_section", "fp16_section",
            "FP16Section", "DtypeEnum", "get_communication_data_type", "managed_gradient_accumulation",
            "refine_include_states"]
 
@@ -57,6 +58,11 @@ BACKWARD_HOOKS: bool = not inspect.signature(DeepSpeedEngine._backward_prologue)
 """Whether the engine runs ``_backward_prologue()`` from hooks on the forward's outputs (0.18 and
 later: a direct ``loss.backward()`` goes through the engine) rather than from ``engine.backward``
 with the loss (before 0.18)."""
+
+CALLER_OWNED_BOUNDARY: bool = hasattr(DeepSpeedEngine, "managed_gradient_accumulation")
+"""Whether the release has ``"managed_gradient_accumulation": false`` (0.19.4 and later)."""
+READS_GRADIENT_ALLREDUCE_OP: bool = hasattr(ds_config, "get_gradient_allreduce_op")
+"""Whether the release reads ``gradient_allreduce_op`` (after 0.19.5)."""
 
 
 def is_functorch_transforming() -> bool:
@@ -98,11 +104,16 @@ try:
 except ImportError:  # DeepSpeed 0.16: no precision models
     _FP16Model = get_bfloat16_config = get_float16_config = None
 
+PRECISION_MODELS: bool = get_bfloat16_config is not None
+"""Whether the release parses ``bf16`` / ``fp16`` with pydantic models (0.17 and later; they drop
+``"auto"`` and read ``"false"`` as False, where 0.16's getters take any non-empty string as true)."""
+
 
 @dataclass(frozen=True)
 class FP16Section:
     """DeepSpeed 0.16's ``fp16`` / ``bf16`` sections, as its own getters read them: the fields of
-    0.17's ``DeepSpeedFP16Config`` / ``DeepSpeedBF16Config`` that the adapter uses."""
+    0.17's ``DeepSpeedFP16Config`` / ``DeepSpeedBF16Config`` that the adapter uses (0.16 has no
+    bf16 master weights)."""
 
     enabled: bool = False
     auto_cast: bool = False
@@ -113,8 +124,6 @@ class FP16Section:
     consecutive_hysteresis: bool = False
     min_loss_scale: float = 1.0
     fp16_master_weights_and_grads: bool = False
-    bf16_master_weights_and_grads: bool = False
-    bf16_optimizer_states: bool = False
 
     def dynamic_loss_scale_args(self) -> Dict[str, Any]:
         """The dynamic loss scaler's arguments, as 0.17's model gives them."""
