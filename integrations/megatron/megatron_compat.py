@@ -24,6 +24,9 @@ import time (the offline converter reads checkpoints without it).
 * The learning rate Megatron-LM logs: 0.16 on, ``get_canonical_lr_for_logging`` (the first
   ``default_config`` group's); 0.15 has no such function nor flag: :func:`canonical_lr` takes the
   first group that is not a decoupled-LR one there.
+* ``param_is_not_tensor_parallel_duplicate`` takes the tensor-parallel group from 0.16 on; 0.15's
+  reads the global one. :func:`not_tensor_parallel_duplicate` answers for a given group on both
+  (0.15: Megatron's rule, ``tensor_model_parallel`` or rank 0 of the group).
 * Muon's settings in ``OptimizerConfig``: none in 0.15; ``muon_use_nesterov`` in 0.16 and 0.17,
   renamed ``muon_nesterov`` in 0.18. :func:`muon_nesterov` reads whichever the release has (a
   missing field would silently mean the default).
@@ -49,7 +52,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-__all__ = ["param_groups", "canonical_lr", "muon_nesterov", "common_state", "COMMON_FILE", "COMMON_STATE_KEY"]
+__all__ = ["param_groups", "canonical_lr", "not_tensor_parallel_duplicate", "muon_nesterov", "common_state",
+           "COMMON_FILE", "COMMON_STATE_KEY"]
 
 COMMON_FILE = "common.pt"
 """Where megatron-core up to 0.18 saves a ``torch_dist`` checkpoint's common state."""
@@ -91,6 +95,18 @@ def canonical_lr(param_groups: List[Dict[str, Any]]) -> Optional[float]:
     if canonical is not None:
         return canonical(param_groups)
     return next((g.get("lr") for g in param_groups if not g.get("is_decoupled_lr", False)), None)
+
+
+def not_tensor_parallel_duplicate(param: Any, tp_group: Any) -> bool:
+    """Whether ``param`` counts once over the tensor-parallel group ``tp_group`` (Megatron's
+    ``param_is_not_tensor_parallel_duplicate``)."""
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    if "tp_group" in inspect.signature(param_is_not_tensor_parallel_duplicate).parameters:
+        return param_is_not_tensor_parallel_duplicate(param, tp_group)
+    if tp_group is None:  # 0.15: the global group
+        return param_is_not_tensor_parallel_duplicate(param)
+    return bool(getattr(param, "tensor_model_parallel", False)) or tp_group.rank() == 0  # 0.15's rule, this group
 
 
 def muon_nesterov(config: Any) -> bool:

@@ -72,7 +72,6 @@ from megatron.core import parallel_state
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from megatron.core.optimizer.optimizer import MegatronOptimizer
-from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 from torch import nn
 
@@ -91,7 +90,7 @@ from .data_parallel import RaggedFSDP
 from .dist_checkpoint import boxes_by_parameter, state_boxes
 from .distrib_optim_file import megatron_parameter_state
 from .hsdp import replica_rank, shard_group
-from .megatron_compat import common_state, muon_nesterov, param_groups
+from .megatron_compat import common_state, muon_nesterov, not_tensor_parallel_duplicate, param_groups
 from .optimizer_offload import check_offload_matches
 
 __all__ = ["RaggedOptimizer", "get_vescale_optimizer", "SUPPORTED_OPTIMIZERS", "check_dist_checkpoint_optimizer"]
@@ -150,7 +149,7 @@ class RaggedOptimizer(MegatronOptimizer):
                 continue
             expert = not getattr(p, "allreduce", True)
             tp_group = self._etp_group if expert and self._etp_group is not None else self._tp_group
-            if param_is_not_tensor_parallel_duplicate(p, tp_group):
+            if not_tensor_parallel_duplicate(p, tp_group):  # [Note: one door to Megatron's releases]
                 grads.append(local_piece(p.grad))  # this rank's piece: the norm adds the pieces up
         return grads
 
