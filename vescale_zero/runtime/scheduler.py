@@ -37,10 +37,11 @@ tokens on one rank), the sequence of collectives cannot.
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import FrozenSet, List, Optional, Tuple
 
 import torch
 
+from ..torch_compat import autograd_graph_task_id
 from .group_progress import Part
 from .param_group import ParamGroup
 from .unused_grads import drop_unused, usage_anywhere
@@ -61,7 +62,8 @@ class ReduceScatterScheduler:
         self._first_forward: List[ParamGroup] = []  # groups by their first call in the first root forward
         self._order_fixed = False  # that forward has ended: _first_forward is the order
         self._order: Optional[List[ParamGroup]] = None  # cached once fixed, until requires_grad changes
-        self.backward_of: Optional[int] = None  # the root forward the current backward differentiates
+        self.differentiated: FrozenSet[int] = frozenset()  # the root forwards the current backward differentiates
+        self.backward_of: Optional[int] = None  # the last of them
         self.reducing: List[ParamGroup] = []  # reduce-scatters issued, not yet waited on
 
     def register(self, group: ParamGroup) -> None:
@@ -89,8 +91,18 @@ class ReduceScatterScheduler:
         self._order = None
 
     def begin_backward(self, forward_id: Optional[int]) -> None:
-        """A backward of root forward ``forward_id`` starts (its first hook)."""
-        self.backward_of = forward_id
+        """A backward starts: its first hook, on an output of root forward ``forward_id``, inside
+        the backward's graph task. It differentiates that forward and every forward a group's
+        call in which it reaches; each group counts its uses in them (param_group
+        [Note: counting uses])."""
+        forwards = set() if forward_id is None else {forward_id}
+        for group in self._groups:
+            forwards |= group.forwards.forwards_in_graph()
+        self.differentiated = frozenset(forwards)
+        self.backward_of = max(forwards) if forwards else None
+        task = autograd_graph_task_id()
+        for group in self._groups:
+            group.plan_backward(self.differentiated, task)
 
     def order(self) -> List[ParamGroup]:
         """The groups with gradients, in [Note: one order of reduce-scatters]."""
@@ -121,7 +133,7 @@ class ReduceScatterScheduler:
         for group in self.order():
             if group.progress.issued:
                 continue
-            part = group.part_in(self.backward_of)
+            part = group.part_in(self.differentiated)
             if part is not Part.TAKES_PART:
                 if final or part is Part.NONE:
                     continue  # takes no part (and, at the end, never will)
@@ -150,12 +162,12 @@ class ReduceScatterScheduler:
         (unused_grads [Note: unused everywhere]); returns them for ``drop_unused`` once every
         group has finished its gradient sync (the hooks wait for each and reshard it)."""
         for group in self.order():
-            if group.part_in(self.backward_of) is Part.TAKES_PART:
+            if group.part_in(self.differentiated) is Part.TAKES_PART:
                 group.force_ready()  # no-op for groups already ready; issues nothing by itself
         self._issue_ready(final=True)
         usage = usage_anywhere(self.order())
         self.reducing.clear()
-        self.backward_of = None
+        self.backward_of, self.differentiated = None, frozenset()
         return usage
 
     def reduce_accumulated(self) -> None:
@@ -182,6 +194,6 @@ class ReduceScatterScheduler:
         waits for its own collectives), the backward forgotten, and a first forward that did not
         end starts its order again."""
         self.reducing.clear()
-        self.backward_of = None
+        self.backward_of, self.differentiated = None, frozenset()
         if not self._order_fixed:
             self._first_forward = []
