@@ -111,8 +111,9 @@ class BackwardProgress:
     arrived: Set[int] = field(default_factory=set)  # indices whose gradient was accumulated
     ready: bool = False  # its gradients are complete ([Note: when a group's gradients are complete])
     issued: bool = False  # its reduce-scatter is issued (or skipped: no gradient sync)
-    # [Note: counting uses]
+    # the uses still to end: param_group [Note: counting uses]
     planned: bool = False  # its uses in this backward were counted
+    planned_forwards: Set[int] = field(default_factory=set)  # the root forwards whose uses were counted
     known_uses: bool = False  # some use was counted (or recomputed); else: [Note: counting uses], last case
     graph_task: int = -1  # the autograd graph task of the backward itself (not a recompute's nested one)
     due: Set[int] = field(default_factory=set)  # ids of the triggers whose input node is still to fire
@@ -147,9 +148,18 @@ class ForwardRecord:
         """A call with grad in root forward ``forward_id`` (after :meth:`note`)."""
         self._calls.setdefault(forward_id, _CallsIn()).with_grad.append(trigger)
 
+    def window(self, forwards: Forwards) -> Set[int]:
+        """The forwards whose calls a backward of ``forwards`` counts: those, and every earlier one
+        still recorded ([Note: counting uses]: a forward none of whose calls has a node to find)."""
+        fids = _as_set(forwards)
+        if not fids:
+            return fids
+        last = max(fids)
+        return fids | {f for f in set(self._ran) | set(self._calls) if f <= last}
+
     def part_in(self, forwards: Forwards, seen_in_backward: bool) -> Part:
         """What the group does in the backward of root forwards ``forwards``."""
-        fids = _as_set(forwards)
+        fids = self.window(forwards)
         if seen_in_backward or any(self._ran.get(f) for f in fids):
             return Part.TAKES_PART
         return Part.MAY_TAKE_PART if any(f in self._ran for f in fids) else Part.NONE
@@ -158,10 +168,11 @@ class ForwardRecord:
         """The forwards some call of which the running backward reaches (inside that backward)."""
         return {fid for fid, calls in self._calls.items() if any(t.in_graph() for t in calls.with_grad)}
 
-    def uses_in(self, forwards: Forwards) -> UsesIn:
-        """The uses in ``forwards`` of the backward running on this thread ([Note: counting uses])."""
+    def uses_in(self, forwards: Collection[int]) -> UsesIn:
+        """The uses in ``forwards`` (a :meth:`window`) of the backward running on this thread
+        ([Note: counting uses])."""
         signalled, blind, without_grad = [], 0, 0
-        for fid in sorted(_as_set(forwards)):
+        for fid in sorted(forwards):
             calls = self._calls.get(fid)
             if calls is None:
                 continue
@@ -170,7 +181,7 @@ class ForwardRecord:
                 if trigger.in_graph():
                     signalled.append(trigger)
                 else:
-                    blind += 1  # blind, or its inputs do not reach its outputs
+                    blind += 1  # blind, its inputs do not reach its outputs, or not differentiated here
         return UsesIn(tuple(signalled), blind, without_grad)
 
     def end_backward(self, forward_id: Optional[int]) -> None:

@@ -535,6 +535,8 @@ class ModuleState:
             ctx.in_backward = True
             ctx.scheduler.begin_backward(forward_id)
             queue_backward_callback(ctx.final_callback)
+        else:
+            ctx.scheduler.reached(forward_id)
         group = self.group
         if group is None:
             return

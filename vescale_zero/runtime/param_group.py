@@ -59,12 +59,17 @@ counts its uses, and knows how each one ends:
     when the call's input gradients are computed: its backward is over. At a backward's first
     hook, inside the backward's own graph task, the root's scheduler asks the autograd engine
     which of these nodes it will run (``torch_compat.engine_will_execute``): the forwards they
-    belong to (and the first hook's own) are the forwards this backward differentiates, and each
-    group's nodes among them are its *signalled* uses. A forward that is not reached (a pipeline
-    schedule's next micro-batch) counts no use;
-  * a call of those forwards whose inputs carry no gradient (data, a frozen embedding's output,
-    a parameter passed in), or whose node is not reached, is a *blind* use: it is over when every
-    gradient of the group has been accumulated in the backward's own graph task;
+    belong to, and the first hook's own, are the forwards this backward differentiates (a later
+    hook of another forward adds it). Each group counts the calls of those forwards and of every
+    earlier forward still recorded: a forward whose calls are all blind or under ``no_grad``
+    (a reentrant-checkpointed model under a root fed with data) has no node to find, and its
+    root's output hook may run only after the later forward's backward. A later forward (a
+    pipeline schedule's next micro-batch) counts no use. Each node the engine will run is a
+    *signalled* use;
+  * a counted call whose inputs carry no gradient (data, a frozen embedding's output, a
+    parameter passed in), or whose node the engine will not run, is a *blind* use: it is over
+    when every gradient of the group has been accumulated in the backward's own graph task (a
+    call this backward does not differentiate adds no gradient there);
   * a call under ``no_grad`` in those forwards may be recomputed inside backward by a reentrant
     checkpoint: it is due until recomputed, and its recompute is a use of its own (signalled by
     its node in the checkpoint's nested backward, or blind: over when every gradient has arrived
@@ -422,19 +427,22 @@ class ParamGroup:
             progress.due.add(trigger)
 
     def plan_backward(self, forwards: Forwards, graph_task: int) -> None:
-        """Count this group's uses in the backward of root ``forwards`` that runs in autograd graph
-        task ``graph_task`` ([Note: counting uses]); once per backward, inside it."""
+        """Count this group's uses in root ``forwards`` of the backward that runs in autograd graph
+        task ``graph_task`` ([Note: counting uses]); inside it, again as it reaches more forwards."""
         progress = self.progress
-        if progress.planned:
-            return
-        progress.planned, progress.graph_task = True, graph_task
+        if not progress.planned:
+            progress.planned, progress.graph_task = True, graph_task
         if not self._grad_indices or not forwards:
             return
-        uses = self.forwards.uses_in(forwards)
+        new = self.forwards.window(forwards) - progress.planned_forwards
+        if not new:
+            return
+        progress.planned_forwards |= new
+        uses = self.forwards.uses_in(new)
         progress.due.update(uses.signalled)
         progress.blind += uses.blind
         progress.recomputes_due += uses.without_grad
-        progress.known_uses = bool(uses.signalled or uses.blind or uses.without_grad)
+        progress.known_uses = progress.known_uses or bool(uses.signalled or uses.blind or uses.without_grad)
 
     def _ensure_planned(self) -> None:
         """Something of this backward reached the group before its root's first hook did: it
