@@ -46,6 +46,7 @@ def _as_set(forwards: Forwards) -> Set[int]:
 
 class GroupState(enum.Enum):
     SHARDED = "sharded"
+    SHARDED_POST_FORWARD = "sharded post forward"  # post_forward [Note: the post-forward shard]
     UNSHARDING = "unsharding"  # all-gather issued, not yet waited on
     UNSHARDED = "unsharded"
 

@@ -305,12 +305,16 @@ class RootContext:
             self.release_kept()
         if state.reshard_after_forward and self.in_forward:
             self.kept = state  # until another group's hook runs: [Note: orders]
-        elif state.reshard_after_forward or not self.forward_grad:
-            state.group.reshard()  # called outside the root's forward, or no backward can follow it
+        elif state.reshard_after_forward and self.forward_grad:
+            state.group.reshard_after_forward()  # called outside the root's forward
+        elif not self.forward_grad:
+            state.group.reshard()  # no backward can follow it
 
     def release_kept(self) -> None:
         kept, self.kept = self.kept, None
-        if kept.group.state is not GroupState.SHARDED:
+        if kept.group.state is GroupState.UNSHARDED and self.forward_grad:
+            kept.group.reshard_after_forward()
+        elif kept.group.state is not GroupState.SHARDED:
             kept.group.reshard()
 
     def end_forward(self, grad_enabled: bool) -> None:
@@ -324,7 +328,7 @@ class RootContext:
             if state.ran_in != fid or (not grad_enabled and state.grad_in != fid):
                 group.reshard()  # prefetched for nothing, or no backward can follow
             elif state is self.root and state.reshard_after_forward:
-                group.reshard()  # the root, set to reshard explicitly: backward gathers it again
+                group.reshard_after_forward()  # the root, set to reshard explicitly: backward gathers it again
             else:
                 group.to_sharded_params()  # stays gathered for backward; the modules show the shards
         self.kept, self.in_forward = None, False

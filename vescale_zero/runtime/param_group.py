@@ -111,6 +111,7 @@ from .grad_shard import GradShard
 from .group_progress import BackwardProgress, ForwardRecord, Forwards, GroupState, InputGradTrigger, Part
 from .offload import HostCopies, HostOffload
 from .param_gather import make_param_gather
+from .post_forward import PostForwardShard
 from .ragged_param import ManagedParam, RaggedParam, ShardedRange
 from .unused_grads import GradUsage
 
@@ -181,6 +182,7 @@ class ParamGroup:
         replicate_group: Optional[dist.ProcessGroup] = None,
         fp8: Optional[Sequence[bool]] = None,
         offload: Optional[HostOffload] = None,
+        post_forward_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         dtypes = {p.dtype for p in originals}
         devices = {p.device for p in originals}
@@ -210,6 +212,8 @@ class ParamGroup:
         self._fp8 = None if fp8 is None else list(fp8)
         self._expose_full_grad: Optional[Callable[[nn.Parameter, torch.Tensor], None]] = None
         self.offload = offload
+        # reshard_after_forward=<int>: post_forward [Note: the post-forward shard]
+        self.post_forward_group = post_forward_group
         self._build(self.device, originals)
         with torch.no_grad():
             for i, p in enumerate(originals):
@@ -252,6 +256,9 @@ class ParamGroup:
                                local=self.master.local if direct else None, with_local=direct)
         self.gather = make_param_gather(self.master, self.compute, self.process_group, self.stats, shapes,
                                         self._fp8_tile, self._fp8, copies)
+        self.post_forward: Optional[PostForwardShard] = None
+        if self.post_forward_group is not None and self.device.type != "meta":
+            self.post_forward = PostForwardShard(self.plan, self.post_forward_group, self.param_dtype, self.device)
         self.grads = GradReducer(self.plan, self.rank, self.process_group, self.stats, reduce_dtype=self.reduce_dtype,
                                  shard_dtype=self.orig_dtype, device=self.device, shapes=shapes,
                                  replicate_group=self.replicate_group, grad_dtype=self.param_dtype,
@@ -369,23 +376,43 @@ class ParamGroup:
 
     # ---- all-gather / free -----------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
-        """Gather the full parameters into ``compute.full`` (no-op unless sharded)."""
-        if self.state is not GroupState.SHARDED:
+        """Gather the full parameters into ``compute.full`` (no-op unless sharded): from the
+        post-forward shard over its group if forward kept one, else from the shard."""
+        if self.state is GroupState.SHARDED_POST_FORWARD:
+            self.gather.start_post_forward(self.post_forward, async_op)
+        elif self.state is GroupState.SHARDED:
+            self.gather.start(async_op)
+        else:
             return
-        self.gather.start(async_op)
         self.state = GroupState.UNSHARDING
 
     def wait_for_unshard(self) -> None:
         if self.state is GroupState.UNSHARDING:
             self.gather.finish()
+            if self.post_forward is not None:
+                self.post_forward.drop()  # gathered from: post_forward [Note: the post-forward shard]
             self.state = GroupState.UNSHARDED
 
     def reshard(self) -> None:
-        """Free the full parameters and hand the modules their sharded parameters."""
+        """Free the full parameters (and a post-forward shard) and hand the modules their
+        sharded parameters."""
         self.gather.release()
+        if self.post_forward is not None:
+            self.post_forward.drop()
         self.to_sharded_params()
         self.state = GroupState.SHARDED
         self.gathered_for = None
+
+    def reshard_after_forward(self) -> None:
+        """Forward is over and a backward may follow: keep the post-forward shard if the group
+        has one (post_forward [Note: the post-forward shard]), else :meth:`reshard`."""
+        if self.post_forward is None or self.state is not GroupState.UNSHARDED:
+            self.reshard()
+            return
+        self.post_forward.keep(self.compute)
+        self.gather.release()
+        self.to_sharded_params()
+        self.state = GroupState.SHARDED_POST_FORWARD  # gathered_for stays: the next root forward drops it
 
     # ---- forward bookkeeping (group_progress.ForwardRecord) ---------------------------
     def note_forward(self, grad_enabled: bool, forward_id: int) -> None:
