@@ -31,6 +31,7 @@ from tests.numerics import adam_divergence_bound, full_grads, reduction_order_bo
 from vescale_zero.hosts import GroupState
 
 WORLD, N, STEPS, LR, GLOBAL_BATCH = 4, 2, 2, 1e-2, 8
+pytestmark = pytest.mark.slow  # 4 ranks on 2 cores: over 20 s
 
 
 def _full(value: torch.Tensor) -> torch.Tensor:
