@@ -245,11 +245,55 @@ def _case(rank: int, world_size: int, case: str):
     return {kind: _train(case, kind, rank, world_size) for kind in ("ours",) + _peers(case)}
 
 
+def _reduce_scatters_before_backward_ends(rank: int, world_size: int):
+    """Per step, after an evaluation forward under no_grad and one with grad that no backward
+    follows: whether each group's reduce-scatter was issued before the backward's end (the
+    blocks' must be: they run in its middle)."""
+    model = _build("two forwards")
+    for unit in _units(model):
+        vz.fully_shard(unit)
+    from vescale_zero.api.fully_shard import groups_of
+    groups, events = groups_of(model), []
+    for i, group in enumerate(groups):
+        def issue(i=i, issue=group.issue_reduce_scatter):
+            events.append(i)
+            return issue()
+        group.issue_reduce_scatter = issue
+    out = []
+    for step in _batches("two forwards", rank, world_size):
+        (x, y), (a, b) = step
+        with torch.no_grad():
+            model(a, b)
+        model(a, b)  # with grad, never differentiated
+        loss = model(x, y)
+        scheduler = model._vescale_fsdp_state.context.scheduler
+        end = scheduler.end_backward
+
+        def ended(end=end):
+            events.append("end")
+            return end()
+        scheduler.end_backward = ended
+        events.clear()
+        loss.backward()
+        scheduler.end_backward = end
+        out.append([i in events[:events.index("end")] for i in range(1, len(groups))])  # all but the root (0)
+    return out
+
+
 @pytest.fixture(scope="module", params=sweep([2, 3], quick=2))
 def runs(request):
     world_size = request.param
-    results = run_cases_on_ranks({case: (_case, (case,)) for case in CASES}, world_size, timeout=300)
+    cases = {case: (_case, (case,)) for case in CASES}
+    cases["overlap"] = (_reduce_scatters_before_backward_ends, ())
+    results = run_cases_on_ranks(cases, world_size, timeout=300)
     return world_size, {case: per_rank[0] for case, per_rank in results.items()}
+
+
+def test_evaluation_forwards_do_not_hold_reduce_scatters_to_the_end(runs):
+    """Evaluation forwards (no backward) are no uses: the groups still reduce-scatter during the
+    next backward (param_group [Note: counting uses])."""
+    _, results = runs
+    assert all(all(step) for step in results["overlap"]), results["overlap"]
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -133,9 +133,11 @@ class ForwardRecord:
         self._ran: Dict[int, bool] = {}  # forward id -> ran with grad enabled in it (else only without)
         self._calls: Dict[int, _CallsIn] = {}  # forward id -> its calls there (groups with gradients only)
 
-    def note(self, grad_enabled: bool, forward_id: int, has_grads: bool) -> None:
-        """The module runs forward (not a recompute) in root forward ``forward_id``."""
-        if not has_grads:
+    def note(self, grad_enabled: bool, forward_id: int, has_grads: bool, differentiable: bool = True) -> None:
+        """The module runs forward (not a recompute) in root forward ``forward_id``;
+        ``differentiable``: that root forward runs with grad enabled (a call under ``no_grad``
+        in one that does not -- evaluation, generation -- is never differentiated: not recorded)."""
+        if not has_grads or not (grad_enabled or differentiable):
             return
         self._ran[forward_id] = self._ran.get(forward_id, False) or grad_enabled
         calls = self._calls.setdefault(forward_id, _CallsIn())
@@ -149,18 +151,17 @@ class ForwardRecord:
         """A call with grad in root forward ``forward_id`` (after :meth:`note`)."""
         self._calls.setdefault(forward_id, _CallsIn()).with_grad.append(trigger)
 
-    def window(self, forwards: Forwards) -> Set[int]:
-        """The forwards whose calls a backward of ``forwards`` counts: those, and every earlier one
-        still recorded ([Note: counting uses]: a forward none of whose calls has a node to find)."""
-        fids = _as_set(forwards)
-        if not fids:
-            return fids
-        last = max(fids)
-        return fids | {f for f in set(self._ran) | set(self._calls) if f <= last}
+    def recorded(self) -> Set[int]:
+        """The root forwards it remembers."""
+        return set(self._ran) | set(self._calls)
+
+    def signalling(self) -> Set[int]:
+        """The root forwards in which some call of it has an input node (alive or not)."""
+        return {fid for fid, calls in self._calls.items() if any(not t.blind for t in calls.with_grad)}
 
     def part_in(self, forwards: Forwards, seen_in_backward: bool) -> Part:
         """What the group does in the backward of root forwards ``forwards``."""
-        fids = self.window(forwards)
+        fids = _as_set(forwards)
         if seen_in_backward or any(self._ran.get(f) for f in fids):
             return Part.TAKES_PART
         return Part.MAY_TAKE_PART if any(f in self._ran for f in fids) else Part.NONE
@@ -170,8 +171,7 @@ class ForwardRecord:
         return {fid for fid, calls in self._calls.items() if any(t.in_graph() for t in calls.with_grad)}
 
     def uses_in(self, forwards: Collection[int]) -> UsesIn:
-        """The uses in ``forwards`` (a :meth:`window`) of the backward running on this thread
-        ([Note: counting uses])."""
+        """The uses in ``forwards`` of the backward running on this thread ([Note: counting uses])."""
         signalled, blind, without_grad = [], 0, 0
         for fid in sorted(forwards):
             calls = self._calls.get(fid)
@@ -182,7 +182,7 @@ class ForwardRecord:
                 if trigger.in_graph():
                     signalled.append(trigger)
                 else:
-                    blind += 1  # blind, its inputs do not reach its outputs, or not differentiated here
+                    blind += 1  # blind, or its inputs do not reach its outputs
         return UsesIn(tuple(signalled), blind, without_grad)
 
     def end_backward(self, forward_id: Optional[int]) -> None:

@@ -480,7 +480,7 @@ class ModuleState:
                 group.note_recompute(grad_on)
             else:
                 group.gathered_for = ctx.forward_id
-                group.note_forward(grad_on, ctx.forward_id)
+                group.note_forward(grad_on, ctx.forward_id, ctx.in_forward and ctx.forward_grad)
             if grad_on:  # param_group [Note: counting uses]
                 trigger = group.new_use(recompute)
                 if trigger is not None:

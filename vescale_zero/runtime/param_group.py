@@ -60,11 +60,13 @@ counts its uses, and knows how each one ends:
     hook, inside the backward's own graph task, the root's scheduler asks the autograd engine
     which of these nodes it will run (``torch_compat.engine_will_execute``): the forwards they
     belong to, and the first hook's own, are the forwards this backward differentiates (a later
-    hook of another forward adds it). Each group counts the calls of those forwards and of every
-    earlier forward still recorded: a forward whose calls are all blind or under ``no_grad``
-    (a reentrant-checkpointed model under a root fed with data) has no node to find, and its
-    root's output hook may run only after the later forward's backward. A later forward (a
-    pipeline schedule's next micro-batch) counts no use. Each node the engine will run is a
+    hook on an output of another forward adds it). Earlier forwards still recorded that have no
+    node at all count too: every call in them blind or under ``no_grad`` (a reentrant-
+    checkpointed model under a root fed with data), their root's output hook may run only after
+    a later forward's whole backward. A forward with nodes none of which the engine will run is
+    not differentiated here (an evaluation forward with grad), nor is a later one (a pipeline
+    schedule's next micro-batch); a call under ``no_grad`` in a root forward without grad
+    (evaluation, generation) is not recorded at all. Each node the engine will run is a
     *signalled* use;
   * a counted call whose inputs carry no gradient (data, a frozen embedding's output, a
     parameter passed in), or whose node the engine will not run, is a *blind* use: it is over
@@ -415,9 +417,10 @@ class ParamGroup:
         self.state = GroupState.SHARDED_POST_FORWARD  # gathered_for stays: the next root forward drops it
 
     # ---- forward bookkeeping (group_progress.ForwardRecord) ---------------------------
-    def note_forward(self, grad_enabled: bool, forward_id: int) -> None:
-        """The module runs forward (not a recompute inside backward) in root forward ``forward_id``."""
-        self.forwards.note(grad_enabled, forward_id, bool(self._grad_indices))
+    def note_forward(self, grad_enabled: bool, forward_id: int, differentiable: bool = True) -> None:
+        """The module runs forward (not a recompute inside backward) in root forward
+        ``forward_id``, which runs with grad enabled if ``differentiable``."""
+        self.forwards.note(grad_enabled, forward_id, bool(self._grad_indices), differentiable)
 
     def part_in(self, forwards: Forwards) -> Part:
         """What this group does in the backward of root forwards ``forwards`` (ids, one id, or None)."""
@@ -461,7 +464,7 @@ class ParamGroup:
             progress.planned, progress.graph_task = True, graph_task
         if not self._grad_indices or not forwards:
             return
-        new = self.forwards.window(forwards) - progress.planned_forwards
+        new = set(forwards) - progress.planned_forwards
         if not new:
             return
         progress.planned_forwards |= new

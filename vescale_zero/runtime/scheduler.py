@@ -95,9 +95,8 @@ class ReduceScatterScheduler:
 
     def begin_backward(self, forward_id: Optional[int]) -> None:
         """A backward starts: its first hook, on an output of root forward ``forward_id``, inside
-        the backward's graph task. It differentiates that forward and every forward a group's
-        call in which it reaches; each group counts its uses in them (param_group
-        [Note: counting uses])."""
+        the backward's graph task. Which forwards it differentiates, and each group's uses in
+        them: param_group [Note: counting uses]."""
         forwards = set() if forward_id is None else {forward_id}
         for group in self._groups:
             forwards |= group.forwards.forwards_in_graph()
@@ -108,14 +107,23 @@ class ReduceScatterScheduler:
 
     def reached(self, forward_id: Optional[int]) -> None:
         """A hook of this backward on an output of a call in root forward ``forward_id``: a
-        forward none of whose calls had a node to find (every call blind, or under no_grad)
-        joins the forwards it differentiates when a hook of it runs."""
+        forward not counted yet joins (param_group [Note: counting uses])."""
         if forward_id is not None and forward_id not in self.differentiated:
             self._differentiate({forward_id})
 
     def _differentiate(self, forwards) -> None:
-        self.differentiated = self.differentiated | frozenset(forwards)
-        self.backward_of = max(self.differentiated) if self.differentiated else None
+        """Count ``forwards`` and the earlier forwards no node can be found for: those whose
+        calls are all blind or under no_grad (param_group [Note: counting uses])."""
+        forwards = set(self.differentiated) | set(forwards)
+        if forwards:
+            last = max(forwards)
+            recorded, signalling = set(), set()
+            for group in self._groups:
+                recorded |= group.forwards.recorded()
+                signalling |= group.forwards.signalling()
+            forwards |= {f for f in recorded - signalling if f <= last}
+        self.differentiated = frozenset(forwards)
+        self.backward_of = max(forwards) if forwards else None
         for group in self._groups:
             group.plan_backward(self.differentiated, self._task)
 
