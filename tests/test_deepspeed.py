@@ -328,7 +328,8 @@ def test_config_keys_mapped_noted_and_rejected():
     error({"stage4_magic": 1}, "unknown key 'stage4_magic'", "Our keys:", "granularity", "overlap_comm")
     error({"offload_param": {"device": "cpu"}}, "offload_param (device 'cpu') without offload_optimizer")
     error({"reduce_scatter": False}, "reduce_scatter=false contradicts")
-    error({"zero_hpz_partition_size": 2}, "zero_hpz_partition_size 2 (ZeRO++ hpZ", "set shard_group_size: 2 instead")
+    error({"zero_hpz_partition_size": 2, "reshard_after_forward": False}, "reshard_after_forward False and "
+          "zero_hpz_partition_size 2 disagree")
     error({"shard_group_size": 2, "mics_shard_size": 4}, "shard_group_size 2 and mics_shard_size 4 disagree")
     error({"mics_shard_size": 0}, "mics_shard_size 0 is not a group size")
     error({"shard_group_size": 0}, "shard_group_size")

@@ -60,7 +60,7 @@ from tests.models import SEQ, AwkwardLM, make_batches, rank_slice
 from tests.numerics import gamma
 from tests.test_torch_loops import _record_gathers
 from tests.test_torch_utilities import ATOL, GLOBAL_BATCH, RTOL, _close, _sgd, _sgd_loop, _single_thread, _values
-from vescale_zero.api.fully_shard import groups_of, resolve_reshard_after_forward
+from vescale_zero.api.fully_shard import groups_of, post_forward_size, resolve_reshard_after_forward
 from vescale_zero.runtime.param_group import GroupState
 
 KINDS = ("ours", "fsdp2", "ref")
@@ -638,8 +638,8 @@ def test_reshard_after_forward_values_as_fsdp2_validates_them():
     assert resolve_reshard_after_forward(4, 4) is True and resolve_reshard_after_forward(True, 4) is True
     with pytest.warns(UserWarning, match="group of 1"):
         assert resolve_reshard_after_forward(1, 4) is False
-    with pytest.raises(NotImplementedError, match="reshard_after_forward=2: resharding to 2 of the 4"):
-        resolve_reshard_after_forward(2, 4)
+    assert resolve_reshard_after_forward(2, 4) is True  # with a post-forward shard over 2 ranks
+    assert [post_forward_size(v, 4) for v in (None, True, False, 1, 2, 4)] == [None, None, None, None, 2, None]
     for bad in (3, 5, 0, -4, 2.0, "4"):
         with pytest.raises(ValueError, match="reshard_after_forward"):
             resolve_reshard_after_forward(bad, 4)

@@ -58,6 +58,7 @@ __all__ = [
     "dispatch_rule_lookup_needed", "rule_lookups_answered",
     "optim_foreach_supported_types", "utils_foreach_supported_types", "TorchDispatchMode",
     "tree_flatten", "tree_map", "tree_unflatten", "autograd_graph_task_id", "queue_backward_callback",
+    "engine_will_execute",
     "read_dcp_state_dict", "init_fake_process_group", "compile_counter", "work_class", "all_gather_single",
     "reduce_scatter_single", "dtensor_api", "state_dict_utils", "local_shape_and_global_offset",
     "process_group_timeout", "set_process_group_timeout", "collect_sanitizer_reports",
@@ -130,6 +131,12 @@ def rule_lookups_answered(registered: Callable[..., Any]) -> Callable[..., Any]:
 def autograd_graph_task_id() -> int:
     """The id of the backward the autograd engine runs on this thread, ``-1`` outside backward."""
     return torch._C._current_graph_task_id()
+
+
+def engine_will_execute(node: Any) -> bool:
+    """Whether the backward the autograd engine runs on this thread will run ``node`` (a
+    ``grad_fn``): it is reached from what is differentiated. False outside backward."""
+    return autograd_graph_task_id() != -1 and bool(torch._C._will_engine_execute_node(node))
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:

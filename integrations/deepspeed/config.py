@@ -16,9 +16,11 @@ Our options, and the ZeRO-3 keys a user's existing config already has::
     (device cpu; cpu_offload*)          host memory (see .offload [Note: offload under ragged])
     offload_optimizer (device nvme)     mapped: optimizer state in files under nvme_path,
                                         stepped group by group (see nvme_offload_of)
-    zero_hpz_partition_size,            rejected: contradicts ragged sharding or is not
-    zero_quantized_*, zenflow,          implemented; the error names the key and the fix
-    reduce_scatter=false
+    zero_hpz_partition_size             mapped: reshard_after_forward (ZeRO++ hpZ: after forward
+                                        the weights stay sharded within groups of that size;
+                                        backward gathers inside them)
+    zero_quantized_*, zenflow,          rejected: contradicts ragged sharding or is not
+    reduce_scatter=false                implemented; the error names the key and the fix
     anything else                       an error naming it and listing the valid keys
 
 [Note: shard groups]
@@ -27,10 +29,12 @@ ranks and replicates across the groups (HSDP: ``fully_shard`` on a ``(world / N,
 ``("replicate", "shard")`` mesh): all-gathers and reduce-scatters stay inside a group (a
 node, say), and one all-reduce per group of the shard crosses them. MiCS configs
 (``mics_shard_size``, stage 3) migrate by changing the stage: the key means the same here
-(``-1``, MiCS's "off", and ``None`` mean unset). ZeRO++'s ``zero_hpz_partition_size`` (a
-secondary weight copy partitioned within a node, on top of a world-wide ZeRO-3 partition)
-is a different layout and stays refused, its message pointing at ``shard_group_size``.
-Whether N divides the data-parallel world is checked when the engine is built.
+(``-1``, MiCS's "off", and ``None`` mean unset). ZeRO++'s ``zero_hpz_partition_size: N`` (a
+secondary weight copy partitioned within groups of N ranks, which backward gathers from) is
+the layers' ``reshard_after_forward=N``: after forward each rank keeps ``1/N`` of a layer's
+gathered weights and backward gathers them inside its group of N
+(vescale_zero.runtime.post_forward [Note: the post-forward shard]); N must divide the shard
+group's size. Whether N divides the data-parallel world is checked when the engine is built.
 
 [Note: validated as DeepSpeed validates]
 Every value is parsed by DeepSpeed's own pydantic models, so a ragged config accepts and
@@ -90,17 +94,13 @@ _NOTED = {  # meaningful for ZeRO-3's bucketed, per-parameter machinery; not for
 }
 
 
-_REJECTED = ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+_REJECTED = ("zero_quantized_weights", "zero_quantized_nontrainable_weights",
              "zero_quantized_gradients", "zenflow", "reduce_scatter")
 """ZeRO keys that are known here: refused with a reason when set (see :func:`_rejection`)."""
 
 
 def _rejection(key: str, value: Any) -> Optional[str]:
     """Why ``key: value`` cannot be used with ragged sharding (``None`` if it can)."""
-    if key == "zero_hpz_partition_size" and value not in (None, 0, 1):
-        return (f"zero_hpz_partition_size {value} (ZeRO++ hpZ: a secondary copy of the weights partitioned within "
-                "groups of that size) is not implemented with stage 'ragged'; to shard within groups of "
-                f"{value} ranks and replicate across them (HSDP), set shard_group_size: {value} instead")
     if key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients") and value:
         return f"{key} is ZeRO++ quantized communication, not implemented with stage 'ragged'; remove it"
     if key == "zenflow" and value:
@@ -108,7 +108,7 @@ def _rejection(key: str, value: Any) -> Optional[str]:
     if key == "reduce_scatter" and value is False:
         return ("reduce_scatter=false contradicts stage 'ragged', which always reduce-scatters gradients into shards; "
                 "remove it")
-    if key in ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+    if key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights",
                "zero_quantized_gradients", "zenflow", "reduce_scatter"):
         return None
     return "unknown"
@@ -159,7 +159,8 @@ class RaggedOptions(BaseModel):
     sharded_modules: Optional[List[str]] = None
     """Class names of the modules that form one group each (e.g. ["GPTBlock"]); default: the
     model's layers (vescale_zero.api.layer_discovery [Note: finding the layers])."""
-    reshard_after_forward: bool = True
+    reshard_after_forward: Union[bool, int] = True
+    """Or the number of ranks to reshard to after forward (the layers'; zero_hpz_partition_size)."""
     prefetch: bool = True
     reduce_dtype: Optional[Literal["fp32", "float32", "bf16", "bfloat16", "fp16", "float16"]] = None
     fp8_all_gather_tile: Optional[int] = Field(default=None, gt=0)
@@ -180,7 +181,8 @@ class RaggedOptions(BaseModel):
 def _unknown_key(key: str, ours: set) -> str:
     """The error for an unknown key: the closest valid key first, then ours (the ZeRO-3 tuning
     keys, accepted and ignored, are too many to list)."""
-    known = ours | {"stage", "overlap_comm", "mics_shard_size"} | _NOTED | set(_REJECTED) | set(OFFLOAD_KEYS)
+    known = (ours | {"stage", "overlap_comm", "mics_shard_size", "zero_hpz_partition_size"} | _NOTED
+             | set(_REJECTED) | set(OFFLOAD_KEYS))
     close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
     if not close:  # a prefix or a different separator ("granular", "sharded-modules")
         folded = str(key).lower().replace("-", "_")
@@ -207,6 +209,23 @@ def _merge_mics_shard_size(section: Dict[str, Any], options: Dict[str, Any]) -> 
         raise ValueError(f"zero_optimization: mics_shard_size {mics!r} is not a group size: use a positive integer "
                          "(or -1 for no shard groups), or set shard_group_size instead")
     options["shard_group_size"] = mics
+
+
+def _merge_hpz_partition_size(section: Dict[str, Any], options: Dict[str, Any]) -> None:
+    """``zero_hpz_partition_size`` as ``reshard_after_forward`` (see [Note: shard groups]); 0, 1
+    and unset mean no hpZ; refused if reshard_after_forward says otherwise (False, another int)."""
+    hpz = section.get("zero_hpz_partition_size")
+    if hpz in (None, 0, 1):
+        return
+    if not isinstance(hpz, int) or isinstance(hpz, bool) or hpz < 0:
+        raise ValueError(f"zero_optimization: zero_hpz_partition_size {hpz!r} is not a group size: use a positive "
+                         "integer that divides the data-parallel (or shard group) size, or 1 for no hpZ")
+    ours = options.get("reshard_after_forward", True)
+    if ours is not True and ours != hpz:
+        raise ValueError(
+            f"zero_optimization: reshard_after_forward {ours!r} and zero_hpz_partition_size {hpz} disagree; hpZ is "
+            f"reshard_after_forward: {hpz} under stage 'ragged' (reshard to {hpz} ranks after forward): keep one")
+    options["reshard_after_forward"] = hpz
 
 
 _NOT_IN_DEEPSPEED = {"stage", "mics_shard_size", "mics_hierarchical_params_gather"}  # MiCS left DeepSpeed 0.19.8
@@ -240,8 +259,8 @@ def parse_ragged_section(section: Dict[str, Any]) -> Tuple[RaggedOptions, List[s
             continue
         if key in ours:
             options[key] = value
-        elif key == "mics_shard_size":
-            pass  # after the loop: it may meet shard_group_size
+        elif key in ("mics_shard_size", "zero_hpz_partition_size"):
+            pass  # after the loop: they may meet shard_group_size, reshard_after_forward
         elif key == "overlap_comm" or key in OFFLOAD_KEYS:
             pass  # after the loop: as DeepSpeed reads them ("false" is False; cpu_offload: true)
         elif key in _NOTED:
@@ -253,6 +272,7 @@ def parse_ragged_section(section: Dict[str, Any]) -> Tuple[RaggedOptions, List[s
             if why is not None:
                 raise ValueError(f"zero_optimization: {why}")
     _merge_mics_shard_size(section, options)
+    _merge_hpz_partition_size(section, options)
     zero3 = _as_deepspeed_reads_it(section, ours)
     options["optimizer_nvme"] = nvme_offload_of(zero3)
     if "overlap_comm" in section and "overlap_comm" in zero3.model_fields_set:  # not "auto"
@@ -272,7 +292,8 @@ ACCEPTED = {
     "granularity": "'element', 'row', '<N>rows', a positive int (elements per block), or {parameter name: one of "
                    "those}",
     "sharded_modules": "a list of module class names, e.g. [\"LlamaDecoderLayer\"]",
-    "reshard_after_forward": "true or false",
+    "reshard_after_forward": "true, false, or the number of ranks to reshard to after forward (a divisor of the "
+                             "shard group's size, as zero_hpz_partition_size)",
     "prefetch": "true or false",
     "reduce_dtype": "fp32, bf16 or fp16 (or float32, bfloat16, float16)",
     "fp8_all_gather_tile": "a positive int (the tile side, e.g. 128), or null",

@@ -133,12 +133,16 @@ class RaggedFSDPModule(FSDPModule):
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether to free the full parameters after forward (re-gathered in backward); the
-        root too when set on it explicitly (by default it stays gathered for backward)."""
+        root too when set on it explicitly (by default it stays gathered for backward). As in
+        FSDP2, a bool replaces a ``reshard_after_forward=<int>``: no post-forward shard."""
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"set_reshard_after_forward takes a bool, got {type(reshard_after_forward).__name__} "
                              f"{reshard_after_forward!r}")
         for st in self._states(recurse):
             st.reshard_after_forward = reshard_after_forward
+            if st.group is not None and st.group.post_forward is not None:
+                st.group.reshard()
+                st.group.post_forward = st.group.post_forward_group = None
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Accepted as a hint: every group is resharded at the end of backward whatever this

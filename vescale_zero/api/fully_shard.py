@@ -34,11 +34,12 @@ from ..runtime.hooks import STATE_ATTR, ModuleState, in_backward_pass
 from ..runtime.job_timeout import carry_job_timeout
 from ..runtime.offload import resolve_offload_policy
 from ..runtime.param_group import GroupState, ManagedParam, ParamGroup
+from ..runtime.post_forward import post_forward_group
 from .fsdp_module import BUFFER_NEEDS_INIT, RaggedFSDPModule
 from .layer_discovery import find_layer_classes
 
-__all__ = ["fully_shard", "fully_shard_layers", "resolve_reshard_after_forward", "RaggedFSDPModule",
-           "MixedPrecisionPolicy", "CPUOffloadPolicy", "OffloadPolicy", "DEFAULT_ALIGN_BYTES",
+__all__ = ["fully_shard", "fully_shard_layers", "resolve_reshard_after_forward", "post_forward_size",
+           "RaggedFSDPModule", "MixedPrecisionPolicy", "CPUOffloadPolicy", "OffloadPolicy", "DEFAULT_ALIGN_BYTES",
            "groups_of", "sharded_counterpart", "BUFFER_NEEDS_INIT", "HSDP_DIM_NAMES"]
 
 DEFAULT_ALIGN_BYTES = 16
@@ -146,9 +147,9 @@ def resolve_reshard_after_forward(value: Union[bool, int, None], shard_size: int
     """``reshard_after_forward`` as FSDP2 accepts it, for a shard group of ``shard_size`` ranks:
     ``None`` (FSDP2's default: ``True``, ``False`` for the root), a bool, or the number of ranks
     to reshard to after forward -- a divisor of ``shard_size``: ``shard_size`` is ``True``, 1 is
-    ``False`` (FSDP2 warns that it is not ``True``). A divisor in between (FSDP2 keeps a
-    ``1/n`` shard after forward and gathers over ``n`` ranks in backward) is refused: not
-    implemented here. What FSDP2 refuses (another type, a non-divisor) is refused."""
+    ``False`` (FSDP2 warns that it is not ``True``), one in between is ``True`` with a post-forward
+    shard over that many ranks (:func:`post_forward_size`). What FSDP2 refuses (another type, a
+    non-divisor) is refused."""
     if value is None or isinstance(value, bool):
         return value
     if not isinstance(value, int):
@@ -161,12 +162,16 @@ def resolve_reshard_after_forward(value: Union[bool, int, None], shard_size: int
         warnings.warn("reshard_after_forward=1 (int) reshards to a group of 1 rank: the full parameters are kept "
                       "after forward, as reshard_after_forward=False (pass True to free them)", stacklevel=3)
         return False
-    if value == shard_size:
-        return True
-    raise NotImplementedError(
-        f"reshard_after_forward={value}: resharding to {value} of the {shard_size} shard ranks after forward (FSDP2's "
-        "intermediate reshard) is not implemented by vescale_zero's fully_shard; pass True (reshard to all "
-        f"{shard_size} ranks: least memory) or False (keep the full parameters until backward: no all-gather in it)")
+    return True
+
+
+def post_forward_size(value: Union[bool, int, None], shard_size: int) -> Optional[int]:
+    """The post-forward group's size of a valid ``reshard_after_forward`` (see
+    :func:`resolve_reshard_after_forward`): an int strictly between 1 and ``shard_size``, else
+    ``None`` (runtime.post_forward [Note: the post-forward shard])."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 < value < shard_size:
+        return None
+    return value
 
 
 def fully_shard(
@@ -199,8 +204,10 @@ def fully_shard(
             parameters after forward (re-gathered in backward); ``False`` keeps them until
             backward ends; ``None`` (default) is ``True``, but ``False`` for the root, which
             backward needs first. An int is the number of ranks to reshard to: the shard
-            group's size means ``True``, 1 means ``False``; one in between is refused (not
-            implemented), as is what FSDP2 refuses (see :func:`resolve_reshard_after_forward`).
+            group's size means ``True``, 1 means ``False``; one in between keeps a ``1/n``
+            post-forward shard, which backward gathers over ``n`` ranks (a node) only
+            (runtime.post_forward [Note: the post-forward shard]); what FSDP2 refuses is refused
+            (see :func:`resolve_reshard_after_forward`).
             Outside forward and backward the modules always hold the sharded parameters, and a
             forward with grad disabled leaves nothing gathered
             (runtime [Note: nothing stays gathered after forward]).
@@ -254,6 +261,7 @@ def fully_shard(
         "fp8_all_gather_tile": fp8_all_gather_tile is not None, "offload_policy": offload is not None,
         "the meta device (deferred initialisation)": device is not None and device.type == "meta"})
     held = [(n, local_tensor(p)) for n, p, _ in named]  # what the group holds of each: granularity, shapes
+    post_forward = post_forward_size(reshard_after_forward, dist.get_world_size(pg))
     reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward, dist.get_world_size(pg))
 
     group = None
@@ -295,6 +303,7 @@ def fully_shard(
             replicate_group=replicate_pg,
             fp8=fp8,
             offload=offload,
+            post_forward_group=None if post_forward is None else post_forward_group(pg, post_forward),
         )
         label = type(module).__name__
         for p in [p for _, p, _ in named] + group.sharded_params + group.unsharded_params:

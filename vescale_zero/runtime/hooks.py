@@ -107,6 +107,7 @@ only involve its own ranks, which run the same modules in the same order.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Dict, List, Optional, Set
 
 import torch
@@ -132,8 +133,8 @@ def in_backward_pass() -> bool:
 
 
 class _InputGradNode(torch.autograd.Function):
-    """Identity on a module's inputs whose backward tells the trigger that the module's input
-    gradients are computed (see param_group [Note: when a group's gradients are complete])."""
+    """Identity on a module's inputs whose backward tells the trigger that the call's input
+    gradients are computed (see param_group [Note: counting uses])."""
 
     @staticmethod
     def forward(ctx: Any, trigger: InputGradTrigger, *inputs: torch.Tensor):
@@ -146,18 +147,18 @@ class _InputGradNode(torch.autograd.Function):
         return (None,) + grads
 
 
-def _arm_input_trigger(trigger: Optional[InputGradTrigger], args: tuple, kwargs: dict):
-    if trigger is None:
-        return args, kwargs
+def _arm_input_trigger(trigger: InputGradTrigger, args: tuple, kwargs: dict):
     leaves, spec = tree_flatten((args, kwargs))
-    # Only computed inputs: a leaf passed in (a parameter handed to the module, as Megatron
-    # hands the shared embedding weight to its output layer) gets its gradient through the
-    # node, which would fire before that gradient is accumulated.
-    slots = [i for i, t in enumerate(leaves) if torch.is_tensor(t) and t.requires_grad and t.grad_fn is not None]
+    # Computed inputs and plain leaves (a reentrant checkpoint's detached inputs), not
+    # parameters: a parameter handed to the module (as Megatron hands the shared embedding
+    # weight to its output layer) gets its gradient through the node, which would fire before
+    # that gradient is accumulated.
+    slots = [i for i, t in enumerate(leaves)
+             if torch.is_tensor(t) and t.requires_grad and not isinstance(t, nn.Parameter)]
     if not slots:
-        trigger.blind = True  # no input gradient will come: this call cannot tell us when it is done
-        return args, kwargs
+        return args, kwargs  # blind: no input gradient will tell when this call's backward is over
     outs = _InputGradNode.apply(trigger, *(leaves[i] for i in slots))
+    trigger.node = weakref.ref(outs[0].grad_fn)
     for i, out in zip(slots, outs):
         leaves[i] = out
     return tree_unflatten(leaves, spec)
@@ -234,7 +235,7 @@ class RootContext:
 
     @property
     def backward_of(self) -> Optional[int]:
-        """The forward id the current backward differentiates (the scheduler's)."""
+        """The last of the root forwards the current backward differentiates (the scheduler's)."""
         return self.scheduler.backward_of
 
     # ---- [Note: full parameters held] ---------------------------------------------------
@@ -304,12 +305,16 @@ class RootContext:
             self.release_kept()
         if state.reshard_after_forward and self.in_forward:
             self.kept = state  # until another group's hook runs: [Note: orders]
-        elif state.reshard_after_forward or not self.forward_grad:
-            state.group.reshard()  # called outside the root's forward, or no backward can follow it
+        elif state.reshard_after_forward and self.forward_grad:
+            state.group.reshard_after_forward()  # called outside the root's forward
+        elif not self.forward_grad:
+            state.group.reshard()  # no backward can follow it
 
     def release_kept(self) -> None:
         kept, self.kept = self.kept, None
-        if kept.group.state is not GroupState.SHARDED:
+        if kept.group.state is GroupState.UNSHARDED and self.forward_grad:
+            kept.group.reshard_after_forward()
+        elif kept.group.state is not GroupState.SHARDED:
             kept.group.reshard()
 
     def end_forward(self, grad_enabled: bool) -> None:
@@ -323,7 +328,7 @@ class RootContext:
             if state.ran_in != fid or (not grad_enabled and state.grad_in != fid):
                 group.reshard()  # prefetched for nothing, or no backward can follow
             elif state is self.root and state.reshard_after_forward:
-                group.reshard()  # the root, set to reshard explicitly: backward gathers it again
+                group.reshard_after_forward()  # the root, set to reshard explicitly: backward gathers it again
             else:
                 group.to_sharded_params()  # stays gathered for backward; the modules show the shards
         self.kept, self.in_forward = None, False
@@ -336,9 +341,10 @@ class RootContext:
             return None
         return self.previous_order.at(len(self.order))  # ``state`` was the last one added
 
-    def next_in_backward(self, state: "ModuleState") -> Optional["ModuleState"]:
-        """The group backward reaches after ``state``: [Note: backward prefetch order]."""
-        order = self.post_orders.get(self.backward_of)
+    def next_in_backward(self, state: "ModuleState", forward_id: Optional[int]) -> Optional["ModuleState"]:
+        """The group backward reaches after ``state``'s call in root forward ``forward_id``:
+        [Note: backward prefetch order]."""
+        order = self.post_orders.get(forward_id)
         position = order.position(state) if order is not None else None
         return order.at(position - 1) if position is not None else None
 
@@ -474,10 +480,12 @@ class ModuleState:
                 group.note_recompute(grad_on)
             else:
                 group.gathered_for = ctx.forward_id
-                group.note_forward(grad_on, ctx.forward_id)
-            if grad_on:
-                trigger = group.input_trigger(None if recompute else ctx.forward_id)
-                args, kwargs = _arm_input_trigger(trigger, args, kwargs)
+                group.note_forward(grad_on, ctx.forward_id, ctx.in_forward and ctx.forward_grad)
+            if grad_on:  # param_group [Note: counting uses]
+                trigger = group.new_use(recompute)
+                if trigger is not None:
+                    args, kwargs = _arm_input_trigger(trigger, args, kwargs)
+                    group.add_use(trigger, None if recompute else ctx.forward_id)
         if first_call and self.prefetch:
             explicit = self.forward_prefetch
             for nxt in explicit if explicit is not None else [ctx.next_in_forward(self)]:
@@ -527,13 +535,19 @@ class ModuleState:
     @outside_compile
     def _pre_backward(self, forward_id: Optional[int], _grad: torch.Tensor) -> None:
         ctx = self.context
-        if not ctx.in_backward:  # the first hook of a backward tells which forward it differentiates
+        if not ctx.in_backward:  # the first hook of a backward: which forwards it differentiates
             ctx.in_backward = True
             ctx.scheduler.begin_backward(forward_id)
             queue_backward_callback(ctx.final_callback)
-        if self.group is not None and self.group.begin_backward() and self.prefetch:
+        else:
+            ctx.scheduler.reached(forward_id)
+        group = self.group
+        if group is None:
+            return
+        group.begin_backward()
+        if self.prefetch:  # every use: the group before it may have resharded between its own uses
             explicit = self.backward_prefetch
-            for prev in explicit if explicit is not None else [ctx.next_in_backward(self)]:
+            for prev in explicit if explicit is not None else [ctx.next_in_backward(self, forward_id)]:
                 if prev is not None and prev.group is not None and not prev.group.progress.issued \
                         and prev.group.unshard_in_backward:
                     prev.group.unshard(async_op=True)  # a no-op unless it is sharded

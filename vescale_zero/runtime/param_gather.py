@@ -33,6 +33,7 @@ from ..primitives.collectives import CommStats, all_gather
 from ..primitives.dbuffer import DBuffer
 from .fp8_gather import FP8GatherLayout
 from .offload import HostCopies
+from .post_forward import PostForwardShard
 
 __all__ = ["ParamGather", "DirectGather", "CastGather", "FP8TileGather", "make_param_gather"]
 
@@ -52,6 +53,13 @@ class ParamGather:
 
     def start(self, async_op: bool) -> None:
         raise NotImplementedError
+
+    def start_post_forward(self, shard: "PostForwardShard", async_op: bool) -> None:
+        """Gather from the post-forward shard over its group, into ``compute.full``
+        (post_forward [Note: the post-forward shard])."""
+        work = shard.gather(self.compute, self.stats, async_op, self.comm)
+        if work is not None:
+            self._works.append(work)
 
     def finish(self) -> None:
         for work in self._works:

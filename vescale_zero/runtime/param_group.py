@@ -29,15 +29,13 @@ until the reduce-scatter copies them into ``grads.full``
 (grad_reduce [Note: gradients are copied in at the reduce-scatter]).
 
 [Note: when a group's gradients are complete]
-The reduce-scatter needs every gradient of the group for this backward. The group is
-*ready* at the first of:
-
-  * every parameter that requires grad has had its gradient accumulated;
-  * the gradients of its module's inputs are computed, for every call of the module in
-    the forward being differentiated (an autograd node on the inputs, as PyTorch FSDP2's
-    post-backward): the module's own backward is over, so a parameter without a gradient
-    by then has none in this backward (an MoE expert that got no token on this rank);
-  * the end of the backward (the root's final callback).
+The reduce-scatter needs every gradient of the group for this backward: every *use* of the
+group in it (a call of its module whose backward this backward runs) must be over. The group is
+*ready* when every use it counted is over ([Note: counting uses]), and at the end of the
+backward (the root's final callback) at the latest. A use that ends through its input
+gradients (an autograd node on the inputs, as PyTorch FSDP2's post-backward) ends the module's
+backward for that call, so a parameter without a gradient by then has none from it (an MoE
+expert that got no token on this rank).
 
 Which parameters got no gradient on any rank, and what their ``.grad`` becomes, is
 ``vescale_zero.runtime.unused_grads`` ([Note: unused everywhere]); each group keeps its ``usage``.
@@ -48,6 +46,47 @@ gradient and its readiness to its root's scheduler (:class:`GroupScheduler`, giv
 registers it), which issues (``vescale_zero.runtime.scheduler``
 [Note: one order of reduce-scatters]). A gradient that arrives for a group after its reduce-scatter was issued cannot
 be reduced any more: it is an error, never a silent loss.
+
+[Note: counting uses]
+A module may be used more than once in one backward: called twice in a forward (a layer reused,
+as DeepSpeed's ``SimpleModel`` does), in two root forwards that one backward differentiates
+(``(model(a) + model(b)).backward()``), recomputed by activation checkpointing. Autograd
+accumulates a parameter's gradient once per graph task, after every use there, but a reentrant
+checkpoint differentiates each recomputed piece in a nested graph task of its own. So a group
+counts its uses, and knows how each one ends:
+
+  * a call with grad gets an identity node on its inputs (the hooks' input trigger) that fires
+    when the call's input gradients are computed: its backward is over. At a backward's first
+    hook, inside the backward's own graph task, the root's scheduler asks the autograd engine
+    which of these nodes it will run (``torch_compat.engine_will_execute``): the forwards they
+    belong to, and the first hook's own, are the forwards this backward differentiates (a later
+    hook on an output of another forward adds it). Earlier forwards still recorded that have no
+    node at all count too: every call in them blind or under ``no_grad`` (a reentrant-
+    checkpointed model under a root fed with data), their root's output hook may run only after
+    a later forward's whole backward. A forward with nodes none of which the engine will run is
+    not differentiated here (an evaluation forward with grad), nor is a later one (a pipeline
+    schedule's next micro-batch); a call under ``no_grad`` in a root forward without grad
+    (evaluation, generation) is not recorded at all. Each node the engine will run is a
+    *signalled* use;
+  * a counted call whose inputs carry no gradient (data, a frozen embedding's output, a
+    parameter passed in), or whose node the engine will not run, is a *blind* use: it is over
+    when every gradient of the group has been accumulated in the backward's own graph task (a
+    call this backward does not differentiate adds no gradient there);
+  * a call under ``no_grad`` in those forwards may be recomputed inside backward by a reentrant
+    checkpoint: it is due until recomputed, and its recompute is a use of its own (signalled by
+    its node in the checkpoint's nested backward, or blind: over when every gradient has arrived
+    in a nested graph task). A recompute of a call that ran with grad is no use (non-reentrant
+    checkpointing recomputes inside the original call's backward, and autograd does not
+    differentiate the recomputed graph). A call under ``no_grad`` that is never recomputed
+    holds the group until the end of the backward;
+  * a group that counted no use (its forwards' records are gone: a second backward through a
+    retained graph) is ready once every gradient has arrived in one graph task.
+
+Between two uses, when every use that began (its pre-backward ran) has ended and none is blind,
+the group reshards; the next use's pre-backward gathers it again, as after forward, so two
+forwards differentiated together hold no more gathered groups than one. What is counted (the
+calls, their nodes, the forwards) is the same on every rank; gradient arrivals, which may differ,
+only end blind uses.
 """
 
 from __future__ import annotations
@@ -67,12 +106,14 @@ from ..primitives.dbuffer import DBuffer
 from ..primitives.planner import ShardPlan, TensorSpec, plan
 from ..primitives.ragged_tensor import local_piece, ragged_spec, shard_mesh
 from ..primitives.tensor_parallel import local_tensor
+from ..torch_compat import autograd_graph_task_id
 from .eager_hooks import outside_compile
 from .grad_reduce import GradReducer
 from .grad_shard import GradShard
-from .group_progress import BackwardProgress, ForwardRecord, GroupState, InputGradTrigger, Part
+from .group_progress import BackwardProgress, ForwardRecord, Forwards, GroupState, InputGradTrigger, Part
 from .offload import HostCopies, HostOffload
 from .param_gather import make_param_gather
+from .post_forward import PostForwardShard
 from .ragged_param import ManagedParam, RaggedParam, ShardedRange
 from .unused_grads import GradUsage
 
@@ -111,6 +152,13 @@ def slot_of(param: torch.Tensor) -> Optional[Tuple["ParamGroup", int]]:
     return None if group is None else (group, entry[2])
 
 
+def _use_ended(group_ref: "weakref.ref[ParamGroup]", trigger: InputGradTrigger) -> None:
+    """A use's input node fired ([Note: hooks hold their group weakly])."""
+    group = group_ref()
+    if group is not None:
+        group._on_use_ended(trigger)
+
+
 @outside_compile
 def _grad_accumulated(group_ref: "weakref.ref[ParamGroup]", index: int, param: torch.Tensor) -> None:
     """The post-accumulate-grad hook of a group's parameter ([Note: hooks hold their group weakly])."""
@@ -136,6 +184,7 @@ class ParamGroup:
         replicate_group: Optional[dist.ProcessGroup] = None,
         fp8: Optional[Sequence[bool]] = None,
         offload: Optional[HostOffload] = None,
+        post_forward_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         dtypes = {p.dtype for p in originals}
         devices = {p.device for p in originals}
@@ -165,6 +214,8 @@ class ParamGroup:
         self._fp8 = None if fp8 is None else list(fp8)
         self._expose_full_grad: Optional[Callable[[nn.Parameter, torch.Tensor], None]] = None
         self.offload = offload
+        # reshard_after_forward=<int>: post_forward [Note: the post-forward shard]
+        self.post_forward_group = post_forward_group
         self._build(self.device, originals)
         with torch.no_grad():
             for i, p in enumerate(originals):
@@ -207,6 +258,9 @@ class ParamGroup:
                                local=self.master.local if direct else None, with_local=direct)
         self.gather = make_param_gather(self.master, self.compute, self.process_group, self.stats, shapes,
                                         self._fp8_tile, self._fp8, copies)
+        self.post_forward: Optional[PostForwardShard] = None
+        if self.post_forward_group is not None and self.device.type != "meta":
+            self.post_forward = PostForwardShard(self.plan, self.post_forward_group, self.param_dtype, self.device)
         self.grads = GradReducer(self.plan, self.rank, self.process_group, self.stats, reduce_dtype=self.reduce_dtype,
                                  shard_dtype=self.orig_dtype, device=self.device, shapes=shapes,
                                  replicate_group=self.replicate_group, grad_dtype=self.param_dtype,
@@ -324,44 +378,107 @@ class ParamGroup:
 
     # ---- all-gather / free -----------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
-        """Gather the full parameters into ``compute.full`` (no-op unless sharded)."""
-        if self.state is not GroupState.SHARDED:
+        """Gather the full parameters into ``compute.full`` (no-op unless sharded): from the
+        post-forward shard over its group if forward kept one, else from the shard."""
+        if self.state is GroupState.SHARDED_POST_FORWARD:
+            self.gather.start_post_forward(self.post_forward, async_op)
+        elif self.state is GroupState.SHARDED:
+            self.gather.start(async_op)
+        else:
             return
-        self.gather.start(async_op)
         self.state = GroupState.UNSHARDING
 
     def wait_for_unshard(self) -> None:
         if self.state is GroupState.UNSHARDING:
             self.gather.finish()
+            if self.post_forward is not None:
+                self.post_forward.drop()  # gathered from: post_forward [Note: the post-forward shard]
             self.state = GroupState.UNSHARDED
 
     def reshard(self) -> None:
-        """Free the full parameters and hand the modules their sharded parameters."""
+        """Free the full parameters (and a post-forward shard) and hand the modules their
+        sharded parameters."""
         self.gather.release()
+        if self.post_forward is not None:
+            self.post_forward.drop()
         self.to_sharded_params()
         self.state = GroupState.SHARDED
         self.gathered_for = None
 
-    # ---- forward bookkeeping (group_progress.ForwardRecord) ---------------------------
-    def note_forward(self, grad_enabled: bool, forward_id: int) -> None:
-        """The module runs forward (not a recompute inside backward) in root forward ``forward_id``."""
-        self.forwards.note(grad_enabled, forward_id, bool(self._grad_indices))
+    def reshard_after_forward(self) -> None:
+        """Forward is over and a backward may follow: keep the post-forward shard if the group
+        has one (post_forward [Note: the post-forward shard]), else :meth:`reshard`."""
+        if self.post_forward is None or self.state is not GroupState.UNSHARDED:
+            self.reshard()
+            return
+        self.post_forward.keep(self.compute)
+        self.gather.release()
+        self.to_sharded_params()
+        self.state = GroupState.SHARDED_POST_FORWARD  # gathered_for stays: the next root forward drops it
 
-    def part_in(self, forward_id: Optional[int]) -> Part:
-        """What this group does in the backward of root forward ``forward_id``."""
-        return self.forwards.part_in(forward_id, self.progress.in_backward)
+    # ---- forward bookkeeping (group_progress.ForwardRecord) ---------------------------
+    def note_forward(self, grad_enabled: bool, forward_id: int, differentiable: bool = True) -> None:
+        """The module runs forward (not a recompute inside backward) in root forward
+        ``forward_id``, which runs with grad enabled if ``differentiable``."""
+        self.forwards.note(grad_enabled, forward_id, bool(self._grad_indices), differentiable)
+
+    def part_in(self, forwards: Forwards) -> Part:
+        """What this group does in the backward of root forwards ``forwards`` (ids, one id, or None)."""
+        return self.forwards.part_in(forwards, self.progress.in_backward)
 
     def note_recompute(self, grad_enabled: bool) -> None:
         """The module runs forward inside backward (activation recompute)."""
         if grad_enabled and self._grad_indices:
             self.progress.in_backward = True
 
-    def input_trigger(self, forward_id: Optional[int]) -> Optional[InputGradTrigger]:
-        """The trigger to arm for one more call whose input gradients will come (see
-        :meth:`ForwardRecord.input_trigger`); ``None`` for a group without gradients."""
+    def new_use(self, recompute: bool) -> Optional[InputGradTrigger]:
+        """The trigger of a call with grad about to run ([Note: counting uses]); ``None`` for a
+        group without gradients, or a recompute that is no use of its own."""
         if not self._grad_indices:
             return None
-        return self.forwards.input_trigger(forward_id, lambda: InputGradTrigger(self.inputs_done))
+        if recompute:
+            self._ensure_planned()
+            if self.progress.recomputes_due <= 0:
+                return None
+        return InputGradTrigger(functools.partial(_use_ended, weakref.ref(self)))
+
+    def add_use(self, trigger: InputGradTrigger, forward_id: Optional[int]) -> None:
+        """``trigger``'s call runs in root forward ``forward_id`` (``None``: a recompute), its
+        input node made (or none: blind)."""
+        if forward_id is not None:
+            self.forwards.add_use(forward_id, trigger)
+            return
+        progress = self.progress
+        progress.recomputes_due -= 1
+        progress.known_uses = True
+        if trigger.blind:
+            progress.blind_recomputes += 1
+        else:
+            progress.due.add(trigger)
+
+    def plan_backward(self, forwards: Forwards, graph_task: int) -> None:
+        """Count this group's uses in root ``forwards`` of the backward that runs in autograd graph
+        task ``graph_task`` ([Note: counting uses]); inside it, again as it reaches more forwards."""
+        progress = self.progress
+        if not progress.planned:
+            progress.planned, progress.graph_task = True, graph_task
+        if not self._grad_indices or not forwards:
+            return
+        new = set(forwards) - progress.planned_forwards
+        if not new:
+            return
+        progress.planned_forwards |= new
+        uses = self.forwards.uses_in(new)
+        progress.due.update(uses.signalled)
+        progress.blind += uses.blind
+        progress.recomputes_due += uses.without_grad
+        progress.known_uses = progress.known_uses or bool(uses.signalled or uses.blind or uses.without_grad)
+
+    def _ensure_planned(self) -> None:
+        """Something of this backward reached the group before its root's first hook did: it
+        counts no use ([Note: counting uses], last case)."""
+        if not self.progress.planned:
+            self.plan_backward(None, autograd_graph_task_id())
 
     # ---- backward --------------------------------------------------------------------
     def set_grads_written_into_full(self, expose: Callable[[nn.Parameter, torch.Tensor], None],
@@ -386,6 +503,7 @@ class ParamGroup:
             self.to_unsharded_params()
         progress = self.progress
         progress.in_backward = True
+        progress.begun += 1
         if progress.started:
             return False
         progress.started = True
@@ -399,22 +517,49 @@ class ParamGroup:
             raise RuntimeError(
                 f"parameter {self.managed[index].fqn!r} received a gradient after its fully_shard group had "
                 "reduce-scattered this backward's gradients, so it cannot be reduced. Its gradient came after "
-                "the gradients of its module's inputs: the parameter is used outside its module's forward (read "
-                "by another module, or stored and used later). Apply fully_shard to a module whose forward contains "
-                "every use of the parameter (e.g. a common parent), or to the root only."
+                "every use of its module in this backward had ended: the parameter is used outside its module's "
+                "forward (read by another module, or stored and used later). Apply fully_shard to a module whose "
+                "forward contains every use of the parameter (e.g. a common parent), or to the root only."
             )
         # param.grad stays autograd's tensor: grad_reduce [Note: gradients are copied in at the reduce-scatter]
+        self._ensure_planned()
         progress.in_backward = True
         progress.arrived.add(index)
+        task = autograd_graph_task_id()
+        got = progress.arrived_in.setdefault(task, set())
+        got.add(index)
+        if len(got) == len(self._grad_indices) and task != progress.graph_task:
+            progress.blind_recomputes = 0  # every blind recompute's nested backward is over: [Note: counting uses]
         if self._scheduler is not None:
             self._scheduler.gradient_arrived(self)
-        if len(progress.arrived) == len(self._grad_indices):
-            self._become_ready(done_with_params=len(self._grad_indices) == len(self.managed))
+        self._check_ready()
 
-    def inputs_done(self) -> None:
-        """Every call's input gradients are computed: the module's backward is over."""
-        self.progress.in_backward = True
-        self._become_ready(done_with_params=True)
+    def _on_use_ended(self, trigger: InputGradTrigger) -> None:
+        """A use's input gradients are computed: its backward is over ([Note: counting uses])."""
+        self._ensure_planned()
+        progress = self.progress
+        progress.in_backward = True
+        progress.ended += 1
+        progress.due.discard(trigger)
+        self._check_ready()
+        if not progress.ready and progress.started and progress.begun <= progress.ended \
+                and self.state is not GroupState.SHARDED:
+            self.reshard()  # between uses: the next one's pre-backward gathers again
+
+    def _check_ready(self) -> None:
+        """Ready once every counted use is over ([Note: counting uses])."""
+        progress = self.progress
+        if progress.ready or progress.due or progress.recomputes_due > 0 or progress.blind_recomputes > 0:
+            return
+        complete = len(self._grad_indices)
+        if progress.blind and len(progress.arrived_in.get(progress.graph_task, ())) < complete:
+            return
+        if not progress.known_uses and not any(len(got) == complete for got in progress.arrived_in.values()):
+            return
+        # After a blind use a frozen parameter (no gradient to tell us) may still be read: such
+        # groups reshard at the end of backward.
+        self._become_ready(done_with_params=(progress.known_uses and not progress.blind)
+                           or complete == len(self.managed))
 
     def force_ready(self) -> None:
         """End of backward: whatever arrived is all there is."""
@@ -426,10 +571,7 @@ class ParamGroup:
             return
         progress.ready = True
         if done_with_params and progress.started:
-            # Backward no longer reads the full parameters. Without an input trigger a frozen
-            # parameter (no gradient to tell us) may still be read: such groups reshard at the
-            # end of backward.
-            self.reshard()
+            self.reshard()  # backward no longer reads the full parameters
         if self._scheduler is not None:
             self._scheduler.group_ready(self)
 

@@ -5,10 +5,11 @@ A gradient's way from its hook to the collective, every call downward or through
 :class:`~vescale_zero.runtime.param_group.GroupScheduler` (the interface a group is given when its
 root registers it, :meth:`ReduceScatterScheduler.register`)::
 
-    autograd: a parameter's gradient is accumulated
-      -> param_group._grad_accumulated                 (the post-accumulate-grad hook)
-      -> ParamGroup._on_grad_accumulated               (which gradients arrived)
+    autograd: a parameter's gradient is accumulated, or a call's input gradients are computed
+      -> param_group._grad_accumulated / _use_ended    (the post-accumulate-grad hook; the input node)
+      -> ParamGroup._on_grad_accumulated               (which gradients arrived, in which graph task)
            -> scheduler.gradient_arrived(group)        (finish what has arrived: reap)
+         ParamGroup._on_use_ended                      (a use is over: param_group [Note: counting uses])
       -> ParamGroup._become_ready                      (param_group [Note: when a group's gradients are complete])
            -> scheduler.group_ready(group)
       -> ReduceScatterScheduler._issue_ready           (the order below)
@@ -17,19 +18,20 @@ root registers it, :meth:`ReduceScatterScheduler.register`)::
 
 The module hooks (:mod:`vescale_zero.runtime.hooks`) tell the scheduler where an iteration
 stands: a root forward's start and end and each group's first call in it (the order is the
-first forward's), a backward's start (which forward it differentiates) and end.
+first forward's), a backward's start and each forward it reaches (which forwards it
+differentiates), and its end.
 
 [Note: one order of reduce-scatters]
 Collectives pair up across ranks by the order they are issued in, so every rank must issue
 the same reduce-scatters in the same order, whatever gradients it got. Groups issue in one
 fixed order: the reverse of the first forward's order (backward's natural order), then the
 groups that were not in it. A group issues once it is ready and every earlier group that
-takes part in this backward has issued. Taking part is judged against the forward being
-differentiated (the backward's first hook names it; pipeline schedules run the next
-micro-batches' forwards before this backward): a group that ran in it with grad enabled, or
-was seen in this backward, takes part; one that ran in it only under ``no_grad`` may still
+takes part in this backward has issued. Taking part is judged against the forwards being
+differentiated (param_group [Note: counting uses] finds them; pipeline schedules run the next
+micro-batches' forwards before this backward): a group that ran in them with grad enabled, or
+was seen in this backward, takes part; one that ran in them only under ``no_grad`` may still
 take part (a reentrant checkpoint recomputes it), so it holds later groups until it does or
-the backward ends; one that did not run in it takes no part. At the end every participating
+the backward ends; one that did not run in them takes no part. At the end every participating
 group is ready, so the rest issue, in order; a group that only ran under ``no_grad`` and was
 never recomputed issues nothing. Readiness may differ between ranks (an MoE expert without
 tokens on one rank), the sequence of collectives cannot.
@@ -37,10 +39,11 @@ tokens on one rank), the sequence of collectives cannot.
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import FrozenSet, List, Optional, Tuple
 
 import torch
 
+from ..torch_compat import autograd_graph_task_id
 from .group_progress import Part
 from .param_group import ParamGroup
 from .unused_grads import drop_unused, usage_anywhere
@@ -61,7 +64,9 @@ class ReduceScatterScheduler:
         self._first_forward: List[ParamGroup] = []  # groups by their first call in the first root forward
         self._order_fixed = False  # that forward has ended: _first_forward is the order
         self._order: Optional[List[ParamGroup]] = None  # cached once fixed, until requires_grad changes
-        self.backward_of: Optional[int] = None  # the root forward the current backward differentiates
+        self.differentiated: FrozenSet[int] = frozenset()  # the root forwards the current backward differentiates
+        self.backward_of: Optional[int] = None  # the last of them
+        self._task = -1  # the current backward's autograd graph task
         self.reducing: List[ParamGroup] = []  # reduce-scatters issued, not yet waited on
 
     def register(self, group: ParamGroup) -> None:
@@ -89,8 +94,38 @@ class ReduceScatterScheduler:
         self._order = None
 
     def begin_backward(self, forward_id: Optional[int]) -> None:
-        """A backward of root forward ``forward_id`` starts (its first hook)."""
-        self.backward_of = forward_id
+        """A backward starts: its first hook, on an output of root forward ``forward_id``, inside
+        the backward's graph task. Which forwards it differentiates, and each group's uses in
+        them: param_group [Note: counting uses]."""
+        forwards = set() if forward_id is None else {forward_id}
+        for group in self._groups:
+            forwards |= group.forwards.forwards_in_graph()
+        self.backward_of = None
+        self.differentiated = frozenset()
+        self._task = autograd_graph_task_id()
+        self._differentiate(forwards)
+
+    def reached(self, forward_id: Optional[int]) -> None:
+        """A hook of this backward on an output of a call in root forward ``forward_id``: a
+        forward not counted yet joins (param_group [Note: counting uses])."""
+        if forward_id is not None and forward_id not in self.differentiated:
+            self._differentiate({forward_id})
+
+    def _differentiate(self, forwards) -> None:
+        """Count ``forwards`` and the earlier forwards no node can be found for: those whose
+        calls are all blind or under no_grad (param_group [Note: counting uses])."""
+        forwards = set(self.differentiated) | set(forwards)
+        if forwards:
+            last = max(forwards)
+            recorded, signalling = set(), set()
+            for group in self._groups:
+                recorded |= group.forwards.recorded()
+                signalling |= group.forwards.signalling()
+            forwards |= {f for f in recorded - signalling if f <= last}
+        self.differentiated = frozenset(forwards)
+        self.backward_of = max(forwards) if forwards else None
+        for group in self._groups:
+            group.plan_backward(self.differentiated, self._task)
 
     def order(self) -> List[ParamGroup]:
         """The groups with gradients, in [Note: one order of reduce-scatters]."""
@@ -121,7 +156,7 @@ class ReduceScatterScheduler:
         for group in self.order():
             if group.progress.issued:
                 continue
-            part = group.part_in(self.backward_of)
+            part = group.part_in(self.differentiated)
             if part is not Part.TAKES_PART:
                 if final or part is Part.NONE:
                     continue  # takes no part (and, at the end, never will)
@@ -150,12 +185,12 @@ class ReduceScatterScheduler:
         (unused_grads [Note: unused everywhere]); returns them for ``drop_unused`` once every
         group has finished its gradient sync (the hooks wait for each and reshard it)."""
         for group in self.order():
-            if group.part_in(self.backward_of) is Part.TAKES_PART:
+            if group.part_in(self.differentiated) is Part.TAKES_PART:
                 group.force_ready()  # no-op for groups already ready; issues nothing by itself
         self._issue_ready(final=True)
         usage = usage_anywhere(self.order())
         self.reducing.clear()
-        self.backward_of = None
+        self.backward_of, self.differentiated = None, frozenset()
         return usage
 
     def reduce_accumulated(self) -> None:
@@ -182,6 +217,6 @@ class ReduceScatterScheduler:
         waits for its own collectives), the backward forgotten, and a first forward that did not
         end starts its order again."""
         self.reducing.clear()
-        self.backward_of = None
+        self.backward_of, self.differentiated = None, frozenset()
         if not self._order_fixed:
             self._first_forward = []
