@@ -8,6 +8,7 @@ Our options, and the ZeRO-3 keys a user's existing config already has::
     reduce_dtype, fp8_all_gather_tile,
     shard_group_size
     overlap_comm                        mapped: prefetch the next group (async gathers)
+    stage3_prefetch_bucket_size: 0      mapped: prefetch false, as ZeRO-3 prefetches nothing
     reduce_scatter                      honoured: false reduces each group's gradients by one
                                         all-reduce, every rank keeping its range, as ZeRO-3
                                         does (see vescale_zero/runtime/grad_reduce.py)
@@ -205,6 +206,9 @@ class RaggedOptions(BaseModel):
         return _DTYPES[self.reduce_dtype] if self.reduce_dtype else None
 
 
+_PREFETCH_BUCKET = {"stage3_prefetch_bucket_size", "prefetch_bucket_size"}
+"""0 turns ZeRO-3's prefetch off: mapped to prefetch false (any other size has no effect here)."""
+
 _READ_BY_DEEPSPEED = {"offload", "optimizer_nvme", "reduce_scatter"}
 """Fields of :class:`RaggedOptions` that are ZeRO-3's keys (or made from them), read by DeepSpeed's model."""
 
@@ -277,8 +281,10 @@ def parse_ragged_section(section: Dict[str, Any]) -> Tuple[RaggedOptions, List[s
             pass  # after the loop: it may meet shard_group_size
         elif key in ("overlap_comm", "reduce_scatter") or key in OFFLOAD_KEYS:
             pass  # after the loop: as DeepSpeed reads them ("false" is False; cpu_offload: true)
-        elif key in _NOTED:
+        elif key in _NOTED and not (key in _PREFETCH_BUCKET and value == 0):
             noted.append(key)
+        elif key in _NOTED:
+            pass  # 0: ZeRO-3 prefetches nothing; read after the loop
         else:
             why = _rejection(key, value)
             if why == "unknown":
@@ -288,6 +294,8 @@ def parse_ragged_section(section: Dict[str, Any]) -> Tuple[RaggedOptions, List[s
     _merge_mics_shard_size(section, options)
     zero3 = _as_deepspeed_reads_it(section, ours)
     options["optimizer_nvme"] = nvme_offload_of(zero3)
+    if _PREFETCH_BUCKET & set(section) and zero3.prefetch_bucket_size == 0:  # ZeRO-3 prefetches nothing
+        options.setdefault("prefetch", False)
     if "overlap_comm" in section and "overlap_comm" in zero3.model_fields_set:  # not "auto"
         options.setdefault("prefetch", zero3.overlap_comm)
     options["reduce_scatter"] = zero3.reduce_scatter
