@@ -18,10 +18,16 @@ Both modes set ``DS_ACCELERATOR=cpu``, ``LOCAL_SIZE`` (DeepSpeed's CPU accelerat
 as devices, so without it every 2-rank test skips) and skip the JIT build of the shared-memory comm op.
 
 Each file runs in its own pytest; a case that hangs (DeepSpeed's harness then ends the session) is
-recorded as ``hang`` and the file resumes after it. ``--out`` gets ``{file: {case: outcome}}``
-(passed / failed / skipped / error / hang, with the failure's last line); ``--compare`` prints a
-per-file table of several such runs and the cases whose outcome differs, the first run being the
-reference.
+recorded as ``hang``, the file resumes after it, and it runs once more at the end. ``--out`` gets
+``{file: {case: outcome}}`` (passed / failed / skipped / error / hang / not zero3, with the
+failure's last line, and whether the case reached ZeRO-3); ``--compare`` prints a per-file table of
+several such runs and the cases that pass in the first (the reference) and not in another.
+
+On a shared 2-core machine a case takes about a minute (each spawns its ranks), so: the reference
+with ``--mode stage3 --zero3-only`` (the cases parametrized with stage 0-2 are left out), then the
+ragged runs with ``--only <the reference's JSON>`` (the cases that reached ZeRO-3 and passed there).
+Set ``TORCH_EXTENSIONS_DIR`` to a directory of your own: DeepSpeed compiles its CPU Adam kernels
+there on first use, and a build another process holds the lock of stalls every case behind it.
 """
 
 from __future__ import annotations
@@ -146,6 +152,25 @@ def _write(record):
         f.write(json.dumps(record) + "\\n")
 
 
+_STAGE_PARAMS = ("zero_stage", "stage")
+
+
+def pytest_collection_modifyitems(config, items):
+    """With VZ_DS_UNIT_ZERO3_ONLY: leave out the cases parametrized with a ZeRO stage other than 3
+    (they never reach ZeRO-3, and no config of theirs is rewritten)."""
+    if not os.environ.get("VZ_DS_UNIT_ZERO3_ONLY"):
+        return
+    kept, left_out = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        stages = [params[k] for k in _STAGE_PARAMS if k in params]
+        (left_out if stages and all(v != 3 for v in stages) else kept).append(item)
+    for item in left_out:
+        _write({"case": item.nodeid, "event": "not zero3", "why": "parametrized with another ZeRO stage"})
+    items[:] = kept
+    config.hook.pytest_deselected(items=left_out)
+
+
 def pytest_runtest_logstart(nodeid, location):
     _write({"case": nodeid, "event": "start"})
     with open(os.environ["VZ_DS_UNIT_CURRENT"], "w") as f:
@@ -234,7 +259,7 @@ def run(args: argparse.Namespace) -> None:
     with open(os.path.join(here, "_vz_ds_unit_plugin.py"), "w") as f:
         f.write(textwrap.dedent(_PLUGIN))
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "LOCAL_SIZE": str(args.local_size), "VZ_DS_UNIT_MODE": args.mode,
-           "DS_UNITTEST_TIMEOUT": str(args.case_timeout),
+           "DS_UNITTEST_TIMEOUT": str(args.case_timeout), "VZ_DS_UNIT_ZERO3_ONLY": "1" if args.zero3_only else "",
            "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     out: Dict[str, Dict] = {}
     if args.out and os.path.exists(args.out) and args.resume:
@@ -244,7 +269,8 @@ def run(args: argparse.Namespace) -> None:
     only = None
     if args.only:
         with open(args.only) as f:
-            only = {rel: [case for case, r in cases.items() if r.get("zero3")] for rel, cases in json.load(f).items()}
+            only = {rel: [case for case, r in cases.items() if r.get("zero3") and r["outcome"] == "passed"]
+                    for rel, cases in json.load(f).items()}
     for rel in args.files or FILES:
         rel = rel if rel.startswith("unit/") else f"unit/{rel}"
         if rel in out:
@@ -267,13 +293,13 @@ def compare(paths: List[str]) -> None:
         with open(path) as f:
             runs.append(json.load(f))
     names = [os.path.basename(p).rsplit(".", 1)[0] for p in paths]
-    print("| file | " + " | ".join(f"{n} pass/fail/skip" for n in names) + " |")
+    print("| file | " + " | ".join(f"{n} pass/fail/skip/other stage" for n in names) + " |")
     print("|---|" + "---|" * len(names))
     for rel in runs[0]:
         cells = []
         for run_ in runs:
             c = Counter(r["outcome"] for r in run_.get(rel, {}).values())
-            cells.append(f"{c['passed']}/{c['failed'] + c['error'] + c['hang']}/{c['skipped']}")
+            cells.append(f"{c['passed']}/{c['failed'] + c['error'] + c['hang']}/{c['skipped']}/{c['not zero3']}")
         print(f"| {rel} | " + " | ".join(cells) + " |")
     print("\ncases passing in the first run and not in another:")
     for rel, cases in runs[0].items():
@@ -293,7 +319,9 @@ def main() -> None:
     p.add_argument("--files", nargs="*", help="files under tests/ (default: FILES)")
     p.add_argument("-k", help="pytest -k expression")
     p.add_argument("--out", help="JSON results file")
-    p.add_argument("--only", metavar="JSON", help="run only the cases that reached ZeRO-3 in this earlier run")
+    p.add_argument("--zero3-only", action="store_true",
+                   help="leave out the cases parametrized with a ZeRO stage other than 3 (recorded as 'not zero3')")
+    p.add_argument("--only", metavar="JSON", help="only the cases that reached ZeRO-3 and passed in this run")
     p.add_argument("--resume", action="store_true", help="skip the files already in --out")
     p.add_argument("--local-size", type=int, default=4, help="devices DeepSpeed's CPU accelerator reports")
     p.add_argument("--case-timeout", type=int, default=300, help="DeepSpeed's per-case timeout (s)")
