@@ -168,8 +168,8 @@ def test_optimizer_state_accessors_with_deepspeeds_optimizers_as_stage3(runs, wh
     state read full equals stage 3's, bit for bit; read local, the ranks' pieces join into it; a
     full write and a local write read back as written, and the step after them lands on stage 3's
     weights. FusedLamb has no CPU kernel (DeepSpeed's CPU accelerator builds none): its state is
-    the same two moments as Adam's, read through the same path ([Note: per-element optimizer state of a
-    ragged parameter])."""
+    the same two moments as Adam's, read through the same path
+    ([Note: per-element optimizer state of a ragged parameter])."""
     ref, ours = _ok(runs[f"{which} 3"]), _ok(runs[f"{which} ragged"])
     assert ours[0]["optimizer"] == ref[0]["optimizer"] == OPTIMIZERS[which][2]
     keys = OPTIMIZERS[which][3]
