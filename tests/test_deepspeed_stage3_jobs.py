@@ -199,11 +199,19 @@ def _offload_param(rank, world_size, stage):
     cfg = {**_config(stage, offload_param={"device": "cpu", "pin_memory": False}),
            "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}}
     engine, *_ = deepspeed.initialize(model=EvenLM(), config=cfg)
+    stepped = []  # ragged: what the optimizer steps (after OptimizerOnDevice's pre-hook): twins, not the model's
+    if stage == "ragged":
+        from vescale_zero.hosts import slot_of
+
+        engine.basic_optimizer.register_step_pre_hook(lambda opt, *_: stepped.append(
+            [slot_of(p) is None for g in opt.param_groups for p in g["params"]]))
     out = {"optimizer": type(engine.basic_optimizer).__name__,
            "losses": _train(engine, rank, make_batches(STEPS, GLOBAL_BATCH)), "params": _gathered(deepspeed, engine)}
     if stage == "ragged":
         from vescale_zero import local_piece
-        from vescale_zero.hosts import groups_of, slot_of
+        from vescale_zero.hosts import groups_of
+
+        out["stepped_twins"] = stepped
 
         groups = groups_of(engine.module)
         out["offloaded"] = [g.offload is not None for g in groups]
@@ -219,12 +227,15 @@ def _offload_param(rank, world_size, stage):
 
 def test_offload_param_alone_trains_as_stage3(runs):
     """The optimizer stage 3 builds with offload_param alone (FusedAdam: the optimizer stays on
-    the device), every group offloaded, the optimizer's state keyed by the model's parameters and
-    on the compute device between steps; losses and weights equal stage 3's, bit for bit."""
+    the device), every group offloaded; every step steps device twins of the parameters
+    ([Note: the optimizer steps on the device]: on this CPU machine host and device are one, so the
+    twins are what shows the path was taken), and between steps the optimizer's state is keyed by
+    the model's parameters, on the compute device; losses and weights equal stage 3's, bit for bit."""
     ref, ours = _ok(runs["offload_param 3"]), _ok(runs["offload_param ragged"])
     assert ours[0]["optimizer"] == ref[0]["optimizer"] == "FusedAdam"
     for r in ours:
         assert r["offloaded"] and all(r["offloaded"]), r["offloaded"]
+        assert len(r["stepped_twins"]) == STEPS and all(all(s) and s for s in r["stepped_twins"]), r["stepped_twins"]
         assert r["state_keys"] == ["exp_avg", "exp_avg_sq", "step"] and r["state_is_the_params"]
         assert r["state_on_device"]
     assert ours[0]["losses"] == ref[0]["losses"]
