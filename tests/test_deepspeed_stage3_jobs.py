@@ -309,7 +309,7 @@ def _second_initialize(rank, world_size, stage, ckpt_dir):
     deepspeed = _deepspeed()
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    cfg = _config(stage)
+    cfg = {**_config(stage), "bf16": {"enabled": True}}  # as DeepSpeed's test on an accelerator with bf16
     batches = make_batches(STEPS, GLOBAL_BATCH)
     model = EvenLM()
     first, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -324,8 +324,7 @@ def _second_initialize(rank, world_size, stage, ckpt_dir):
         losses += _train(second, rank, batches[1:])
         out.update(losses=losses, params=_gathered(deepspeed, second), steps=second.global_steps)
         try:  # another sharding than the first engine's is refused, naming the difference
-            deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                 config={**cfg, "bf16": {"enabled": True}})
+            deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_config(stage))
             out["other_sharding"] = None
         except ValueError as e:
             out["other_sharding"] = str(e)
@@ -337,20 +336,25 @@ def _second_initialize(rank, world_size, stage, ckpt_dir):
 
 
 def test_a_second_initialize_on_an_engines_model_rewraps_it_as_stage3(runs):
-    """As at stage 3, engine 2 on engine 1's model loads its checkpoint and saves it again at once:
-    the fp32 weights of both saves equal stage 3's, bit for bit. Engine 2 then trains on to the
-    losses and weights of stage 3's uninterrupted run. A config that would shard differently (bf16
-    here) is refused, naming the difference."""
+    """As at stage 3, engine 2 on engine 1's model (bf16, as DeepSpeed's test) loads its checkpoint
+    and saves it again at once: the second save's fp32 weights are the first's, bit for bit, on
+    both stages, and ragged's equal stage 3's to bf16's tolerance (as
+    test_a_model_built_under_stage3_zero_init_migrates_at_initialize). Engine 2 then trains on to
+    the losses and weights of stage 3's uninterrupted run, to the same tolerance. A config that
+    would shard differently (fp32 here) is refused, naming the difference."""
     ref, ours = _ok(runs["second initialize 3"]), _ok(runs["second initialize ragged"])
-    for saved, ref_saved in zip(ours[0]["saved"], ref[0]["saved"]):
-        assert saved.keys() == ref_saved.keys()
-        for name, value in ref_saved.items():
-            assert torch.equal(saved[name].float(), value.float()), name
+    for run in (ref, ours):
+        one, again = run[0]["saved"]
+        assert one.keys() == again.keys() and all(torch.equal(one[n], again[n]) for n in one)
+    one, ref_one = ours[0]["saved"][0], ref[0]["saved"][0]
+    assert one.keys() == ref_one.keys()
+    diffs = torch.cat([(one[n].float() - ref_one[n].float()).abs().flatten() for n in one])
+    assert diffs.mean().item() <= 1e-3
     assert ours[0]["steps"] == ref[0]["steps"] == STEPS
-    assert ours[0]["losses"] == ref[0]["losses"]
-    for name, value in ref[0]["params"].items():
-        assert torch.equal(ours[0]["params"][name], value), name
-    assert "bf16/fp16: None -> torch.bfloat16" in ours[0]["other_sharding"], ours[0]["other_sharding"]
+    assert ours[0]["losses"] == pytest.approx(ref[0]["losses"], rel=1e-2)
+    diffs = torch.cat([(ours[0]["params"][n] - v).abs().flatten() for n, v in ref[0]["params"].items()])
+    assert diffs.mean().item() <= 1e-3
+    assert "bf16/fp16: torch.bfloat16 -> None" in ours[0]["other_sharding"], ours[0]["other_sharding"]
 
 
 # ---- ZeRO++ qwZ: zero_quantized_weights -------------------------------------------------------
@@ -369,10 +373,11 @@ def _quantized_weights(rank, world_size):
 
 def test_zero_quantized_weights_gathers_fp8_tiles(runs):
     """qwZ maps to the block-wise FP8 gather, tiles of 128 ([Note: ZeRO++ quantized communication under ragged]):
-    every group gathers float8 tiles, and the losses follow the unquantized run (stage 3's: the
-    same as ragged's, bit for bit, see above) to 1%, without equalling them. Stage 3's own qwZ
+    every group gathers float8 tiles, and the losses follow the unquantized run (stage 3's with
+    reduce_scatter false: at 2 ranks the same floats as ragged's, see above) to 1%, without
+    equalling them. Stage 3's own qwZ
     needs DeepSpeed's quantizer kernels, which its CPU accelerator does not build."""
-    ours, plain = _ok(runs["qwZ ragged"]), _ok(runs["second initialize 3"])
+    ours, plain = _ok(runs["qwZ ragged"]), _ok(runs["reduce_scatter false 3"])
     assert all(r["tiles"] == {128} for r in ours), [r["tiles"] for r in ours]
     assert all(abs(a - b) <= 0.01 * b for a, b in zip(ours[0]["losses"], plain[0]["losses"]))
     assert ours[0]["losses"] != plain[0]["losses"], "zero_quantized_weights changed nothing: was it applied?"
