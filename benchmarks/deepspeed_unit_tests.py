@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/deepspeed_unit_tests.py DEEPSPEED_DIR --mode ragged --out ragged.json
     .venv/bin/python benchmarks/deepspeed_unit_tests.py DEEPSPEED_DIR --mode stage3 --out stage3.json
-    .venv/bin/python benchmarks/deepspeed_unit_tests.py --compare stage3.json ragged.json [more.json ...]
+    .venv/bin/python benchmarks/deepspeed_unit_tests.py [DEEPSPEED_DIR] --compare stage3.json ragged.json [...]
 
 ``DEEPSPEED_DIR`` holds DeepSpeed's ``tests/unit`` (a checkout, or ``git archive vX.Y.Z tests`` of
 one: take the tag closest to the installed deepspeed). Nothing of DeepSpeed's is copied here: the
@@ -287,7 +287,45 @@ def run(args: argparse.Namespace) -> None:
                 json.dump(out, f, indent=1, sort_keys=True)
 
 
-def compare(paths: List[str]) -> None:
+PRIVATE = ("ds_tensor", "ds_persist", "averaged_gradients", "_external_params", "DeepSpeedZeroOptimizer_Stage3",
+           "get_fp32_grad_partitions", "fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat",
+           "ds_grads_remaining", "param_coordinator", "ds_active_sub_modules", "__ds_", "ipg_bucket",
+           "_get_norm_groups", "ds_id")
+"""Names of ZeRO-3's private state: a case whose test reads one tests stage 3's implementation, not
+behaviour a job relies on (counted apart by --compare; checked by reading the case, see docs)."""
+
+
+def private_reads(tests: str, case: str) -> List[str]:
+    """The names of :data:`PRIVATE` in ``case``'s test class (or function) and the module-level
+    functions it calls, two levels deep."""
+    import ast
+
+    rel, _, rest = case.partition("::")
+    path = os.path.join(tests, rel)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        source = f.read()
+    tree = ast.parse(source)
+    functions = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    top = functions.get(rest.split("::")[0].split("[")[0])
+    if top is None:
+        return []
+    seen, todo, text = set(), [top], []
+    for _ in range(3):
+        found = []
+        for node in todo:
+            if node.name in seen:
+                continue
+            seen.add(node.name)
+            text.append(ast.get_source_segment(source, node) or "")
+            found += [functions[n.id] for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in functions]
+        todo = found
+    body = "\n".join(text)
+    return [name for name in PRIVATE if name in body]
+
+
+def compare(paths: List[str], tests: str = "") -> None:
     runs = []
     for path in paths:
         with open(path) as f:
@@ -301,6 +339,16 @@ def compare(paths: List[str]) -> None:
             c = Counter(r["outcome"] for r in run_.get(rel, {}).values())
             cells.append(f"{c['passed']}/{c['failed'] + c['error'] + c['hang']}/{c['skipped']}/{c['not zero3']}")
         print(f"| {rel} | " + " | ".join(cells) + " |")
+    print("\ncases passing in the first run that reached ZeRO-3 (behaviour / reading ZeRO-3's private state):")
+    for rel, cases in runs[0].items():
+        counted = [c for c, r in cases.items() if r["outcome"] == "passed" and r.get("zero3")]
+        private = {c: private_reads(tests, c) for c in counted} if tests else {}
+        cells = []
+        for name, run_ in zip(names[1:], runs[1:]):
+            ok = [c for c in counted if run_.get(rel, {}).get(c, {}).get("outcome") == "passed"]
+            cells.append(f"{name}: {sum(not private.get(c) for c in ok)}/{sum(bool(private.get(c)) for c in ok)}")
+        print(f"  {rel}: {sum(not private.get(c) for c in counted)}/{sum(bool(private.get(c)) for c in counted)}; "
+              + ", ".join(cells))
     print("\ncases passing in the first run and not in another:")
     for rel, cases in runs[0].items():
         for case, res in cases.items():
@@ -309,7 +357,9 @@ def compare(paths: List[str]) -> None:
             for name, run_ in zip(names[1:], runs[1:]):
                 other = run_.get(rel, {}).get(case, {"outcome": "missing", "why": ""})
                 if other["outcome"] != "passed":
-                    print(f"  {case} [{name}: {other['outcome']}] {other['why'][:200]}")
+                    mark = f" (reads {', '.join(private_reads(tests, case))})" if tests and private_reads(tests, case) \
+                        else ""
+                    print(f"  {case}{mark} [{name}: {other['outcome']}] {other['why'][:200]}")
 
 
 def main() -> None:
@@ -329,7 +379,7 @@ def main() -> None:
     p.add_argument("--compare", nargs="+", metavar="JSON", help="print a table of runs (the first: the reference)")
     args = p.parse_args()
     if args.compare:
-        compare(args.compare)
+        compare(args.compare, os.path.join(os.path.abspath(args.deepspeed), "tests") if args.deepspeed else "")
     elif args.deepspeed:
         run(args)
     else:
