@@ -331,6 +331,7 @@ def test_config_keys_mapped_noted_and_rejected():
     for section, read in [({"offload_param": {"device": "cpu"}}, lambda o: o.offload.optimizer is False),
                           ({"reduce_scatter": False}, lambda o: o.reduce_scatter is False),
                           ({"stage3_prefetch_bucket_size": 0, "overlap_comm": True}, lambda o: o.prefetch is False),
+                          ({"enable_sanity_checks": "true"}, lambda o: o.zero_init == {"enable_sanity_checks": True}),
                           ({"zero_quantized_weights": True}, lambda o: o.fp8_all_gather_tile == 128),
                           ({"zero_quantized_weights": True, "fp8_all_gather_tile": 4},
                            lambda o: o.fp8_all_gather_tile == 4)]:

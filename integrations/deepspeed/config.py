@@ -9,6 +9,9 @@ Our options, and the ZeRO-3 keys a user's existing config already has::
     shard_group_size
     overlap_comm                        mapped: prefetch the next group (async gathers)
     stage3_prefetch_bucket_size: 0      mapped: prefetch false, as ZeRO-3 prefetches nothing
+    enable_sanity_checks,               honoured by deepspeed.zero.Init, which reads them alone
+    memory_efficient_linear,            (ZERO_INIT_KEYS)
+    override_module_apply
     reduce_scatter                      honoured: false reduces each group's gradients by one
                                         all-reduce, every rank keeping its range, as ZeRO-3
                                         does (see vescale_zero/runtime/grad_reduce.py)
@@ -96,9 +99,9 @@ _NOTED = {  # meaningful for ZeRO-3's bucketed, per-parameter machinery; not for
     "stage3_max_live_parameters", "max_live_parameters", "stage3_max_reuse_distance", "max_reuse_distance",
     "stage3_module_granularity_threshold", "module_granularity_threshold", "stage3_use_all_reduce_for_fetch_params",
     "use_all_reduce_for_fetch_params", "stage3_allgather_sequential", "allgather_sequential", "sub_group_size",
-    "round_robin_gradients", "elastic_checkpoint", "ignore_unused_parameters", "memory_efficient_linear",
+    "round_robin_gradients", "elastic_checkpoint", "ignore_unused_parameters",
     "load_from_fp32_weights", "compute_grad_norm", "parameter_alignment", "log_trace_cache_warnings",
-    "enable_sanity_checks", "override_module_apply", "legacy_stage1", "pipeline_loading_checkpoint",
+    "legacy_stage1", "pipeline_loading_checkpoint",
     "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
     "stage3_gather_fp16_weights_on_model_save", "contiguous_gradients", "leaf_module",
     "save_muon_momentum_buffer_in_memory", "mics_hierarchical_params_gather",
@@ -196,6 +199,9 @@ class RaggedOptions(BaseModel):
     reduce_scatter: bool = True
     """Not ours: ZeRO-3's key as DeepSpeed reads it; false reduces gradients by an all-reduce,
     each rank keeping its range."""
+    zero_init: Dict[str, Any] = Field(default_factory=dict)
+    """Not ours: the ZeRO-3 keys only ``deepspeed.zero.Init`` reads (:data:`ZERO_INIT_KEYS`), as
+    DeepSpeed read them; they reach it through the parsed config (.parser)."""
     offload: Optional[OffloadOptions] = None
     """Not a key of the section: read from offload_optimizer / offload_param (.offload)."""
     optimizer_nvme: Optional[NvmeOptimizerOffload] = None
@@ -209,7 +215,12 @@ class RaggedOptions(BaseModel):
 _PREFETCH_BUCKET = {"stage3_prefetch_bucket_size", "prefetch_bucket_size"}
 """0 turns ZeRO-3's prefetch off: mapped to prefetch false (any other size has no effect here)."""
 
-_READ_BY_DEEPSPEED = {"offload", "optimizer_nvme", "reduce_scatter"}
+ZERO_INIT_KEYS = ("enable_sanity_checks", "memory_efficient_linear", "override_module_apply")
+"""ZeRO-3 keys that only ``deepspeed.zero.Init`` (and its ``GatheredParameters``) read: they keep
+their meaning under ragged, where ``zero.Init`` partitions as for ZeRO-3 (zero_init
+[Note: zero.Init under ragged])."""
+
+_READ_BY_DEEPSPEED = {"offload", "optimizer_nvme", "reduce_scatter", "zero_init"}
 """Fields of :class:`RaggedOptions` that are ZeRO-3's keys (or made from them), read by DeepSpeed's model."""
 
 
@@ -217,7 +228,7 @@ def _unknown_key(key: str, ours: set) -> str:
     """The error for an unknown key: the closest valid key first, then ours (the ZeRO-3 tuning
     keys, accepted and ignored, are too many to list)."""
     known = ours | {"stage", "overlap_comm", "reduce_scatter", "mics_shard_size"} | _NOTED | set(_REJECTED) | set(
-        OFFLOAD_KEYS)
+        OFFLOAD_KEYS) | set(ZERO_INIT_KEYS)
     close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
     if not close:  # a prefix or a different separator ("granular", "sharded-modules")
         folded = str(key).lower().replace("-", "_")
@@ -279,7 +290,7 @@ def parse_ragged_section(section: Dict[str, Any]) -> Tuple[RaggedOptions, List[s
             options[key] = value
         elif key == "mics_shard_size":
             pass  # after the loop: it may meet shard_group_size
-        elif key in ("overlap_comm", "reduce_scatter") or key in OFFLOAD_KEYS:
+        elif key in ("overlap_comm", "reduce_scatter") or key in OFFLOAD_KEYS or key in ZERO_INIT_KEYS:
             pass  # after the loop: as DeepSpeed reads them ("false" is False; cpu_offload: true)
         elif key in _NOTED and not (key in _PREFETCH_BUCKET and value == 0):
             noted.append(key)
@@ -299,6 +310,7 @@ def parse_ragged_section(section: Dict[str, Any]) -> Tuple[RaggedOptions, List[s
     if "overlap_comm" in section and "overlap_comm" in zero3.model_fields_set:  # not "auto"
         options.setdefault("prefetch", zero3.overlap_comm)
     options["reduce_scatter"] = zero3.reduce_scatter
+    options["zero_init"] = {k: getattr(zero3, k) for k in ZERO_INIT_KEYS if k in zero3.model_fields_set}
     options["offload"], ignored = read_offload(zero3)
     if zero3.zero_quantized_weights:  # [Note: ZeRO++ quantized communication under ragged]
         options.setdefault("fp8_all_gather_tile", QWZ_TILE)
