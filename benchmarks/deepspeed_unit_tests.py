@@ -130,7 +130,8 @@ if os.environ.get("VZ_DS_UNIT_MODE"):
     @functools.wraps(_init)
     def init(self, *args, **kwargs):
         bound = _signature.bind(self, *args, **kwargs)
-        _note()
+        if bound.arguments.get("enabled", True):
+            _note()
         for key in ("config_dict_or_path", "config"):
             if bound.arguments.get(key) is not None:
                 bound.arguments[key] = _ragged(bound.arguments[key])
