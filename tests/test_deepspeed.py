@@ -326,10 +326,20 @@ def test_config_keys_mapped_noted_and_rejected():
             assert f in str(e.value), (f, str(e.value))
 
     error({"stage4_magic": 1}, "unknown key 'stage4_magic'", "Our keys:", "granularity", "overlap_comm")
-    error({"offload_param": {"device": "cpu"}}, "offload_param (device 'cpu') without offload_optimizer")
-    error({"reduce_scatter": False}, "reduce_scatter=false contradicts")
     error({"zero_hpz_partition_size": 2, "reshard_after_forward": False}, "reshard_after_forward False and "
           "zero_hpz_partition_size 2 disagree")
+    error({"zero_quantized_gradients": True}, "zero_quantized_gradients (ZeRO++ qgZ", "remove it")
+    error({"zero_quantized_nontrainable_weights": True}, "zero_quantized_nontrainable_weights", "remove it")
+    for section, read in [({"offload_param": {"device": "cpu"}}, lambda o: o.offload.optimizer is False),
+                          ({"reduce_scatter": False}, lambda o: o.reduce_scatter is False),
+                          ({"stage3_prefetch_bucket_size": 0, "overlap_comm": True}, lambda o: o.prefetch is False),
+                          ({"enable_sanity_checks": "true"}, lambda o: o.zero_init == {"enable_sanity_checks": True}),
+                          ({"zero_quantized_weights": True}, lambda o: o.fp8_all_gather_tile == 128),
+                          ({"zero_quantized_weights": True, "fp8_all_gather_tile": 4},
+                           lambda o: o.fp8_all_gather_tile == 4)]:
+        cfg = ds_config("ragged", 2)
+        cfg["zero_optimization"].update(section)
+        assert read(split_ragged_config(cfg)[1]), section
     error({"shard_group_size": 2, "mics_shard_size": 4}, "shard_group_size 2 and mics_shard_size 4 disagree")
     error({"mics_shard_size": 0}, "mics_shard_size 0 is not a group size")
     error({"shard_group_size": 0}, "shard_group_size")

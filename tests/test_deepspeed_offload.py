@@ -264,8 +264,8 @@ def test_ignored_and_refused_keys():
             assert f in str(e.value), (f, str(e.value))
 
     cpu = {"device": "cpu"}
-    refused({"offload_param": cpu}, "offload_param (device 'cpu') without offload_optimizer",
-            "add \"offload_optimizer\": {\"device\": \"cpu\"}")
+    ds, options, _ = _split(offload_param=cpu)  # alone: the optimizer stays on the device (stage3_jobs)
+    assert options.offload.optimizer is False and ds["zero_optimization"] == {"stage": 0}
     refused({"offload_optimizer": {"device": "cpu", "ratio": 0.3}}, "offload_optimizer.ratio 0.3",
             "remove ratio (or set 1.0)")
     refused({"offload_optimizer": {"device": "nvme"}}, "offload_optimizer: device 'nvme' needs nvme_path")

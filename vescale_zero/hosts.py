@@ -20,7 +20,8 @@ a parameter's slot            ``slot_of`` (``(group, index)`` of a sharded param
 full parameters for a while   ``replace_parameters`` / ``put_parameters`` (full tensors installed as
                               the module's parameters, and the shards put back), ``Owner`` (who holds a
                               parameter, for ``vz.fill_group_by_group``'s sources)
-local pieces                  ``is_ragged`` (a ``RaggedDTensor``); ``vz.local_piece`` is public
+local pieces                  ``is_ragged`` (a ``RaggedDTensor``), ``like_param`` (a flat piece in a
+                              parameter's layout); ``vz.local_piece`` is public
 state dicts and optimizers    ``sharded_params_by_key``, ``full_optimizer_state``,
                               ``load_full_optimizer_state``, ``restored_step`` (a loaded ``step`` placed
                               as torch places it), ``LocalPieces`` (a rank's flat range as boxes),
@@ -59,7 +60,7 @@ from .checkpoint.format import (
 )
 from .primitives.comm_device import collective_device
 from .primitives.granularity import GranularityPolicy
-from .primitives.ragged_tensor import is_ragged
+from .primitives.ragged_tensor import is_ragged, like_param
 from .runtime.eager_hooks import outside_compile
 from .runtime.group_progress import GroupState
 from .runtime.job_timeout import carry_job_timeout
@@ -75,7 +76,7 @@ __all__ = [
     # full parameters for a while
     "replace_parameters", "put_parameters", "Owner",
     # local pieces
-    "is_ragged",
+    "is_ragged", "like_param",
     # state dicts and optimizers
     "sharded_params_by_key", "full_optimizer_state", "load_full_optimizer_state", "restored_step", "LocalPieces",
     "grad_norm_over_groups",

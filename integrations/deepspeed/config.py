@@ -8,6 +8,13 @@ Our options, and the ZeRO-3 keys a user's existing config already has::
     reduce_dtype, fp8_all_gather_tile,
     shard_group_size
     overlap_comm                        mapped: prefetch the next group (async gathers)
+    stage3_prefetch_bucket_size: 0      mapped: prefetch false, as ZeRO-3 prefetches nothing
+    enable_sanity_checks,               honoured by deepspeed.zero.Init, which reads them alone
+    memory_efficient_linear,            (ZERO_INIT_KEYS)
+    override_module_apply
+    reduce_scatter                      honoured: false reduces each group's gradients by one
+                                        all-reduce, every rank keeping its range, as ZeRO-3
+                                        does (see vescale_zero/runtime/grad_reduce.py)
     mics_shard_size                     mapped: shard_group_size (MiCS, which DeepSpeed
                                         0.19.8 removed; see [Note: shard groups])
     reduce_bucket_size, ... (NOTED)     accepted with a one-line warning: we run one
@@ -16,11 +23,14 @@ Our options, and the ZeRO-3 keys a user's existing config already has::
     (device cpu; cpu_offload*)          host memory (see .offload [Note: offload under ragged])
     offload_optimizer (device nvme)     mapped: optimizer state in files under nvme_path,
                                         stepped group by group (see nvme_offload_of)
+    zero_quantized_weights              mapped: weights gathered as FP8 tiles (fp8_all_gather_tile
+                                        128), [Note: ZeRO++ quantized communication under ragged]
     zero_hpz_partition_size             mapped: reshard_after_forward (ZeRO++ hpZ: after forward
                                         the weights stay sharded within groups of that size;
                                         backward gathers inside them)
-    zero_quantized_*, zenflow,          rejected: contradicts ragged sharding or is not
-    reduce_scatter=false                implemented; the error names the key and the fix
+    zero_quantized_gradients,           rejected: not implemented; the error names the key and
+    zero_quantized_nontrainable_weights, the fix
+    zenflow
     anything else                       an error naming it and listing the valid keys
 
 [Note: shard groups]
@@ -35,6 +45,19 @@ the layers' ``reshard_after_forward=N``: after forward each rank keeps ``1/N`` o
 gathered weights and backward gathers them inside its group of N
 (vescale_zero.runtime.post_forward [Note: the post-forward shard]); N must divide the shard
 group's size. Whether N divides the data-parallel world is checked when the engine is built.
+
+[Note: ZeRO++ quantized communication under ragged]
+ZeRO++'s qwZ (``zero_quantized_weights``) gathers the weights quantized (int8, one scale per
+group of elements) and computes with them dequantized, the master staying exact. Ragged's
+quantized gather is block-wise FP8 (``fp8_all_gather_tile``, vescale_zero/runtime/fp8_gather.py):
+each rank quantizes whole tiles of its own shard, one scale per tile, and the gathered weights
+equal quantize / dequantize of the unsharded tensor tile by tile. So qwZ maps to it, with tiles of
+``QWZ_TILE`` (matrices only: norms and biases travel unquantized, as FP8 recipes keep them): the
+same meaning, a quantized weight gather, in another format (e4m3 keeps 3 mantissa bits on every
+element of a tile, int8 keeps 1/127 of a group's largest value). qgZ (``zero_quantized_gradients``)
+exchanges int4 gradients all-to-all before reducing them; ragged has no quantized reduce-scatter,
+so it is refused, as is ``zero_quantized_nontrainable_weights`` (frozen weights stored
+quantized, where ragged keeps every weight exact).
 
 [Note: validated as DeepSpeed validates]
 Every value is parsed by DeepSpeed's own pydantic models, so a ragged config accepts and
@@ -85,31 +108,41 @@ _NOTED = {  # meaningful for ZeRO-3's bucketed, per-parameter machinery; not for
     "stage3_max_live_parameters", "max_live_parameters", "stage3_max_reuse_distance", "max_reuse_distance",
     "stage3_module_granularity_threshold", "module_granularity_threshold", "stage3_use_all_reduce_for_fetch_params",
     "use_all_reduce_for_fetch_params", "stage3_allgather_sequential", "allgather_sequential", "sub_group_size",
-    "round_robin_gradients", "elastic_checkpoint", "ignore_unused_parameters", "memory_efficient_linear",
+    "round_robin_gradients", "elastic_checkpoint", "ignore_unused_parameters",
     "load_from_fp32_weights", "compute_grad_norm", "parameter_alignment", "log_trace_cache_warnings",
-    "enable_sanity_checks", "override_module_apply", "legacy_stage1", "pipeline_loading_checkpoint",
+    "legacy_stage1", "pipeline_loading_checkpoint",
     "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
     "stage3_gather_fp16_weights_on_model_save", "contiguous_gradients", "leaf_module",
     "save_muon_momentum_buffer_in_memory", "mics_hierarchical_params_gather",
 }
 
 
-_REJECTED = ("zero_quantized_weights", "zero_quantized_nontrainable_weights",
-             "zero_quantized_gradients", "zenflow", "reduce_scatter")
+_REJECTED = ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "zenflow")
 """ZeRO keys that are known here: refused with a reason when set (see :func:`_rejection`)."""
+
+
+QWZ_TILE = 128
+"""The FP8 tile side ``zero_quantized_weights`` gathers with (the usual FP8 recipes' tile)."""
+
+_QUANTIZED_REFUSED = {
+    "zero_quantized_gradients": (
+        "zero_quantized_gradients (ZeRO++ qgZ: int4 gradients exchanged all-to-all) is not implemented with stage "
+        "'ragged', which reduce-scatters gradients in reduce_dtype; remove it (reduce_dtype 'bf16' halves the bytes)"),
+    "zero_quantized_nontrainable_weights": (
+        "zero_quantized_nontrainable_weights (frozen weights stored quantized) is not implemented with stage "
+        "'ragged', which keeps every weight exact; remove it (zero_quantized_weights gathers weights as FP8 tiles)"),
+}
 
 
 def _rejection(key: str, value: Any) -> Optional[str]:
     """Why ``key: value`` cannot be used with ragged sharding (``None`` if it can)."""
-    if key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients") and value:
-        return f"{key} is ZeRO++ quantized communication, not implemented with stage 'ragged'; remove it"
+    if key == "zero_quantized_weights":
+        return None  # read after the loop: [Note: ZeRO++ quantized communication under ragged]
+    if key in _QUANTIZED_REFUSED and value:
+        return _QUANTIZED_REFUSED[key]
     if key == "zenflow" and value:
         return "zenflow is not implemented with stage 'ragged'; remove it"
-    if key == "reduce_scatter" and value is False:
-        return ("reduce_scatter=false contradicts stage 'ragged', which always reduce-scatters gradients into shards; "
-                "remove it")
-    if key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights",
-               "zero_quantized_gradients", "zenflow", "reduce_scatter"):
+    if key in _REJECTED:
         return None
     return "unknown"
 
@@ -168,6 +201,12 @@ class RaggedOptions(BaseModel):
     shard_group_size: Optional[int] = Field(default=None, gt=0)
     """Shard within groups of this many data-parallel ranks, replicate across them (HSDP;
     see [Note: shard groups]); default: shard over the whole data-parallel group."""
+    reduce_scatter: bool = True
+    """Not ours: ZeRO-3's key as DeepSpeed reads it; false reduces gradients by an all-reduce,
+    each rank keeping its range."""
+    zero_init: Dict[str, Any] = Field(default_factory=dict)
+    """Not ours: the ZeRO-3 keys only ``deepspeed.zero.Init`` reads (:data:`ZERO_INIT_KEYS`), as
+    DeepSpeed read them; they reach it through the parsed config (.parser)."""
     offload: Optional[OffloadOptions] = None
     """Not a key of the section: read from offload_optimizer / offload_param (.offload)."""
     optimizer_nvme: Optional[NvmeOptimizerOffload] = None
@@ -178,18 +217,30 @@ class RaggedOptions(BaseModel):
         return _DTYPES[self.reduce_dtype] if self.reduce_dtype else None
 
 
+_PREFETCH_BUCKET = {"stage3_prefetch_bucket_size", "prefetch_bucket_size"}
+"""0 turns ZeRO-3's prefetch off: mapped to prefetch false (any other size has no effect here)."""
+
+ZERO_INIT_KEYS = ("enable_sanity_checks", "memory_efficient_linear", "override_module_apply")
+"""ZeRO-3 keys that only ``deepspeed.zero.Init`` (and its ``GatheredParameters``) read: they keep
+their meaning under ragged, where ``zero.Init`` partitions as for ZeRO-3 (zero_init
+[Note: zero.Init under ragged])."""
+
+_READ_BY_DEEPSPEED = {"offload", "optimizer_nvme", "reduce_scatter", "zero_init"}
+"""Fields of :class:`RaggedOptions` that are ZeRO-3's keys (or made from them), read by DeepSpeed's model."""
+
+
 def _unknown_key(key: str, ours: set) -> str:
     """The error for an unknown key: the closest valid key first, then ours (the ZeRO-3 tuning
     keys, accepted and ignored, are too many to list)."""
-    known = (ours | {"stage", "overlap_comm", "mics_shard_size", "zero_hpz_partition_size"} | _NOTED
-             | set(_REJECTED) | set(OFFLOAD_KEYS))
+    known = (ours | {"stage", "overlap_comm", "reduce_scatter", "mics_shard_size", "zero_hpz_partition_size"} | _NOTED
+             | set(_REJECTED) | set(OFFLOAD_KEYS) | set(ZERO_INIT_KEYS))
     close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
     if not close:  # a prefix or a different separator ("granular", "sharded-modules")
         folded = str(key).lower().replace("-", "_")
         close = [k for k in sorted(known) if k.startswith(folded) or k == folded][:1]
     hint = f" Did you mean {close[0]!r}?" if close else ""
     return (f"zero_optimization: unknown key {key!r} for stage 'ragged'.{hint} Our keys: "
-            f"{', '.join(sorted(ours))}; also accepted: stage, overlap_comm and ZeRO-3's tuning keys "
+            f"{', '.join(sorted(ours))}; also accepted: stage, overlap_comm, reduce_scatter and ZeRO-3's tuning keys "
             "(reduce_bucket_size, stage3_prefetch_bucket_size, ...; no effect with one collective per group)")
 
 
@@ -251,7 +302,7 @@ def _as_deepspeed_reads_it(section: Dict[str, Any], ours: set) -> DeepSpeedZeroC
 
 def parse_ragged_section(section: Dict[str, Any]) -> Tuple[RaggedOptions, List[str]]:
     """Validate a ragged ``zero_optimization`` section: ``(options, warnings issued)``."""
-    ours = set(RaggedOptions.model_fields) - {"offload", "optimizer_nvme"}
+    ours = set(RaggedOptions.model_fields) - _READ_BY_DEEPSPEED
     options: Dict[str, Any] = {}
     noted: List[str] = []
     for key, value in section.items():
@@ -261,10 +312,12 @@ def parse_ragged_section(section: Dict[str, Any]) -> Tuple[RaggedOptions, List[s
             options[key] = value
         elif key in ("mics_shard_size", "zero_hpz_partition_size"):
             pass  # after the loop: they may meet shard_group_size, reshard_after_forward
-        elif key == "overlap_comm" or key in OFFLOAD_KEYS:
+        elif key in ("overlap_comm", "reduce_scatter") or key in OFFLOAD_KEYS or key in ZERO_INIT_KEYS:
             pass  # after the loop: as DeepSpeed reads them ("false" is False; cpu_offload: true)
-        elif key in _NOTED:
+        elif key in _NOTED and not (key in _PREFETCH_BUCKET and value == 0):
             noted.append(key)
+        elif key in _NOTED:
+            pass  # 0: ZeRO-3 prefetches nothing; read after the loop
         else:
             why = _rejection(key, value)
             if why == "unknown":
@@ -275,9 +328,18 @@ def parse_ragged_section(section: Dict[str, Any]) -> Tuple[RaggedOptions, List[s
     _merge_hpz_partition_size(section, options)
     zero3 = _as_deepspeed_reads_it(section, ours)
     options["optimizer_nvme"] = nvme_offload_of(zero3)
+    if _PREFETCH_BUCKET & set(section) and zero3.prefetch_bucket_size == 0:  # ZeRO-3 prefetches nothing
+        options.setdefault("prefetch", False)
     if "overlap_comm" in section and "overlap_comm" in zero3.model_fields_set:  # not "auto"
         options.setdefault("prefetch", zero3.overlap_comm)
+    options["reduce_scatter"] = zero3.reduce_scatter
+    options["zero_init"] = {k: getattr(zero3, k) for k in ZERO_INIT_KEYS if k in zero3.model_fields_set}
     options["offload"], ignored = read_offload(zero3)
+    if zero3.zero_quantized_weights:  # [Note: ZeRO++ quantized communication under ragged]
+        options.setdefault("fp8_all_gather_tile", QWZ_TILE)
+        warnings.warn(f"zero_optimization.zero_quantized_weights: weights are gathered as float8 (e4m3) tiles of "
+                      f"{options['fp8_all_gather_tile']} x {options['fp8_all_gather_tile']}, one scale per tile "
+                      "(fp8_all_gather_tile), where ZeRO++ gathers int8 groups", UserWarning, stacklevel=3)
     for key in noted:
         msg = f"zero_optimization.{key} has no effect with stage 'ragged' (one collective per group); ignored"
         warnings.warn(msg, UserWarning, stacklevel=3)

@@ -61,7 +61,7 @@ from .deepspeed_compat import (
 )
 from .module_hooks import RaggedModuleHooks
 from .nvme_offload import offload_optimizer_to_nvme
-from .offload import offload_policy
+from .offload import OptimizerOnDevice, offload_policy
 from .optimizer_state import as_the_optimizer_keeps_it
 from .recovery_scripts import write_recovery_scripts, write_universal_notice
 from .safe_accessors import attach_optimizer
@@ -71,6 +71,10 @@ from .zero_init import fill_from_zero3, zero3_to_meta
 
 __all__ = ["RaggedEngineMixin", "RaggedDeepSpeedEngine", "RaggedPipelineEngine", "RaggedPrecision"]
 
+
+_SHARDED_BY_ENGINE = "_vescale_deepspeed_sharding"
+"""Set on a model a ragged engine sharded: the options it sharded with
+([Note: a model an engine sharded, given to another])."""
 
 STRUCTURED_OPTIMIZERS = {"adamw8bit": AdamW8bit, "shampoo": Shampoo, "muon": Muon}
 """Config ``optimizer.type`` values (lower case) served by vescale-zero's own optimizers."""
@@ -97,23 +101,19 @@ class RaggedEngineMixin:
     def _configure_distributed_model(self, model: torch.nn.Module) -> None:
         super()._configure_distributed_model(model)
         opts, precision = self.ragged_options, self.ragged_precision
+        compute = precision.dtype if precision.dtype is not None else self._zero3_built_dtype()
         mp = None
-        if precision.dtype is not None:
+        if compute is not None:
             reduce_dtype = opts.reduce_torch_dtype or torch.float32
-            mp = vz.MixedPrecisionPolicy(param_dtype=precision.dtype, reduce_dtype=reduce_dtype)
+            mp = vz.MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce_dtype)
         elif opts.reduce_torch_dtype is not None:
             mp = vz.MixedPrecisionPolicy(reduce_dtype=opts.reduce_torch_dtype)
         granularity = opts.granularity
         if granularity is None and hasattr(self._structured_optimizer(), "granularity"):
             # the optimizer's blocks must stay whole on one rank: shard by them
             granularity = self._structured_optimizer().granularity(self._optimizer_block())
-        built_in = {p.dtype for p in self.module.parameters() if hasattr(p, "ds_id")}  # under deepspeed.zero.Init
-        if precision.dtype is not None and built_in - {torch.float32}:
-            raise ValueError(
-                f"the model was built under deepspeed.zero.Init in {sorted(map(str, built_in))}, which would become "
-                "the master weights: build it under zero.Init with this same \"stage\": \"ragged\" config (it "
-                "builds fp32; bf16 / fp16 then only set the compute dtype), not a stage 0-3 config with bf16 / fp16")
-        zero3 = zero3_to_meta(self.module)  # built under deepspeed.zero.Init: [Note: zero.Init under ragged]
+        # built under deepspeed.zero.Init (ragged's or stage 3's): [Note: zero.Init under ragged]
+        zero3 = zero3_to_meta(self.module, torch.float32 if compute is not None else None)
         if isinstance(self.module, vz.RaggedFSDPModule):
             self._check_presharded(mp, granularity)
         else:
@@ -124,10 +124,14 @@ class RaggedEngineMixin:
                 reshard_after_forward=opts.reshard_after_forward, mp_policy=mp, granularity=granularity,
                 fp8_all_gather_tile=opts.fp8_all_gather_tile, offload_policy=offload_policy(opts.offload),
             )
+            setattr(self.module, _SHARDED_BY_ENGINE, self._sharding_options(granularity))
         if zero3:
-            fill_from_zero3(self.module, zero3)
+            fill_from_zero3(self.module, zero3, self.device)
         answer_zero3_attributes(self.module)  # TRL / PEFT read them: [Note: ZeRO-3 attributes on ragged parameters]
         self.module.set_prefetch(opts.prefetch)
+        # "reduce_scatter": false: grad_reduce [Note: all-reduce instead of reduce-scatter]
+        for group in groups_of(self.module):
+            group.grads.reduce_by_all_reduce = not opts.reduce_scatter
         self.module.set_unused_grads("zero")  # as ZeRO-3: a parameter no rank used still gets stepped
         host_patches.install("accelerate")  # accelerate's / transformers' saves get the full model (see .saving),
         host_patches.install("transformers")  # where they are loaded by now
@@ -143,6 +147,14 @@ class RaggedEngineMixin:
             if precision.dtype is not None:
                 raise ValueError(
                     "stage 'ragged' with pipeline parallelism runs in fp32 only for now; disable bf16/fp16")
+
+    def _zero3_built_dtype(self) -> Optional[torch.dtype]:
+        """The 16-bit dtype stage 3's ``zero.Init`` built the model in, when the config enables neither
+        bf16 nor fp16 (``zero.Init()`` without a config builds fp16, or bf16 where fp16 is not
+        supported): ZeRO-3 then computes in that dtype beside fp32 master partitions, and so does
+        ragged ([Note: zero.Init under ragged]). ``None`` for any other model."""
+        built = {p.dtype for p in self.module.parameters() if hasattr(p, "ds_id")}
+        return built.pop() if len(built) == 1 and built <= {torch.bfloat16, torch.float16} else None
 
     def _fp32_masters(self) -> None:
         """A model already in bf16 / fp16 (``model.to(torch.bfloat16)``) with bf16 / fp16 enabled:
@@ -174,6 +186,28 @@ class RaggedEngineMixin:
         return init_device_mesh(get_accelerator().device_name(), (dp_size // size, size),
                                 mesh_dim_names=HSDP_DIM_NAMES[0])
 
+    def _sharding_options(self, granularity: Any) -> dict:
+        """The options this engine shards with ([Note: a model an engine sharded, given to another])."""
+        opts = self.ragged_options
+        return {"granularity": granularity, "sharded_modules": opts.sharded_modules,
+                "reshard_after_forward": opts.reshard_after_forward, "reduce_dtype": opts.reduce_torch_dtype,
+                "fp8_all_gather_tile": opts.fp8_all_gather_tile, "shard_group_size": opts.shard_group_size,
+                "offload": opts.offload, "bf16/fp16": self.ragged_precision.dtype}
+
+    def _check_sharded_by_an_engine(self, granularity: Any) -> None:
+        """[Note: a model an engine sharded, given to another] ``deepspeed.initialize`` on the model
+        of an earlier engine (DeepSpeed's own tests build a second engine on the same model to load
+        a checkpoint and save it again) re-wraps it, as ZeRO-3 re-wraps its partitioned model: the
+        model stays sharded as the first engine sharded it, so the config must ask for the same
+        sharding (the same keys, bf16 / fp16 included); a difference is refused, naming it."""
+        before, now = getattr(self.module, _SHARDED_BY_ENGINE), self._sharding_options(granularity)
+        differ = [f"{k}: {before[k]!r} -> {now[k]!r}" for k in now if before.get(k) != now[k]]
+        if differ:
+            raise ValueError(
+                f"deepspeed.initialize was given the model of an earlier stage 'ragged' engine, sharded with other "
+                f"options than this config's ({'; '.join(differ)}): use the first engine's sharding options (its "
+                "zero_optimization section and bf16 / fp16), or pass a model that is not sharded yet")
+
     def _check_presharded(self, mp: Optional[vz.MixedPrecisionPolicy], granularity: Any) -> None:
         """[Note: a model sharded before deepspeed.initialize] A model the user sharded with
         ``fully_shard`` (e.g. built on meta and ``vescale_zero.materialize``-d) is taken as it
@@ -192,6 +226,9 @@ class RaggedEngineMixin:
                     f"the model was sharded with fully_shard over ranks {ranks}, {what} "
                     f"{want}: shard with mesh=<the data-parallel group> (or its HSDP mesh), or "
                     "pass the unsharded model and let deepspeed.initialize shard it")
+        if hasattr(self.module, _SHARDED_BY_ENGINE):
+            self._check_sharded_by_an_engine(granularity)
+            return
         opts, default = self.ragged_options, RaggedOptions()
         offloaded = {group.offload is not None for group in groups_of(self.module)}
         if offloaded and offloaded != {opts.offload is not None}:
@@ -273,6 +310,14 @@ class RaggedEngineMixin:
         ]
         super()._configure_optimizer(client_optimizer, params)
         attach_optimizer(self.basic_optimizer)  # deepspeed.utils.safe_*_optimizer_state read its state
+        offload = self.ragged_options.offload
+        if offload is not None and not offload.optimizer and self.basic_optimizer is not None:
+            if self._structured_optimizer() is not None:
+                raise ValueError(
+                    f"zero_optimization.offload_param alone with optimizer {self.optimizer_name()!r} is not supported "
+                    "with stage 'ragged' (it steps whole matrices across ranks); add \"offload_optimizer\": "
+                    "{\"device\": \"cpu\"} (it then steps in host memory), or remove offload_param")
+            OptimizerOnDevice(self.basic_optimizer)  # offload [Note: the optimizer steps on the device]
         self.optimizer_state_files = offload_optimizer_to_nvme(self.basic_optimizer, self.module, self.ragged_options)
         if self.optimizer is not None and not hasattr(self.optimizer, "parameter_offload"):
             # ZeRO-3's handle on the module hooks: module_hooks [Note: pausing the hooks for generation]

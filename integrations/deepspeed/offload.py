@@ -17,10 +17,16 @@ gathered, on the device, while its group computes. So under ragged:
                                          AdamW is DeepSpeedCPUAdam, Adagrad / Lion their CPU
                                          kernels; a client optimizer other than those is refused
                                          unless "zero_force_ds_cpu_optimizer": false)
-    offload_param      device cpu        the same shards (the parameters' shards are the masters):
-                                         accepted beside offload_optimizer cpu, meaning the same;
-                                         alone it is refused (it would move the optimizer's
-                                         masters, and the optimizer with them)
+    offload_param      device cpu        beside offload_optimizer cpu: the same shards (the
+                                         parameters' shards are the masters), meaning the same
+    offload_param      device cpu,       ZeRO-Infinity's parameter offload: every group's master
+    alone                                shard and gradient shard in host memory (the same
+                                         CPUOffloadPolicy), gathered to the device for forward and
+                                         backward, and the optimizer where the config puts it: on
+                                         the device, the one DeepSpeed picks without offload
+                                         (FusedAdam for Adam), its state there; each step copies
+                                         the masters and gradients in and the masters back
+                                         ([Note: the optimizer steps on the device])
     offload_optimizer  device nvme       the optimizer state in files (config.nvme_offload_of,
                                          nvme_offload.py); the master shards stay on the device,
                                          so offload_param beside it is refused, and so is
@@ -40,12 +46,17 @@ from __future__ import annotations
 import warnings
 from typing import Any, Dict, List, Literal, Optional
 
+import torch
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 from pydantic import BaseModel, ConfigDict
 from torch.distributed.fsdp import CPUOffloadPolicy
 
-__all__ = ["OFFLOAD_KEYS", "OffloadOptions", "read_offload", "warn_ignored", "offload_policy", "stage0_offload_keys"]
+from vescale_zero import local_piece
+from vescale_zero.hosts import is_ragged, like_param, slot_of
+
+__all__ = ["OFFLOAD_KEYS", "OffloadOptions", "read_offload", "warn_ignored", "offload_policy", "stage0_offload_keys",
+           "OptimizerOnDevice"]
 
 OFFLOAD_KEYS = ("offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory")
 """The ragged section's keys read here (the last three: DeepSpeed's deprecated spellings)."""
@@ -64,6 +75,8 @@ class OffloadOptions(BaseModel):
 
     device: Literal["cpu"]
     pin_memory: bool = True
+    optimizer: bool = True
+    """The optimizer (its state, its step) in host memory too; False: ``offload_param`` alone."""
 
 
 def _device(section: Any) -> str:
@@ -91,11 +104,8 @@ def read_offload(zero3: DeepSpeedZeroConfig) -> tuple[Optional[OffloadOptions], 
     if opt_device == "nvme":
         return None, []
     if param_device == "cpu" and opt_device == "none":
-        raise ValueError(
-            "zero_optimization.offload_param (device 'cpu') without offload_optimizer: under stage 'ragged' a "
-            "parameter's only persistent shard is the fp32 master the optimizer steps, so it moves to the host with "
-            "the optimizer; add \"offload_optimizer\": {\"device\": \"cpu\"} (master shards, gradients and optimizer "
-            "state in host memory, the optimizer steps there), or remove offload_param")
+        ignored = [f"offload_param.{sub}" for sub in _NOT_FOR_CPU["offload_param"] if sub in param.model_fields_set]
+        return OffloadOptions(device="cpu", pin_memory=param.pin_memory, optimizer=False), ignored
     if opt_device == "none":
         return None, []
     if param_device == "cpu" and param.pin_memory != opt.pin_memory:
@@ -125,4 +135,68 @@ def stage0_offload_keys(offload: Optional[OffloadOptions]) -> Dict[str, Any]:
     """The keys DeepSpeed's stage-0 engine sees, so that it picks its optimizer as ZeRO-3 does with
     offload (``zero_use_cpu_optimizer``: DeepSpeedCPUAdam for a config Adam / AdamW, the client
     optimizer check of ``zero_force_ds_cpu_optimizer``); DeepSpeed does nothing else with them at stage 0."""
-    return {} if offload is None else {"offload_optimizer": {"device": offload.device}}
+    return {} if offload is None or not offload.optimizer else {"offload_optimizer": {"device": offload.device}}
+
+
+class OptimizerOnDevice:
+    """[Note: the optimizer steps on the device]
+    ``offload_param`` alone keeps every group's master shard and gradient shard in host memory
+    (the CPUOffloadPolicy of ``offload_optimizer``) and the optimizer on the device, as ZeRO-3
+    keeps its optimizer there with that key. The optimizer holds the sharded parameters, whose
+    pieces are in host memory, so around each ``optimizer.step()`` (its own step pre- and
+    post-hooks, whoever calls it):
+
+    * before: each offloaded parameter is replaced, in its param group, by a twin of the same
+      layout whose piece is a device copy of the master's, holding a device copy of the
+      gradient; the parameter's optimizer state moves to the twin (its per-element tensors to
+      the device, where they stay: a state loaded from a checkpoint arrives in host memory);
+    * the optimizer steps the twins on the device, creating its state there on the first step;
+    * after: each twin's piece is copied back into the master shard, and the parameter takes its
+      place and its state again.
+
+    Between steps the device holds only the optimizer state: masters and gradients are in host
+    memory, and a step holds a device copy of both (the memory ZeRO-3 holds on the device
+    throughout with this key: its fp32 partitions and their gradients)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self._swapped: List[tuple] = []
+        optimizer.register_step_pre_hook(self._to_device)
+        optimizer.register_step_post_hook(self._back)
+
+    @staticmethod
+    def _on(value: Any, param: torch.Tensor, device: torch.device) -> Any:
+        """A per-element state tensor of ``param`` on ``device``; anything else (``step``) as it is."""
+        if not torch.is_tensor(value) or value.device == device:
+            return value
+        piece = local_piece(param)
+        if is_ragged(value) and value.shape == param.shape:
+            return like_param(local_piece(value).to(device), param)
+        if not is_ragged(value) and value.dim() == 1 and value.numel() == piece.numel():
+            return value.to(device)
+        return value
+
+    def _to_device(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        for group in optimizer.param_groups:
+            params = group["params"]
+            for j, param in enumerate(params):
+                slot = slot_of(param) if is_ragged(param) else None
+                if slot is None or slot[0].offload is None:
+                    continue
+                device = slot[0].device
+                twin = like_param(local_piece(param).to(device), param)
+                if param.grad is not None:
+                    twin.grad = like_param(local_piece(param.grad).to(device), param)
+                if param in optimizer.state:
+                    state = optimizer.state.pop(param)
+                    optimizer.state[twin] = {k: self._on(v, param, device) for k, v in state.items()}
+                params[j] = twin
+                self._swapped.append((params, j, param, twin))
+
+    def _back(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        swapped, self._swapped = self._swapped, []
+        with torch.no_grad():
+            for params, j, param, twin in swapped:
+                local_piece(param).copy_(local_piece(twin))
+                params[j] = param
+                if twin in optimizer.state:
+                    optimizer.state[param] = optimizer.state.pop(twin)

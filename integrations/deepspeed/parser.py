@@ -20,7 +20,8 @@ section into ZeRO's pydantic model (``stage`` 0-3, unknown keys forbidden) in on
   dict-reading libraries (Hugging Face's ``HfDeepSpeedConfig``: ``is_zero3()`` False) see;
 * a stage DeepSpeed refuses (a typo, 4) gets an error listing 0-3 and "ragged";
 * ``deepspeed.zero.Init`` with a ragged config partitions parameters ZeRO-3 style (it does
-  not look at the stage, and reads only ZeRO's defaults from our stage-0 model), in fp32
+  not look at the stage, and reads ZeRO's defaults from our stage-0 model, except the keys it
+  alone reads, given as in the section: ``config.ZERO_INIT_KEYS``), in fp32
   (it sees the config without its bf16 / fp16 sections: our shards are master weights);
   options contradicting ragged sharding (its own offload, pinned memory, quantized weights, hpZ)
   are refused by name. ``deepspeed.initialize`` converts the partitions group by group
@@ -76,7 +77,8 @@ def get_zero_config(param_dict: Dict[str, Any]) -> ds_zero_config.DeepSpeedZeroC
         options, _ = parse_ragged_section(section)
         parse_precision(param_dict)  # refuses what split_ragged_config refuses: every parse agrees
         return RaggedZeroConfig(ragged=apply_top_level_keys(param_dict, options),
-                                **stage0_offload_keys(options.offload))  # what DeepSpeed's optimizer choice reads
+                                **stage0_offload_keys(options.offload),  # what DeepSpeed's optimizer choice reads
+                                **options.zero_init)  # what zero.Init reads (config.ZERO_INIT_KEYS)
     try:
         return _original_get_zero_config(param_dict)
     except ValidationError as e:

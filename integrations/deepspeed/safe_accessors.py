@@ -37,7 +37,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from vescale_zero import local_piece
-from vescale_zero.hosts import GroupState, is_ragged, slot_of
+from vescale_zero.hosts import GroupState, is_ragged, like_param, slot_of
 
 __all__ = ["attach_optimizer", "routed_accessor"]
 
@@ -96,6 +96,25 @@ def _write_state(param: torch.Tensor, key: str, write: Callable[[torch.Tensor], 
     optimizer.state[param] = state
 
 
+def _per_element(param: torch.Tensor, value: Any) -> Optional[torch.Tensor]:
+    """[Note: per-element optimizer state of a ragged parameter]
+    ``value`` in ``param``'s layout if it is a per-element state of ``param``, else ``None``.
+    Two kinds of optimizer keep it, in two forms: torch's (and vescale_zero.optim's) create
+    it from the parameter (``torch.zeros_like(p)``): a ragged tensor of the parameter's shape;
+    DeepSpeed's kernels (FusedAdam, DeepSpeedCPUAdam, the CPU Adagrad / Lion, FusedLamb) create
+    it from ``p.data``, which is this rank's flat piece: a plain 1-D tensor of the piece's
+    length (optimizer_state [Note: optimizer state after a load]). The second is returned as
+    a ragged view of the same storage (writes land in the optimizer's tensor)."""
+    if not torch.is_tensor(value):
+        return None
+    if is_ragged(value):
+        return value if value.shape == param.shape else None
+    piece = local_piece(param)
+    if value.dim() == 1 and value.numel() == piece.numel():
+        return like_param(value, param)
+    return None
+
+
 def _state_entry(param: torch.Tensor, key: str):
     ref = _OPTIMIZERS.get(param)
     optimizer = ref() if ref is not None else None
@@ -103,9 +122,9 @@ def _state_entry(param: torch.Tensor, key: str):
         raise ValueError("this ragged parameter has no optimizer: the optimizer accessors serve the parameters of an "
                          "optimizer built by deepspeed.initialize")
     state = optimizer.state.get(param, {})
-    value = state.get(key)
-    if not (is_ragged(value) and value.shape == param.shape):
-        per_element = sorted(k for k, v in state.items() if is_ragged(v) and v.shape == param.shape)
+    value = _per_element(param, state.get(key))
+    if value is None:
+        per_element = sorted(k for k, v in state.items() if _per_element(param, v) is not None)
         if not state:
             raise ValueError(f"optimizer state {key!r}: the optimizer has no state for this parameter yet (it is "
                              "created by the first engine.step()); read it after a step")

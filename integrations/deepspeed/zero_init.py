@@ -32,7 +32,7 @@ follows ``vescale_zero.api.full_parameters``; over ZeRO-3 parameters it is DeepS
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, List, Mapping, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from deepspeed.runtime.zero import partition_parameters
@@ -105,10 +105,13 @@ def partitioned_for_ragged(model: Any) -> bool:
     return isinstance(model, nn.Module) and any(hasattr(p, RAGGED_PARTITION) for p in model.parameters())
 
 
-def zero3_to_meta(module: nn.Module) -> Zero3Sources:
+def zero3_to_meta(module: nn.Module, master_dtype: Optional[torch.dtype] = None) -> Zero3Sources:
     """Step 1 of [Note: zero.Init under ragged]; ``{}`` (nothing changed) if no ZeRO-3 parameter.
     Parameters that are not ZeRO-3's (added after ``zero.Init``) go to meta too, their source
-    being the parameter itself: one group may hold both (a LoRA adapter beside its base layer)."""
+    being the parameter itself: one group may hold both (a LoRA adapter beside its base layer).
+    ``master_dtype``: the meta parameters of 16-bit ones take it (a stage-3 ``zero.Init`` under
+    bf16 / fp16 partitions in 16 bits; the masters made from them are fp32, as ZeRO-3 keeps fp32
+    partitions beside its 16-bit ones)."""
     if not any(_is_zero3(p) for p in module.parameters()):
         return {}
     sources: Zero3Sources = {}
@@ -118,7 +121,7 @@ def zero3_to_meta(module: nn.Module) -> Zero3Sources:
             if p is None or p.device.type == "meta":
                 continue
             if id(p) not in metas:
-                metas[id(p)] = _meta_like(p)
+                metas[id(p)] = _meta_like(p, master_dtype)
             mod._parameters[attr] = metas[id(p)]
             sources[id(mod), attr] = p
         for name in ("_external_params", "ds_external_parameters", "all_parameters"):
@@ -126,10 +129,11 @@ def zero3_to_meta(module: nn.Module) -> Zero3Sources:
     return sources
 
 
-def _meta_like(param: nn.Parameter) -> nn.Parameter:
+def _meta_like(param: nn.Parameter, master_dtype: Optional[torch.dtype] = None) -> nn.Parameter:
     """A meta parameter of ``param``'s full shape, with its attributes except ZeRO-3's."""
     shape = param.ds_shape if _is_zero3(param) else param.shape
-    meta = nn.Parameter(torch.empty(shape, dtype=param.dtype, device="meta"), requires_grad=param.requires_grad)
+    dtype = master_dtype if master_dtype is not None and param.dtype in (torch.bfloat16, torch.float16) else param.dtype
+    meta = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=param.requires_grad)
     return copy_parameter_attributes(param, meta, skip=set(_zero3_attributes(param)))
 
 
@@ -153,10 +157,11 @@ def _release(param: nn.Parameter, sharded: nn.Parameter) -> None:
     param._vescale_sharded_as = sharded  # read by vescale_zero.sharded_counterpart
 
 
-def fill_from_zero3(module: nn.Module, sources: Zero3Sources) -> None:
+def fill_from_zero3(module: nn.Module, sources: Zero3Sources, device: torch.device) -> None:
     """Step 3 of [Note: zero.Init under ragged]: ``module`` was sharded on meta after
-    :func:`zero3_to_meta` returned ``sources``. Collective over the ZeRO-3 partition group."""
-    device = next(p for p in sources.values() if _is_zero3(p)).ds_tensor.device
+    :func:`zero3_to_meta` returned ``sources``; the shards go to ``device`` (the engine's: a
+    stage-3 ``zero.Init(remote_device="cpu")`` keeps its partitions in host memory). Collective
+    over the ZeRO-3 partition group."""
     released = set()
 
     @contextlib.contextmanager

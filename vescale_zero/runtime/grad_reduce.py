@@ -36,6 +36,15 @@ reduced over (shard group x replicas); then the cast or the addition into the sh
 (after the copy to the host when offloaded). Without ``force_sum`` the collectives average
 (AVG), or a divide factor is applied before a SUM ([Note: divide factor]).
 
+[Note: all-reduce instead of reduce-scatter]
+With :attr:`GradReducer.reduce_by_all_reduce` (DeepSpeed's ``"reduce_scatter": false``) the
+group's gradients are reduced by one all-reduce of ``full`` instead of a reduce-scatter, and
+each rank keeps its own range of the result, ``[rank * S, (rank + 1) * S)``: the same shard, the
+collective ZeRO-3 runs under that key. Averaging divides every rank's ``full`` by the group
+size before a SUM (gloo has no AVG all-reduce), as ZeRO-3 does there. It moves twice the bytes
+of a reduce-scatter; everything after the collective is unchanged
+([Note: what runs after the reduce-scatter]).
+
 [Note: gradients are copied in at the reduce-scatter]
 Autograd hands a parameter its first gradient as a tensor of its own (AccumulateGrad keeps
 the incoming tensor as ``.grad``) and adds every later one of the window (another micro-batch
@@ -123,6 +132,24 @@ from .offload import HostCopies
 __all__ = ["GradReducer"]
 
 
+class _OwnRangeOfAllReduce:
+    """The work of an all-reduce of ``full`` whose ``wait()`` also copies this rank's range into
+    ``out`` ([Note: all-reduce instead of reduce-scatter])."""
+
+    def __init__(self, work: dist.Work, full: torch.Tensor, out: torch.Tensor, start: int) -> None:
+        self._work, self._full, self._out, self._start = work, full, out, start
+
+    def wait(self, timeout: Optional[object] = None) -> bool:
+        if self._work is not None:
+            self._work.wait()
+            self._out.copy_(self._full.narrow(0, self._start, self._out.numel()))
+            self._work = self._full = None
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+
 def _bits(dtype: torch.dtype) -> int:
     return torch.finfo(dtype).bits if dtype.is_floating_point else torch.iinfo(dtype).bits
 
@@ -168,6 +195,7 @@ class GradReducer:
         self.all_reduce_hook_stream: Optional[torch.Stream] = None
         self.comm: Optional[Callable] = None  # a custom reduce-scatter (FSDP2's ReduceScatter) runs it
         self.reduce_group: dist.ProcessGroup = process_group  # set_separate_reduce_scatter_group
+        self.reduce_by_all_reduce = False  # [Note: all-reduce instead of reduce-scatter]
         self._partial: Optional[torch.Tensor] = None  # HSDP without all-reduce: the reduced shards' sum
         self._pending: Optional[Tuple] = None
         self._holds_accumulated = False  # ``full`` holds the sum of the gradients of backwards without sync
@@ -175,7 +203,7 @@ class GradReducer:
         self.written_into_full: Optional[Callable[[nn.Parameter], bool]] = None
 
     _SETTINGS = ("divide_factor", "requires_grad_sync", "requires_all_reduce", "force_sum", "all_reduce_hook",
-                 "all_reduce_hook_stream", "comm")
+                 "all_reduce_hook_stream", "comm", "reduce_by_all_reduce")
 
     def keep_settings_of(self, other: "GradReducer") -> None:
         """Take ``other``'s user settings (a group rebuilt when it leaves the meta device); the
@@ -298,9 +326,24 @@ class GradReducer:
         # finish hands out the views.
         out = self.sharded.allocate() if direct else torch.empty(
             self.plan.shard_size, dtype=self.reduce_dtype, device=self.full.device)
-        work = source.reduce_scatter(self.reduce_group, into=out, op=op, stats=self.stats, async_op=True,
-                                     comm=self.comm)
+        if self.reduce_by_all_reduce:
+            work = self._all_reduce_into(out, op)
+        else:
+            work = source.reduce_scatter(self.reduce_group, into=out, op=op, stats=self.stats, async_op=True,
+                                         comm=self.comm)
         self._pending = (work, source, out, accumulate, op == dist.ReduceOp.AVG, post_divide)
+
+    def _all_reduce_into(self, out: torch.Tensor, op: dist.ReduceOp) -> _OwnRangeOfAllReduce:
+        """[Note: all-reduce instead of reduce-scatter]: one all-reduce of ``full``, this rank's
+        range into ``out`` when waited on."""
+        full = self.full.full
+        if op == dist.ReduceOp.AVG:
+            with torch.no_grad():
+                full.div_(dist.get_world_size(self.reduce_group))
+        self.stats.all_reduce_bytes += full.numel() * full.element_size()
+        self.stats.all_reduces += 1
+        work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.reduce_group, async_op=True)
+        return _OwnRangeOfAllReduce(work, full, out, self.rank * self.plan.shard_size)
 
     def finish(self, params: Sequence[Tuple[int, nn.Parameter]]) -> None:
         """Wait for the reduce-scatter; give each ``(index, sharded param)`` its ``.grad``."""
