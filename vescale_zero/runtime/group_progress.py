@@ -17,7 +17,6 @@ The rules these records serve are in ``vescale_zero.runtime.param_group``
 from __future__ import annotations
 
 import enum
-import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Set
 
@@ -79,7 +78,10 @@ class ForwardRecord:
     def __init__(self) -> None:
         self._calls: tuple = (None, 0)  # (forward id, module calls in that forward)
         self._ran: Dict[int, bool] = {}  # forward id -> ran with grad enabled in it (else only without)
-        self._forward_trigger: Optional[tuple] = None  # (forward id, weakref to its InputGradTrigger)
+        # (forward id, its InputGradTrigger), held for the whole forward: a call whose inputs need
+        # no gradient makes it blind, and no autograd node holds a blind trigger (a new one for the
+        # next call of that forward would forget it: a group of several modules, a tied embedding)
+        self._forward_trigger: Optional[tuple] = None
         self._recompute_trigger: Optional[InputGradTrigger] = None
 
     def note(self, grad_enabled: bool, forward_id: int, has_grads: bool) -> None:
@@ -110,11 +112,10 @@ class ForwardRecord:
                 self._recompute_trigger = make()
             trigger = self._recompute_trigger
         else:
-            fid, ref = self._forward_trigger or (None, None)
-            trigger = ref() if fid == forward_id and ref is not None else None
-            if trigger is None:
+            fid, trigger = self._forward_trigger or (None, None)
+            if fid != forward_id or trigger is None:
                 trigger = make()
-                self._forward_trigger = (forward_id, weakref.ref(trigger))
+                self._forward_trigger = (forward_id, trigger)
         trigger.armed += 1
         return trigger
 
