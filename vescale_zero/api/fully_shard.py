@@ -39,6 +39,7 @@ from ..runtime.param_group import GroupState, ManagedParam, ParamGroup
 from .fsdp2_arguments import OUR_ARGUMENTS, SpmdMesh, modules_of, placement_granularities
 from .fsdp_module import BUFFER_NEEDS_INIT, RECIPE_ATTR, RaggedFSDPModule
 from .layer_discovery import find_layer_classes
+from .stale_params import CLAIMED_ATTR, watch_optimizers
 
 __all__ = ["fully_shard", "fully_shard_layers", "resolve_reshard_after_forward", "RaggedFSDPModule",
            "MixedPrecisionPolicy", "CPUOffloadPolicy", "OffloadPolicy", "DEFAULT_ALIGN_BYTES",
@@ -49,7 +50,7 @@ DEFAULT_ALIGN_BYTES = 16
 
 _STATE = STATE_ATTR
 _SHARDED_AS = "_vescale_sharded_as"  # on an original parameter: the sharded parameter replacing it
-_CLAIMED = "_vescale_fsdp_group_of"  # set on every parameter object a group manages
+_CLAIMED = CLAIMED_ATTR  # set on every parameter object a group manages
 _CLASS_CACHE: Dict[type, type] = {}
 
 
@@ -278,6 +279,7 @@ def fully_shard(
             )
     offload = resolve_offload_policy(offload_policy)
     host_patches.install("torch.optim")  # [Note: torch's optimizers step the local pieces]
+    watch_optimizers()  # stale_params [Note: an optimizer over replaced parameters]
     named = _collect_params(modules, ignored_params or ())
     devices = {p.device for _, p, _ in named}
     # A meta module is sharded as planned; vescale_zero.materialize (or to_empty) gives it

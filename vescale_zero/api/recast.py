@@ -47,7 +47,7 @@ def _drop_weakrefs(param: torch.Tensor) -> None:
 
 
 def recast_group(module: nn.Module, dtype: torch.dtype) -> None:
-    """[Note: a group cast after fully_shard] for ``module``'s group (collective over its shard group)."""
+    """For ``module``'s group (collective over its shard group): [Note: a group cast after fully_shard]."""
     state = getattr(module, STATE_ATTR)
     old: ParamGroup = state.group
     recipe = getattr(module, RECIPE_ATTR)

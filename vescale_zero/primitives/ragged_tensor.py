@@ -805,6 +805,13 @@ def _mean(func: Any, args: tuple, kwargs: dict) -> Any:
     return DTensor(total._local_tensor / x.numel(), total._spec, requires_grad=False)
 
 
+def _new_factory(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    """``p.new_empty(shape)`` / ``new_zeros`` / ``new_ones`` / ``new_full``: a plain tensor of
+    ``shape`` (the piece's dtype and device unless given), the same on every rank, as DTensor
+    gives a replicated one (torchtitan's fused-QKV init draws into them, then ``copy_``s)."""
+    return func(args[0]._local_tensor, *args[1:], **kwargs)
+
+
 # [Note: random fills draw the whole tensor]
 # An init function on a sharded parameter (``nn.init.normal_(p)``, ``trunc_normal_``,
 # ``kaiming_uniform_``, a model's ``init_weights()`` / ``reset_parameters()`` after ``to_empty``)
@@ -847,6 +854,8 @@ _HANDLERS: Dict[Any, Callable] = {
     aten.all: _reduction("min"),
     aten.any: _reduction("max"),
     aten.count_nonzero: _reduction("sum", dim_at=1),
+    **{op: _new_factory for op in (aten.new_empty, aten.new_zeros, aten.new_ones, aten.new_full,
+                                   aten.new_empty_strided)},
     **{op: _random_fill for op in (aten.uniform_, aten.normal_, aten.bernoulli_, aten.random_, aten.exponential_,
                                    aten.cauchy_, aten.log_normal_, aten.geometric_)},
 }
