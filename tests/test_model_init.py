@@ -35,6 +35,7 @@ from torch import nn
 
 import vescale_zero as vz
 from tests.distributed import run_cases_on_ranks
+from tests.sweeps import sweep
 
 SEED = 3
 
@@ -50,7 +51,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x + self.fc2(torch.relu(self.fc1(x))))
-        return h + self.conv(h.transpose(1, 2)).mean() * self.scale.sum()
+        return h + self.conv(h.transpose(1, 2)).mean(dim=(1, 2))[:, None, None] * self.scale.sum()  # per sample
 
 
 class Net(nn.Module):
@@ -188,7 +189,7 @@ def refusals_case(rank: int, world: int) -> Dict[str, Any]:
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}ranks")
+@pytest.fixture(scope="module", params=sweep([2, 3], quick=3), ids=lambda n: f"{n}ranks")
 def results(request):
     cases = {f"{g} {how}": (init_case, (g, how)) for g in ("element", "row") for how in ("init_weights", "reset")}
     cases["refusals"] = (refusals_case, ())
