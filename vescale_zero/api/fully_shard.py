@@ -39,7 +39,7 @@ from ..runtime.param_group import GroupState, ManagedParam, ParamGroup
 from .fsdp2_arguments import OUR_ARGUMENTS, SpmdMesh, modules_of, placement_granularities
 from .fsdp_module import BUFFER_NEEDS_INIT, RECIPE_ATTR, RaggedFSDPModule
 from .layer_discovery import find_layer_classes
-from .stale_params import CLAIMED_ATTR, watch_optimizers
+from .stale_params import CLAIMED_ATTR, SHARDED_AS_ATTR, watch_optimizers
 
 __all__ = ["fully_shard", "fully_shard_layers", "resolve_reshard_after_forward", "RaggedFSDPModule",
            "MixedPrecisionPolicy", "CPUOffloadPolicy", "OffloadPolicy", "DEFAULT_ALIGN_BYTES",
@@ -49,7 +49,7 @@ DEFAULT_ALIGN_BYTES = 16
 """Each rank's shard starts on this many bytes in every role's buffer (NCCL likes 16)."""
 
 _STATE = STATE_ATTR
-_SHARDED_AS = "_vescale_sharded_as"  # on an original parameter: the sharded parameter replacing it
+_SHARDED_AS = SHARDED_AS_ATTR  # on an original parameter: the sharded parameter replacing it
 _CLAIMED = CLAIMED_ATTR  # set on every parameter object a group manages
 _CLASS_CACHE: Dict[type, type] = {}
 

@@ -24,10 +24,14 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ..primitives.ragged_tensor import RaggedDTensor
 from ..runtime.param_group import _SLOTS, ParamGroup
 
-__all__ = ["CLAIMED_ATTR", "watch_optimizers", "full_param_slot"]
+__all__ = ["CLAIMED_ATTR", "SHARDED_AS_ATTR", "watch_optimizers", "full_param_slot"]
 
 CLAIMED_ATTR = "_vescale_fsdp_group_of"
 """Set on every parameter object a group manages: the module's original, sharded and full objects."""
+
+SHARDED_AS_ATTR = "_vescale_sharded_as"
+"""On a module's original parameter: the sharded parameter that replaced it (hosts remap optimizers
+built earlier with it)."""
 
 _CHECKED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
 _HANDLE: Any = None
@@ -39,7 +43,7 @@ def _check(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if hasattr(p, CLAIMED_ATTR) and not isinstance(p, RaggedDTensor):
+            if hasattr(p, SHARDED_AS_ATTR) or full_param_slot(p) is not None:
                 raise RuntimeError(
                     f"{type(optimizer).__name__}.step(): it holds a parameter of shape {tuple(p.shape)} that a "
                     f"fully_shard group of {getattr(p, CLAIMED_ATTR)} replaced (the module's original, or its full "
