@@ -403,6 +403,7 @@ def build_group(managed: Sequence[ManagedParam], originals: Sequence[torch.Tenso
     return group
 
 
+@outside_compile
 def _member_pre_forward(state: ModuleState, module: nn.Module, args: tuple, kwargs: dict):
     """The pre-forward hook of a module grouped with others ([Note: several modules as one group])."""
     if state.context is None:
