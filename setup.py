@@ -19,6 +19,7 @@ TRANSFORMERS = "transformers>=4.57,<5.25"  # CI: 4.57.6, 5.24.0
 ACCELERATE = "accelerate>=1.10,<1.16"  # CI: 1.10.1, 1.15.0
 TRL = "trl>=1.10,<1.17"  # CI: 1.10.0, 1.16.0
 PEFT = "peft>=0.18,<0.22"  # CI: 0.18.1, 0.21.2
+TORCHTITAN = "torchtitan>=0.3,<0.4"  # CI: 0.3.0 in its own venv (.venv-titan), beside torch 2.13.0
 
 setup(
     name="vescale-zero",
@@ -28,7 +29,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["vescale_zero", "vescale_zero.*"])
-    + ["vescale_zero.integrations", "vescale_zero.integrations.deepspeed", "vescale_zero.integrations.megatron"],
+    + ["vescale_zero.integrations", "vescale_zero.integrations.deepspeed", "vescale_zero.integrations.megatron",
+       "vescale_zero.integrations.torchtitan"],
     package_dir={"vescale_zero.integrations": "integrations"},
     install_requires=[TORCH, "numpy", "tqdm"],
     extras_require={
@@ -36,6 +38,7 @@ setup(
         "megatron": [MEGATRON],
         "plot": ["matplotlib"],
         "safetensors": ["safetensors"],
+        "torchtitan": [TORCHTITAN, "triton"],
         "test": ["pytest>=8", "hypothesis>=6", "pytest-timeout", DEEPSPEED, MEGATRON, "matplotlib", "safetensors",
                  TRANSFORMERS, ACCELERATE, "ruff>=0.6", "bitsandbytes==0.50.2", TRL, PEFT],
     },

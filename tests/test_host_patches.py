@@ -392,11 +392,15 @@ def owner_of(patch):
         if ".".join(parts[:i]) in sys.modules:
             obj = sys.modules[".".join(parts[:i])]
             break
+    else:
+        return None, attr  # a host not installed here (its entry's `when` does not hold)
     for part in parts[i:]:
         obj = getattr(obj, part)
     return obj, attr
 def raw(patch):
     owner, attr = owner_of(patch)
+    if owner is None:
+        return MISSING, None
     value = owner.__dict__.get(attr, MISSING) if isinstance(owner, type) else getattr(owner, attr, MISSING)
     return value, getattr(value, "__code__", None)
 entries = [p for p in registry.HOST_PATCHES.values() if p.kind in registry.INSTALLED_KINDS]

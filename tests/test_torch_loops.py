@@ -8,9 +8,12 @@ compares this rank's piece of every parameter with the unsharded tensor (fp32, <
                                    grad and never differentiated), optimizer.step(), forward:
                                    the next forward computes with the stepped weights
                                    (runtime [Note: nothing stays gathered after forward])
-  sanity_forward_then_optimizer    an optimizer built after a forward without backward gets
-                                   the sharded parameters; parameter counts and state-dict
-                                   shapes do not depend on whether a forward ran
+  sanity_forward_then_optimizer    after a forward without backward, model.parameters() shows
+                                   the root's full parameters if it ran with grad (FSDP2's
+                                   registration); an optimizer built from them is refused at its
+                                   first step (stale_params [Note: an optimizer over replaced parameters]),
+                                   one built after model.reshard() trains; parameter counts and
+                                   state-dict shapes do not depend on whether a forward ran
   surgery_after_eval_forward       gathered_parameters(modifier_rank=0) edits after an
                                    evaluation forward reach training
   inplace_on_view_output           a block returns a view, the caller modifies it in place
@@ -164,13 +167,24 @@ def sanity_forward_then_optimizer(rank, world_size, grad_enabled: bool, reshard_
     with torch.set_grad_enabled(grad_enabled):  # a sanity forward before training
         model(*batches[0][0])
         ref(*batches[0][1])
+    shown_sharded = all(is_sharded_param(p) for p in model.parameters())
+    refused = None
+    if not shown_sharded:  # the root's full parameters, registered until backward or reshard()
+        try:
+            _opt(model).step()
+        except RuntimeError as e:
+            refused = str(e)
+        for module in model.modules():  # reshard() is not recursive (FSDP2's)
+            if isinstance(module, vz.RaggedFSDPModule):
+                module.reshard()
     after = _counts(model)
     opt, ref_opt = _opt(model), _opt(ref)  # built after the forward, from model.parameters()
     for local, whole in batches:
         _train_step(model, local, opt)
         _train_step(ref, whole, ref_opt)
     return {"counts_equal": before == after and _counts(model) == before, "all_sharded": after[1],
-            "numel": (before[0], after[0]), "diff": _max_diff(model, ref)}
+            "shown_sharded": shown_sharded, "refused": refused, "numel": (before[0], after[0]),
+            "diff": _max_diff(model, ref)}
 
 
 def surgery_after_eval_forward(rank, world_size, grad_enabled: bool):
@@ -308,7 +322,11 @@ def test_eval_forward_between_backward_and_step_sees_the_step(results):
 
 def test_optimizer_built_after_a_forward_gets_the_sharded_parameters(results):
     for name, r in _each(results, "sanity"):
-        assert r["all_sharded"], f"{name}: model.parameters() after a forward holds full parameters"
+        # FSDP2's registration: a forward with grad leaves the root's full parameters registered
+        assert r["shown_sharded"] == ("grad=False" in name), f"{name}: parameters() after the forward"
+        if not r["shown_sharded"]:
+            assert r["refused"] and "no gradient reaches" in r["refused"], f"{name}: {r['refused']}"
+        assert r["all_sharded"], f"{name}: model.parameters() after reshard() holds full parameters"
         assert r["counts_equal"], f"{name}: parameter count / state-dict shapes change with a forward: {r['numel']}"
         assert r["diff"] <= TOL, f"{name}: off the unsharded model by {r['diff']}"
 

@@ -1,8 +1,8 @@
 """Every change vescale-zero makes to a host's code, in one registry, applied by :func:`install`
 and undone by :func:`uninstall`.
 
-The hosts are torch, DeepSpeed, accelerate, transformers, megatron-core and Megatron-LM (TRL and
-PEFT are read, not patched). ``HOST_PATCHES`` lists, for every replaced host attribute, every
+The hosts are torch, DeepSpeed, accelerate, transformers, megatron-core, Megatron-LM and torchtitan
+(TRL and PEFT are read, not patched). ``HOST_PATCHES`` lists, for every replaced host attribute, every
 private host method our subclasses override and every private host name we import: what it is,
 the host version it was checked against (``HOST_VERSIONS``) and the signature relied on.
 
@@ -32,7 +32,7 @@ import      nothing: the private host name is imported by ``by``'s module
 
 ``install(host)`` applies every ``replace`` / ``wrap`` / ``everywhere`` / ``route`` entry of a
 patch set (a host's name: ``"torch"``, ``"deepspeed"``, ``"accelerate"``, ``"transformers"``,
-``"megatron"``; or a part of one applied at another time: ``"torch.optim"`` on the first
+``"megatron"``, ``"torchtitan"``; or a part of one applied at another time: ``"torch.optim"`` on the first
 ``fully_shard``, ``"deepspeed.zero_to_fp32"`` in a checkpoint's own converter script) and keeps
 the originals (one bookkeeping for every patch: :func:`installed`); it is idempotent, and an
 owner replaced since (a module loaded again) is patched anew. ``uninstall(host)`` puts every
@@ -45,6 +45,7 @@ original back, the very objects. Who installs what, and when:
     a ragged DeepSpeed engine is built               install("accelerate"), install("transformers")
                                                      (what was not loaded before)
     use_vescale_fsdp_in_megatron_lm()                install("megatron")
+    vescale_zero.integrations.torchtitan.install()   install("torchtitan")
 
 An entry the host does not have is an error, unless ``optional`` (accelerate and transformers
 are optional hosts; Megatron-LM's names differ between its versions); ``loaded_only`` names a
@@ -95,6 +96,7 @@ HOST_VERSIONS: Dict[str, str] = {
     "Megatron-LM": "0.15.3-0.19.2",  # megatron/training of these megatron-core releases (in its wheel from 0.17)
     "trl": "1.10.0-1.16.0",  # nothing patched: its reads of ZeRO-3 internals surveyed at these versions (see below)
     "peft": "0.18.1-0.21.2",  # nothing patched: likewise
+    "torchtitan": "0.3.0",  # CI: its own venv (.venv-titan)
 }
 """The host distributions (as pip names them) and the releases every patch was checked against:
 the oldest and the newest CI installs (``FIRST-LAST``; what is between, as far as CI installs it:
@@ -234,6 +236,11 @@ _REDISTRIBUTE = "(self, device_mesh=None, placements=None, *, async_op=False, fo
 _DISTRIBUTE = "(tensor, device_mesh=None, placements=None, *, src_data_rank=0)"
 
 _DS = "vescale_zero.integrations.deepspeed"
+_TITAN = "vescale_zero.integrations.torchtitan"
+_TORCH_FULLY_SHARD = ("(module, *, mesh=None, reshard_after_forward=None, shard_placement_fn=None, "
+                      "mp_policy=MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None, output_dtype=None, "
+                      "cast_forward_inputs=True), offload_policy=OffloadPolicy(), ignored_params=None, "
+                      "dp_mesh_dims=None)")
 _MEG = "vescale_zero.integrations.megatron"
 _TORCH_OPTIM = ("adam", "adamw", "sgd", "adagrad", "adamax", "adadelta", "asgd", "nadam", "radam", "rmsprop", "rprop")
 _DS_ENGINE_OVERRIDES = {  # DeepSpeedEngine's private methods RaggedEngineMixin overrides (engine.py)
@@ -338,6 +345,10 @@ HOST_PATCHES: Dict[str, HostPatch] = {p.patched: p for p in (
           f"{_DS}.saving:wrap_get_state_dict", "wrap", optional=True, loaded_only="accelerate.accelerator"),
     _same("transformers.modeling_utils.PreTrainedModel.save_pretrained", "transformers", _SAVE_PRETRAINED,
           f"{_DS}.saving:wrap_save_pretrained", "wrap", optional=True, loaded_only="transformers.modeling_utils"),
+    # ---- torchtitan, at vescale_zero.integrations.torchtitan.install(): integrations/torchtitan/ ------------------
+    # torch's fully_shard as torchtitan.distributed.fsdp imported it (apply_fsdp_to_decoder and the encoders')
+    _same("torchtitan.distributed.fsdp.fully_shard", "torchtitan", _TORCH_FULLY_SHARD, f"{_TITAN}:fully_shard",
+          when=f"{_TITAN}:torchtitan_installed"),
     # ---- megatron-core: integrations/megatron/ -----------------------------------------------------------------
     _same("megatron.core.utils.unwrap_model", "megatron-core", "(model, module_instances=None)",
           f"{_MEG}.megatron_lm:unwrap_vescale", "everywhere"),

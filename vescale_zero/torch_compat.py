@@ -61,7 +61,7 @@ __all__ = [
     "engine_will_execute",
     "read_dcp_state_dict", "init_fake_process_group", "compile_counter", "work_class", "all_gather_single",
     "reduce_scatter_single", "dtensor_api", "state_dict_utils", "local_shape_and_global_offset",
-    "process_group_timeout", "set_process_group_timeout", "collect_sanitizer_reports",
+    "process_group_timeout", "set_process_group_timeout", "collect_sanitizer_reports", "shard_placement_result",
 ]
 
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -212,3 +212,17 @@ def collect_sanitizer_reports(into: List[Exception]) -> None:
 
     # host patch torch.cuda._sanitizer.EventHandler._handle_kernel_launch: checked against torch 2.11.0-2.15.0
     handler._handle_kernel_launch = noting  # on this instance only
+
+
+def shard_placement_result(result: Any) -> Tuple[Any, Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
+    """``(placement, shard group, replicate group)`` of what an FSDP2 ``shard_placement_fn``
+    returned: a placement (groups ``None``: the ``fully_shard`` mesh's), or FSDP2's
+    ``ShardPlacementResult`` (``torch.distributed.fsdp._fully_shard._fsdp_common``, 2.12+: a
+    placement and a mesh info whose ``shard_process_group`` / ``replicate_process_group`` name
+    the parameter's own groups)."""
+    info = getattr(result, "mesh_info", None)
+    if not hasattr(result, "placement") or isinstance(result, Placement):
+        return result, None, None
+    if info is None:
+        return result.placement, None, None
+    return result.placement, getattr(info, "shard_process_group", None), getattr(info, "replicate_process_group", None)

@@ -32,10 +32,13 @@ from ..runtime.job_timeout import group_timeout
 from ..runtime.param_group import GroupState, ParamGroup
 from ..runtime.unused_grads import UNUSED_GRAD_POLICIES
 
-__all__ = ["RaggedFSDPModule", "RaggedUnshardHandle", "BUFFER_NEEDS_INIT"]
+__all__ = ["RaggedFSDPModule", "RaggedUnshardHandle", "BUFFER_NEEDS_INIT", "RECIPE_ATTR"]
 
 BUFFER_NEEDS_INIT = "_vescale_needs_init"
 """Set on a buffer ``to_empty`` emptied while moving a meta group; materialize and loading clear it."""
+
+RECIPE_ATTR = "_vescale_group_recipe"
+"""On each module of a group: how ``fully_shard`` built it (``fully_shard.GroupRecipe``), for a cast."""
 
 
 class RaggedUnshardHandle(UnshardHandle):
@@ -77,9 +80,11 @@ class RaggedFSDPModule(FSDPModule):
         return getattr(self, STATE_ATTR)
 
     def _states(self, recurse: bool) -> List[ModuleState]:
-        """The hooks of this module (and, with ``recurse``, of every ``fully_shard`` module under it)."""
+        """The hooks of this module (and, with ``recurse``, of every ``fully_shard`` module under it),
+        each once (several modules may share one: fully_shard's [Note: several modules as one group])."""
         modules = self.modules() if recurse else (self,)
-        return [st for st in (getattr(m, STATE_ATTR, None) for m in modules) if st is not None]
+        states = [st for st in (getattr(m, STATE_ATTR, None) for m in modules) if st is not None]
+        return list({id(st): st for st in states}.values())
 
     def _groups(self, recurse: bool) -> List[ParamGroup]:
         return [st.group for st in self._states(recurse) if st.group is not None]
@@ -364,24 +369,32 @@ class RaggedFSDPModule(FSDPModule):
         [Note: casting and moving sharded parameters] The group's parameters are views of its
         buffers, which the gathers read: ``fn`` is not applied to them (torch would swap in new
         tensors the group never sees) but tried on an empty tensor of the group's dtype and
-        device. A change of either is refused with the supported way; a group built on the meta
-        device moves (``model.to_empty(device=d)`` gives it its persistent shards on ``d``,
-        uninitialised, as ``to_empty`` leaves every tensor), never a full parameter. Buffers and
-        parameters outside the group get ``fn`` as usual."""
+        device. A change of dtype builds the group again in that dtype (recast
+        [Note: a group cast after fully_shard]); a change of device is refused with the
+        supported way; a group built on the meta device moves (``model.to_empty(device=d)``
+        gives it its persistent shards on ``d``, uninitialised, as ``to_empty`` leaves every
+        tensor), never a full parameter. Buffers and parameters outside the group get ``fn`` as
+        usual."""
         group = self.vescale_group
         if group is None:
             return super(FSDPModule, self)._apply(fn, recurse)  # the module's own (FSDP2's reads its state)
         with torch.no_grad():
             probe = fn(torch.empty(0, dtype=group.orig_dtype, device=group.device))
         moved = probe.device != group.device
-        if probe.dtype != group.orig_dtype or (moved and group.device.type != "meta"):
-            change = (f"to {probe.dtype}" if probe.dtype != group.orig_dtype else f"to {probe.device}")
+        if moved and group.device.type != "meta":
             raise ValueError(
-                f"cannot change the sharded parameters of this {type(self).__name__} {change} after fully_shard (they "
-                f"are {group.orig_dtype} on {group.device}, views of its group's buffers). To compute in another "
-                "dtype pass fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=...)); to keep the master "
-                "weights in it, or to use another device, cast / move the model before fully_shard"
+                f"cannot move the sharded parameters of this {type(self).__name__} to {probe.device} after "
+                f"fully_shard (they are {group.orig_dtype} on {group.device}, views of its group's buffers); move "
+                "the model before fully_shard"
             )
+        if probe.dtype != group.orig_dtype:
+            if not probe.dtype.is_floating_point:
+                raise ValueError(f"cannot cast the sharded parameters of this {type(self).__name__} to "
+                                 f"{probe.dtype}: parameters are floating point")
+            from .recast import recast_group  # api/recast.py builds groups with fully_shard's, which imports this
+
+            recast_group(self, probe.dtype)
+            group = self.vescale_group
         held = [(owner, attr, owner._parameters[attr]) for m in group.managed for owner, attr in m.owners
                 if owner._parameters.get(attr) is not None]
         for owner, attr, _ in held:

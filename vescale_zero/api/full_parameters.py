@@ -80,6 +80,7 @@ from ..primitives.tensor_parallel import refuse_tensor_parallel
 from ..runtime.hooks import in_backward_pass
 from ..runtime.param_group import GroupState, ParamGroup, slot_of
 from .fully_shard import groups_of
+from .stale_params import full_param_slot
 
 __all__ = ["GroupFull", "gather_group_full", "gathered_parameters", "is_sharded_param", "fill_group_by_group",
            "Owner", "OpenGroup"]
@@ -117,11 +118,17 @@ def is_sharded_param(param: object) -> bool:
 
 
 def _by_group(params: Iterable[torch.Tensor]) -> List[Tuple[ParamGroup, List[Tuple[int, torch.Tensor]]]]:
-    """The sharded ones of ``params``, grouped by group in order of first appearance."""
+    """The sharded ones of ``params``, grouped by group in order of first appearance; a group's
+    full parameter (shown by its module between a forward and its backward) stands for its
+    sharded one, which the module shows again once the group is resharded."""
     order: Dict[int, Tuple[ParamGroup, List[Tuple[int, torch.Tensor]]]] = {}
     seen = set()
     for p in params:
         slot = slot_of(p) if isinstance(p, torch.Tensor) else None
+        if slot is None and isinstance(p, torch.Tensor):
+            slot = full_param_slot(p)
+            if slot is not None:
+                p = slot[0].params[slot[1]].sharded
         if slot is None or id(p) in seen:
             continue
         seen.add(id(p))

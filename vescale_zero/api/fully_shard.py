@@ -16,8 +16,10 @@ The hooks and the per-iteration machinery live in :mod:`vescale_zero.runtime.hoo
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import warnings
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -27,34 +29,38 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from .. import host_patches
 from ..primitives.granularity import GranularityPolicy, resolve_granularities
-from ..primitives.tensor_parallel import local_tensor, tensor_parallel_layouts
+from ..primitives.tensor_parallel import DP_DIMS_ATTR, local_tensor, tensor_parallel_layouts
 from ..runtime.eager_hooks import outside_compile
 from ..runtime.fp8_gather import FP8Filter, default_fp8_filter, tile_band_granularity
 from ..runtime.hooks import STATE_ATTR, ModuleState, in_backward_pass
 from ..runtime.job_timeout import carry_job_timeout
-from ..runtime.offload import resolve_offload_policy
+from ..runtime.offload import HostOffload, resolve_offload_policy
 from ..runtime.param_group import GroupState, ManagedParam, ParamGroup
 from ..runtime.post_forward import post_forward_group
-from .fsdp_module import BUFFER_NEEDS_INIT, RaggedFSDPModule
+from .fsdp2_arguments import OUR_ARGUMENTS, SpmdMesh, modules_of, placement_granularities
+from .fsdp_module import BUFFER_NEEDS_INIT, RECIPE_ATTR, RaggedFSDPModule
 from .layer_discovery import find_layer_classes
+from .stale_params import CLAIMED_ATTR, SHARDED_AS_ATTR, watch_optimizers
 
 __all__ = ["fully_shard", "fully_shard_layers", "resolve_reshard_after_forward", "post_forward_size",
            "RaggedFSDPModule", "MixedPrecisionPolicy", "CPUOffloadPolicy", "OffloadPolicy", "DEFAULT_ALIGN_BYTES",
-           "groups_of", "sharded_counterpart", "BUFFER_NEEDS_INIT", "HSDP_DIM_NAMES"]
+           "groups_of", "sharded_counterpart", "BUFFER_NEEDS_INIT", "HSDP_DIM_NAMES", "GroupRecipe", "build_group"]
 
 DEFAULT_ALIGN_BYTES = 16
 """Each rank's shard starts on this many bytes in every role's buffer (NCCL likes 16)."""
 
 _STATE = STATE_ATTR
-_SHARDED_AS = "_vescale_sharded_as"  # on an original parameter: the sharded parameter replacing it
-_CLAIMED = "_vescale_fsdp_group_of"  # set on every parameter object a group manages
+_SHARDED_AS = SHARDED_AS_ATTR  # on an original parameter: the sharded parameter replacing it
+_CLAIMED = CLAIMED_ATTR  # set on every parameter object a group manages
 _CLASS_CACHE: Dict[type, type] = {}
 
 
 def groups_of(module: nn.Module) -> List[ParamGroup]:
-    """Every parameter group at or under ``module``, in module order."""
-    return [m.vescale_group for m in module.modules()
-            if isinstance(m, RaggedFSDPModule) and m.vescale_group is not None]
+    """Every parameter group at or under ``module``, in module order (a group of several
+    modules once: [Note: several modules as one group])."""
+    groups = [m.vescale_group for m in module.modules()
+              if isinstance(m, RaggedFSDPModule) and m.vescale_group is not None]
+    return list({id(g): g for g in groups}.values())
 
 
 HSDP_DIM_NAMES = (("replicate", "shard"), ("dp_replicate", "dp_shard"))
@@ -113,15 +119,18 @@ def _mesh_groups(mesh: Union[DeviceMesh, dist.ProcessGroup, None], device: Optio
     return mesh[shard].get_group(), mesh[replicate].get_group()
 
 
-def _collect_params(module: nn.Module):
-    """The parameters of ``module`` not inside an already sharded sub-module, with all owners."""
+def _collect_params(modules: Sequence[nn.Module], ignored: Collection[nn.Parameter] = ()):
+    """The parameters of ``modules`` (one group: [Note: several modules as one group]) not inside
+    an already sharded sub-module and not ``ignored``, with all their owners. Names are relative
+    to the module (with several modules: prefixed by its position in the list, ``"1.weight"``)."""
     owners: Dict[int, List] = {}
     order: List[nn.Parameter] = []
     names: Dict[int, str] = {}
+    ignored_ids = {id(p) for p in ignored}
 
     def visit(mod: nn.Module, prefix: str) -> None:
         for attr, p in mod._parameters.items():
-            if p is None:
+            if p is None or id(p) in ignored_ids:
                 continue
             if id(p) not in owners:
                 owners[id(p)] = []
@@ -132,13 +141,15 @@ def _collect_params(module: nn.Module):
             if child is not None and not isinstance(child, RaggedFSDPModule):
                 visit(child, f"{prefix}{child_name}.")
 
-    visit(module, "")
+    for i, module in enumerate(modules):
+        visit(module, "" if len(modules) == 1 else f"{i}.")
     for p in order:
         if hasattr(p, _CLAIMED):
             raise ValueError(
                 f"parameter {names[id(p)]!r} is already managed by the fully_shard group of "
                 f"{getattr(p, _CLAIMED)!r} (a tied/shared parameter used in two groups). Apply fully_shard to a "
-                "module that contains every user of the tied parameter (e.g. the root), not to each user."
+                "module that contains every user of the tied parameter (e.g. the root), or pass every user in one "
+                "call, fully_shard([embedding, head]), not to each user separately."
             )
     return [(names[id(p)], p, tuple(owners[id(p)])) for p in order]
 
@@ -175,21 +186,30 @@ def post_forward_size(value: Union[bool, int, None], shard_size: int) -> Optiona
 
 
 def fully_shard(
-    module: nn.Module,
+    module: Union[nn.Module, Sequence[nn.Module]],
     *,
     mesh: Union[DeviceMesh, dist.ProcessGroup, None] = None,
     reshard_after_forward: Union[bool, int, None] = None,
+    shard_placement_fn: Optional[Callable[[nn.Parameter], Any]] = None,
     mp_policy: Optional[MixedPrecisionPolicy] = None,
+    offload_policy: Optional[OffloadPolicy] = None,
+    ignored_params: Optional[Collection[nn.Parameter]] = None,
+    dp_mesh_dims: Optional[Any] = None,
     granularity: GranularityPolicy = None,
     align_bytes: int = DEFAULT_ALIGN_BYTES,
     fp8_all_gather_tile: Optional[int] = None,
     fp8_all_gather_filter: Optional[FP8Filter] = None,
-    offload_policy: Optional[OffloadPolicy] = None,
-) -> nn.Module:
+    **unknown: Any,
+) -> Union[nn.Module, Sequence[nn.Module]]:
     """Shard ``module``'s parameters (those not in a sharded sub-module) as one group.
 
+    Takes every argument of ``torch.distributed.fsdp.fully_shard`` with its meaning (the ones
+    after ``dp_mesh_dims`` are ours); another keyword is refused naming it.
+
     Args:
-        module: applied to each block first, then to the root (FSDP2 style).
+        module: applied to each block first, then to the root (FSDP2 style). A list of modules
+            makes one group of all their parameters: the forward of any of them gathers it
+            ([Note: several modules as one group]); returned as given.
         mesh: 1-D ``DeviceMesh`` or ``ProcessGroup`` to shard over; ``None`` = default group.
             [Note: HSDP mesh] A 2-D mesh ``init_device_mesh(dev, (replicas, shard),
             mesh_dim_names=("replicate", "shard"))`` (FSDP2's ``("dp_replicate", "dp_shard")``
@@ -200,6 +220,7 @@ def fully_shard(
             Parameters that ``parallelize_module`` made DTensors need the data-parallel slice of
             the same world mesh (``world["dp"]``, HSDP ``world["replicate", "shard"]``): see
             :mod:`vescale_zero.primitives.tensor_parallel`.
+            With ``dp_mesh_dims`` it is the whole SPMD mesh (FSDP2's full-DTensor mode).
         reshard_after_forward: FSDP2's argument, with its meaning: ``True`` frees the full
             parameters after forward (re-gathered in backward); ``False`` keeps them until
             backward ends; ``None`` (default) is ``True``, but ``False`` for the root, which
@@ -211,6 +232,10 @@ def fully_shard(
             Outside forward and backward the modules always hold the sharded parameters, and a
             forward with grad disabled leaves nothing gathered
             (runtime [Note: nothing stays gathered after forward]).
+        shard_placement_fn: FSDP2's ``param -> None | Shard(d) | ShardPlacementResult``, read as
+            each parameter's block (fsdp2_arguments [Note: shard placements as blocks]):
+            ``Shard(0)`` whole rows, ``Shard(d)`` whole slices of dim ``d``, ``None`` the
+            ``granularity`` policy's; another mesh than ``mesh`` is refused.
         mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy``: ``param_dtype`` for
             compute and gathers, ``reduce_dtype`` for the gradient reduce-scatter; the
             sharded (master) parameters keep the module's dtype.
@@ -234,34 +259,58 @@ def fully_shard(
             state live in host memory and the optimizer steps there; gathers copy the shard to
             the device, reduced gradients are copied back (:mod:`vescale_zero.runtime.offload`).
             ``None`` or ``OffloadPolicy()``: no offload.
+        ignored_params: parameters left as they are, as FSDP2 leaves them: not sharded, not
+            gathered, their gradients not reduced.
+        dp_mesh_dims: FSDP2's ``DataParallelMeshDims`` (torchtitan's full-DTensor mode): ``mesh``
+            is the whole SPMD mesh, every parameter a DTensor on it, ``Replicate()`` on the
+            dimensions named here; the group is sharded over the ``shard`` one (HSDP: replicated
+            over ``replicate``) and the module computes with DTensors as FSDP2's does
+            (fsdp2_arguments [Note: full-DTensor parameters]).
 
     Returns:
-        ``module``, its class now also a :class:`RaggedFSDPModule`.
+        ``module`` (a list: as given), the class of each now also a :class:`RaggedFSDPModule`.
     """
-    if isinstance(module, RaggedFSDPModule):
-        raise ValueError(
-            f"fully_shard was already applied to this {type(module).__name__}; apply it once per module "
-            "(each call makes one group of the parameters not yet in a group)"
-        )
-    if isinstance(module, FSDPModule):  # FSDP2's (ours are FSDPModules too: refused above)
-        raise ValueError(
-            "module is already sharded by torch.distributed.fsdp.fully_shard; shard each module with one FSDP only"
-        )
+    if unknown:
+        raise TypeError(f"fully_shard() got an unexpected keyword argument {next(iter(unknown))!r}; it takes "
+                        f"torch.distributed.fsdp.fully_shard's arguments and {', '.join(OUR_ARGUMENTS)}")
+    modules = modules_of(module)
+    for m in modules:
+        if isinstance(m, RaggedFSDPModule):
+            raise ValueError(
+                f"fully_shard was already applied to this {type(m).__name__}; apply it once per module "
+                "(each call makes one group of the parameters not yet in a group)"
+            )
+        if isinstance(m, FSDPModule):  # FSDP2's (ours are FSDPModules too: refused above)
+            raise ValueError(
+                "module is already sharded by torch.distributed.fsdp.fully_shard; shard each module with one FSDP only"
+            )
     offload = resolve_offload_policy(offload_policy)
     host_patches.install("torch.optim")  # [Note: torch's optimizers step the local pieces]
-    named = _collect_params(module)
+    watch_optimizers()  # stale_params [Note: an optimizer over replaced parameters]
+    named = _collect_params(modules, ignored_params or ())
     devices = {p.device for _, p, _ in named}
     # A meta module is sharded as planned; vescale_zero.materialize (or to_empty) gives it
     # its shards later: materialize [Note: deferred initialisation].
     device = next(iter(devices)) if len(devices) == 1 else None
-    pg, replicate_pg = _mesh_groups(mesh, None if device is not None and device.type == "meta" else device)
+    on_meta = device is not None and device.type == "meta"
+    spmd = None
+    if dp_mesh_dims is not None:  # fsdp2_arguments [Note: full-DTensor parameters]
+        spmd = SpmdMesh.of(mesh, dp_mesh_dims)
+        pg, replicate_pg = spmd.shard_group, spmd.replicate_group
+    else:
+        pg, replicate_pg = _mesh_groups(mesh, None if on_meta else device)
     carry_job_timeout(pg, replicate_pg)  # a stuck peer is an error after the job's timeout: [Note: the job's timeout]
-    # DTensor parameters (parallelize_module): tensor_parallel [Note: ragged inside the tensor-parallel piece]
-    tp = tensor_parallel_layouts([(n, p) for n, p, _ in named], mesh, {
-        "fp8_all_gather_tile": fp8_all_gather_tile is not None, "offload_policy": offload is not None,
-        "the meta device (deferred initialisation)": device is not None and device.type == "meta"})
+    unsupported = {"fp8_all_gather_tile": fp8_all_gather_tile is not None, "offload_policy": offload is not None,
+                   "the meta device (deferred initialisation)": on_meta}
+    if spmd is not None:
+        tp = spmd.layouts([(n, p) for n, p, _ in named], unsupported)
+    else:
+        # DTensor parameters (parallelize_module): tensor_parallel [Note: ragged inside the tensor-parallel piece]
+        tp = tensor_parallel_layouts([(n, p) for n, p, _ in named], mesh, unsupported)
     held = [(n, local_tensor(p)) for n, p, _ in named]  # what the group holds of each: granularity, shapes
     post_forward = post_forward_size(reshard_after_forward, dist.get_world_size(pg))
+    if shard_placement_fn is not None:  # fsdp2_arguments [Note: shard placements as blocks]
+        granularity = placement_granularities(named, held, shard_placement_fn, granularity, pg, replicate_pg)
     reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward, dist.get_world_size(pg))
 
     group = None
@@ -285,46 +334,95 @@ def fully_shard(
             raise ValueError("fp8_all_gather_filter chooses tensors for an FP8 gather; set fp8_all_gather_tile too")
         else:
             grans = resolve_granularities(held, granularity)
-        # Every role's buffer (and the float8 bytes of an FP8 gather) keeps its shards and
-        # tensor starts on align_bytes: the planner aligns both to this many elements.
-        itemsizes = [named[0][1].element_size()] + ([1] if fp8_all_gather_tile is not None else [])
-        if mp_policy is not None:
-            dtypes = (mp_policy.param_dtype, mp_policy.reduce_dtype)
-            itemsizes += [torch.empty((), dtype=d).element_size() for d in dtypes if d]
-        align = max(1, align_bytes // min(itemsizes))
+        recipe = GroupRecipe(
+            tuple(grans), align_bytes, mp_policy.param_dtype if mp_policy else None,
+            mp_policy.reduce_dtype if mp_policy else None, fp8_all_gather_tile, None if fp8 is None else tuple(fp8),
+            offload, replicate_pg, None if post_forward is None else post_forward_group(pg, post_forward),
+            " + ".join(type(m).__name__ for m in modules))
         managed = [ManagedParam(n, owners, h.shape, p.requires_grad, layout)
                    for (n, p, owners), (_, h), layout in zip(named, held, tp)]
-        group = ParamGroup(
-            managed, [p for _, p, _ in named], grans, pg,
-            param_dtype=mp_policy.param_dtype if mp_policy else None,
-            reduce_dtype=mp_policy.reduce_dtype if mp_policy else None,
-            align=align,
-            fp8_tile=fp8_all_gather_tile,
-            replicate_group=replicate_pg,
-            fp8=fp8,
-            offload=offload,
-            post_forward_group=None if post_forward is None else post_forward_group(pg, post_forward),
-        )
-        label = type(module).__name__
-        for p in [p for _, p, _ in named] + group.sharded_params + group.unsharded_params:
-            setattr(p, _CLAIMED, label)
+        if spmd is not None:
+            for _, p, _ in named:  # copied onto the group's parameter objects: local_gradient reads it
+                setattr(p, DP_DIMS_ATTR, spmd.dp_dims)
+        group = build_group(managed, [p for _, p, _ in named], pg, recipe)
         for (_, original, _), sharded in zip(named, group.sharded_params):
             setattr(original, _SHARDED_AS, sharded)  # lets hosts remap optimizers built earlier
+        for m in modules:
+            setattr(m, RECIPE_ATTR, recipe)
 
-    state = ModuleState(module, group, pg, reshard_after_forward, mp_policy)
-    setattr(module, _STATE, state)
-    module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
-    module.register_forward_hook(state.post_forward, prepend=False)
-    if group is not None:
-        hook = _ShardedForStateDict(group)
-        module.register_state_dict_pre_hook(hook)
-        module.register_load_state_dict_pre_hook(hook)
-        module.register_load_state_dict_post_hook(hook.after_load)
-    cls = module.__class__
-    if cls not in _CLASS_CACHE:
-        _CLASS_CACHE[cls] = type(f"RaggedFSDP{cls.__name__}", (RaggedFSDPModule, cls), {})
-    module.__class__ = _CLASS_CACHE[cls]
+    state = ModuleState(modules[0], group, pg, reshard_after_forward, mp_policy)
+    for m in modules:
+        setattr(m, _STATE, state)
+        if len(modules) == 1:
+            m.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
+        else:  # [Note: several modules as one group]
+            m.register_forward_pre_hook(functools.partial(_member_pre_forward, state), prepend=True, with_kwargs=True)
+        m.register_forward_hook(state.post_forward, prepend=False)
+        if group is not None:
+            hook = _ShardedForStateDict(state)
+            m.register_state_dict_pre_hook(hook)
+            m.register_load_state_dict_pre_hook(hook)
+            m.register_load_state_dict_post_hook(hook.after_load)
+        cls = m.__class__
+        if cls not in _CLASS_CACHE:
+            _CLASS_CACHE[cls] = type(f"RaggedFSDP{cls.__name__}", (RaggedFSDPModule, cls), {})
+        m.__class__ = _CLASS_CACHE[cls]
     return module
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupRecipe:
+    """What ``fully_shard`` built a group from besides its parameters: what a dtype cast after
+    ``fully_shard`` plans the group again with (fsdp_module [Note: casting and moving sharded parameters])."""
+
+    granularities: Tuple[int, ...]
+    align_bytes: int
+    param_dtype: Optional[torch.dtype]  # mp_policy's (None: the parameters' dtype, whatever it is)
+    reduce_dtype: Optional[torch.dtype]
+    fp8_tile: Optional[int]
+    fp8: Optional[Tuple[bool, ...]]
+    offload: Optional[HostOffload]
+    replicate_group: Optional[dist.ProcessGroup]
+    post_forward_group: Optional[dist.ProcessGroup]  # reshard_after_forward=<int>: runtime.post_forward
+    label: str  # the class name(s) of the module(s), for errors naming the group
+
+    def align(self, dtype: torch.dtype) -> int:
+        """Every role's buffer (and the float8 bytes of an FP8 gather) keeps its shards and
+        tensor starts on ``align_bytes``: the planner aligns both to this many elements."""
+        itemsizes = [torch.empty((), dtype=dtype).element_size()] + ([1] if self.fp8_tile is not None else [])
+        itemsizes += [torch.empty((), dtype=d).element_size() for d in (self.param_dtype, self.reduce_dtype) if d]
+        return max(1, self.align_bytes // min(itemsizes))
+
+
+def build_group(managed: Sequence[ManagedParam], originals: Sequence[torch.Tensor], pg: dist.ProcessGroup,
+                recipe: GroupRecipe) -> ParamGroup:
+    """The group of ``managed`` holding ``originals``' values (this rank's ranges), its
+    parameter objects marked as claimed."""
+    group = ParamGroup(
+        managed, originals, recipe.granularities, pg,
+        param_dtype=recipe.param_dtype,
+        reduce_dtype=recipe.reduce_dtype,
+        align=recipe.align(originals[0].dtype),
+        fp8_tile=recipe.fp8_tile,
+        replicate_group=recipe.replicate_group,
+        fp8=None if recipe.fp8 is None else list(recipe.fp8),
+        offload=recipe.offload,
+        post_forward_group=recipe.post_forward_group,
+    )
+    for p in list(originals) + group.sharded_params + group.unsharded_params:
+        setattr(p, _CLAIMED, recipe.label)
+    return group
+
+
+@outside_compile
+def _member_pre_forward(state: ModuleState, module: nn.Module, args: tuple, kwargs: dict):
+    """The pre-forward hook of a module grouped with others ([Note: several modules as one group])."""
+    if state.context is None:
+        raise RuntimeError(
+            f"fully_shard([...]) of {type(module).__name__} and other modules ran forward as the root: a group of "
+            "several modules must sit under one root module; apply fully_shard to a module containing them too "
+            "(FSDP2 requires a single root module as well)")
+    return state.pre_forward(module, args, kwargs)
 
 
 class _ShardedForStateDict:
@@ -334,8 +432,14 @@ class _ShardedForStateDict:
     write the shards and drop the stale full ones, so saving and loading reshard the group
     first (outside forward and backward); a backward that follows gathers it again."""
 
-    def __init__(self, group: ParamGroup) -> None:
-        self.group = group
+    def __init__(self, state: ModuleState) -> None:
+        self.state = state
+
+    @property
+    def group(self) -> ParamGroup:
+        """The module's group (a cast after ``fully_shard`` builds it anew: fsdp_module
+        [Note: casting and moving sharded parameters])."""
+        return self.state.group
 
     @outside_compile
     def __call__(self, *_: Any, **__: Any) -> None:

@@ -694,14 +694,148 @@ def _detach_like(func: Any, args: tuple, kwargs: dict) -> Any:
     return RaggedDTensor(func(x._local_tensor, *args[1:], **kwargs), x._spec, requires_grad=False)
 
 
+def _other_piece(x: "RaggedDTensor", other: Any, func: Any) -> torch.Tensor:
+    """``other``'s values at ``x``'s piece, for a comparison: ``other``'s piece if it is a ragged
+    tensor of ``x``'s layout; this rank's range of a plain tensor of ``x``'s global shape; of a
+    DTensor's whole tensor (collective) otherwise."""
+    if isinstance(other, RaggedDTensor) and other._spec.placements == x._spec.placements and other.shape == x.shape:
+        return other._local_tensor
+    whole = other.full_tensor() if isinstance(other, DTensor) else other
+    if not torch.is_tensor(whole) or tuple(whole.shape) != tuple(x.shape):
+        raise NotImplementedError(
+            f"{func}: a ragged-sharded tensor of shape {tuple(x.shape)} compared with "
+            f"{tuple(whole.shape) if torch.is_tensor(whole) else type(whole).__name__}; compare it with a tensor of "
+            "its shape (a plain one, or a DTensor), or compare .full_tensor()")
+    start, end = x.local_range
+    return tp_local_of_whole(whole, x._spec).reshape(-1)[start:end].to(x._local_tensor.device)
+
+
+def _agree(value: bool, like: "RaggedDTensor") -> bool:
+    """Whether ``value`` holds on every rank over which ``like``'s elements are spread (one all-reduce)."""
+    flag = torch.tensor([1 if value else 0], device=collective_device(like.shard_group, like._local_tensor.device))
+    for dim in reduction_dims(like._spec):
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=like._spec.mesh.get_group(dim))
+    return bool(flag.item())
+
+
 def _equal(func: Any, args: tuple, kwargs: dict) -> bool:
+    """``torch.equal`` with a ragged tensor: equal pieces on every rank (local, then one all-reduce)."""
     a, b = args
-    if not (isinstance(a, RaggedDTensor) and isinstance(b, RaggedDTensor)) or a._spec.placements != b._spec.placements:
+    x, other = (a, b) if isinstance(a, RaggedDTensor) else (b, a)
+    mine = x._local_tensor
+    theirs = _other_piece(x, other, func)
+    return _agree(mine.dtype == theirs.dtype and torch.equal(mine, theirs), x)
+
+
+def _allclose(func: Any, args: tuple, kwargs: dict) -> bool:
+    """``torch.allclose`` with a ragged tensor: close pieces on every rank."""
+    a, b = args[0], args[1]
+    x, other = (a, b) if isinstance(a, RaggedDTensor) else (b, a)
+    mine, theirs = x._local_tensor, _other_piece(x, other, func)
+    pair = (mine, theirs) if x is a else (theirs, mine)
+    return _agree(bool(func(*pair, *args[2:], **kwargs)), x)
+
+
+# ---- reductions of a whole ragged tensor: [Note: ops on ragged tensors] ---------------------------
+def _whole(dim: Any, ndim: int) -> bool:
+    """Whether ``dim`` (a reduction's argument) means every dimension."""
+    if dim is None or dim == () or dim == []:
+        return True
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    return sorted(d % max(ndim, 1) for d in dims) == list(range(ndim))
+
+
+def _identity(op: str, dtype: torch.dtype) -> Any:
+    """The value an empty piece contributes to an all-reduce of ``op``."""
+    if op == "sum":
+        return 0
+    if dtype == torch.bool:
+        return op == "min"
+    info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
+    return (info.min if not dtype.is_floating_point else -math.inf) if op == "max" else \
+        (info.max if not dtype.is_floating_point else math.inf)
+
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _reduce_whole(op: str, local: Callable[[torch.Tensor], torch.Tensor], x: "RaggedDTensor") -> DTensor:
+    """``local(piece)`` all-reduced with ``op`` over the ranks ``x``'s elements are spread over:
+    a replicated DTensor of the whole tensor's value (an empty piece contributes ``op``'s identity)."""
+    piece = x._local_tensor
+    if piece.numel():
+        value = local(piece)
+    else:  # [Note: empty pieces in norms]: the reduction's identity, computed alike on every rank
+        value = local(piece.new_zeros(1))
+        value = torch.full_like(value, _identity(op, value.dtype))
+    wire = value.to(torch.int32) if value.dtype == torch.bool else value
+    wire = wire.to(collective_device(x.shard_group, wire.device))
+    for dim in reduction_dims(x._spec):
+        dist.all_reduce(wire, op=_REDUCE_OPS[op], group=x._spec.mesh.get_group(dim))
+    value = wire.to(value.device).to(value.dtype)
+    mesh = x._spec.mesh
+    spec = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, tensor_meta=TensorMeta(value.shape, value.stride(),
+                                                                                 value.dtype))
+    return DTensor(value, spec, requires_grad=False)
+
+
+def _reduction(op: str, dim_at: Optional[int] = None) -> Callable:
+    """The handler of a whole-tensor reduction (``x.max()``, ``x.amax()``, ``x.all()``...): local,
+    then one all-reduce; a reduction over some dimensions only is refused."""
+    def handler(func: Any, args: tuple, kwargs: dict) -> Any:
+        if torch.Tag.pointwise in func.tags:  # torch.max(a, b): element-wise
+            return _elementwise(func._schema.is_mutable, func, args, kwargs)
+        x = args[0]
+        dim = kwargs.get("dim", args[dim_at] if dim_at is not None and len(args) > dim_at else None)
+        if not isinstance(x, RaggedDTensor) or (dim_at is not None and not _whole(dim, x.dim())) or (
+                dim_at is None and len(args) > 1):
+            raise NotImplementedError(_unsupported(func))
+        return _reduce_whole(op, lambda t: func(t, *args[1:], **kwargs), x)
+    return handler
+
+
+def _mean(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The whole tensor's mean: the pieces' sums, one all-reduce, divided by the element count."""
+    x = args[0]
+    dim = args[1] if len(args) > 1 and not isinstance(args[1], torch.dtype) else kwargs.get("dim", None)
+    if not isinstance(x, RaggedDTensor) or not _whole(dim, x.dim()):
         raise NotImplementedError(_unsupported(func))
-    same = torch.tensor([1 if torch.equal(a._local_tensor, b._local_tensor) else 0], device=a._local_tensor.device)
-    for dim in reduction_dims(a._spec):
-        dist.all_reduce(same, op=dist.ReduceOp.MIN, group=a._spec.mesh.get_group(dim))
-    return bool(same.item())
+    dtype = kwargs.get("dtype") or x.dtype
+    total = _reduce_whole("sum", lambda t: t.sum(dtype=dtype), x)
+    return DTensor(total._local_tensor / x.numel(), total._spec, requires_grad=False)
+
+
+def _new_factory(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    """``p.new_empty(shape)`` / ``new_zeros`` / ``new_ones`` / ``new_full``: a plain tensor of
+    ``shape`` (the piece's dtype and device unless given), the same on every rank, as DTensor
+    gives a replicated one (torchtitan's fused-QKV init draws into them, then ``copy_``s)."""
+    return func(args[0]._local_tensor, *args[1:], **kwargs)
+
+
+# [Note: random fills draw the whole tensor]
+# An init function on a sharded parameter (``nn.init.normal_(p)``, ``trunc_normal_``,
+# ``kaiming_uniform_``, a model's ``init_weights()`` / ``reset_parameters()`` after ``to_empty``)
+# fills it in place from the random generator. Each rank draws the *whole* tensor (its global
+# shape, on its piece's device, with the op's arguments and generator) and keeps its range, so
+# with the same seed on every rank the pieces form the tensor the unsharded model gets, bit for
+# bit, and every rank's generator advances as the unsharded model's does (the next init draws
+# the same numbers too). The element-wise steps around a draw (trunc_normal_'s rejection
+# masks, erfinv, scaling) run on the pieces, and its ``mask.any()`` is a whole-tensor reduction
+# (one all-reduce), so every rank takes the branch the unsharded tensor takes. Memory: one full
+# tensor of the parameter, for the length of the draw. (An offset into the generator's stream
+# per rank would save it, but CPU generators have no offsets and CUDA's Philox kernels lay
+# values out by launch geometry, so the whole draw is what is equal everywhere.)
+def _random_fill(func: Any, args: tuple, kwargs: dict) -> Any:
+    x = args[0]
+    if not isinstance(x, RaggedDTensor) or any(torch.is_tensor(a) and a.dim() > 0 for a in args[1:]):
+        raise NotImplementedError(_unsupported(func))
+    piece = x._local_tensor
+    local_args = [_unwrap_other(a, func) for a in args[1:]]
+    whole = torch.empty(x.shape, dtype=x.dtype, device=piece.device)
+    func(whole, *local_args, **kwargs)
+    start, end = x.local_range
+    piece.copy_(tp_local_of_whole(whole, x._spec).reshape(-1)[start:end])
+    return x
 
 
 _HANDLERS: Dict[Any, Callable] = {
@@ -711,6 +845,19 @@ _HANDLERS: Dict[Any, Callable] = {
     aten.detach: _detach_like,
     aten.alias: _detach_like,
     aten.equal: _equal,
+    aten.allclose: _allclose,
+    aten.mean: _mean,
+    aten.max: _reduction("max"),
+    aten.min: _reduction("min"),
+    aten.amax: _reduction("max", dim_at=1),
+    aten.amin: _reduction("min", dim_at=1),
+    aten.all: _reduction("min"),
+    aten.any: _reduction("max"),
+    aten.count_nonzero: _reduction("sum", dim_at=1),
+    **{op: _new_factory for op in (aten.new_empty, aten.new_zeros, aten.new_ones, aten.new_full,
+                                   aten.new_empty_strided)},
+    **{op: _random_fill for op in (aten.uniform_, aten.normal_, aten.bernoulli_, aten.random_, aten.exponential_,
+                                   aten.cauchy_, aten.log_normal_, aten.geometric_)},
 }
 
 _ELEMENTWISE = {

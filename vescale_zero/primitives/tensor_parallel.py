@@ -53,7 +53,13 @@ from ..torch_compat import DTensorSpec, TensorMeta, local_shape_and_global_offse
 from .placement import RaggedShard
 
 __all__ = ["TensorParallelLayout", "tensor_parallel_layouts", "local_tensor", "local_gradient", "tp_local_box",
-           "whole_from_tp_local", "tp_local_of_whole", "reduction_dims", "refuse_tensor_parallel", "USE_DCP"]
+           "whole_from_tp_local", "tp_local_of_whole", "reduction_dims", "refuse_tensor_parallel", "USE_DCP",
+           "DP_DIMS_ATTR", "spmd_layout"]
+
+DP_DIMS_ATTR = "_vescale_dp_mesh_dims"
+"""On a parameter of FSDP2's full-DTensor mode (and the group's objects standing for it): the
+data-parallel dimensions of its mesh, whose gradient placements the group's reduction handles
+itself (:func:`local_gradient`)."""
 
 USE_DCP = ("save and load with torch.distributed.checkpoint (dcp.save / dcp.load of get_model_state_dict(model) and "
            "get_optimizer_state_dict(model, optimizer)), which reshards to other data-parallel sizes")
@@ -100,11 +106,17 @@ def local_tensor(param: torch.Tensor) -> torch.Tensor:
 
 def local_gradient(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """An unsharded parameter's gradient as the group reduces it: a DTensor gradient placed
-    as its parameter (a ``Partial`` one summed over tp first: collective), its local tensor."""
+    as its parameter (a ``Partial`` one summed over tp first: collective), its local tensor.
+    On the data-parallel dimensions of a full-DTensor parameter (``DP_DIMS_ATTR``) the gradient
+    keeps its placement: its local tensor is this rank's part, which the group reduces
+    (a ``Partial`` sum over the batch's shards), as FSDP2 reduces it."""
     if not isinstance(grad, DTensor):
         return grad
     if isinstance(param, DTensor) and tuple(grad.placements) != tuple(param.placements):
-        grad = grad.redistribute(param.device_mesh, param.placements)
+        dp = getattr(param, DP_DIMS_ATTR, ())
+        target = tuple(g if d in dp else p for d, (g, p) in enumerate(zip(grad.placements, param.placements)))
+        if target != tuple(grad.placements):
+            grad = grad.redistribute(param.device_mesh, target)
     return grad._local_tensor
 
 
@@ -221,6 +233,36 @@ def tensor_parallel_layouts(params: Sequence[Tuple[str, torch.Tensor]], mesh: An
             meshes[spec.mesh] = _ragged_mesh(mesh, spec.mesh, name)
         out.append(TensorParallelLayout(spec, *meshes[spec.mesh]))
     return out
+
+
+def spmd_layout(name: str, param: torch.Tensor, mesh: DeviceMesh, shard_dim: int,
+                dp_dims: Tuple[int, ...]) -> TensorParallelLayout:
+    """The layout of a parameter of FSDP2's full-DTensor mode (``fully_shard(...,
+    dp_mesh_dims=...)``): a DTensor on the whole SPMD ``mesh``, ``Replicate()`` on its
+    data-parallel dimensions ``dp_dims``, sharded over ``shard_dim``. Its ragged tensors live on
+    ``mesh`` itself (``RaggedShard`` on ``shard_dim``, the parameter's own placements on the
+    others), and the module computes with the DTensor it had, its local tensor a view of the
+    group's full buffer: the tensor-parallel layout with ``mesh`` as both meshes."""
+    if not isinstance(param, DTensor):
+        raise ValueError(
+            f"fully_shard(..., dp_mesh_dims=...): {name!r} is a plain tensor; with dp_mesh_dims every parameter must "
+            f"be a DTensor on the whole SPMD mesh {mesh} (e.g. via distribute_module), as FSDP2 requires")
+    spec = param._spec
+    if spec.mesh != mesh:
+        raise ValueError(f"fully_shard(..., dp_mesh_dims=...): {name!r} is a DTensor on {spec.mesh}, not on the mesh "
+                         f"given to fully_shard, {mesh}")
+    names = mesh.mesh_dim_names
+    for d in dp_dims:
+        if not spec.placements[d].is_replicate():
+            raise ValueError(f"fully_shard(..., dp_mesh_dims=...): {name!r} is placed {spec.placements[d]} on the "
+                             f"data-parallel dimension {names[d]!r}; it must be Replicate() there, as FSDP2 requires")
+    if not all(type(pl) is Shard or pl.is_replicate() for pl in spec.placements):
+        raise NotImplementedError(f"fully_shard: {name!r} is a DTensor placed {spec.placements}; parameters must be "
+                                  "placed Shard(dim) or Replicate() on each non-data-parallel dimension")
+    if not param.is_contiguous():
+        raise NotImplementedError(f"fully_shard: the DTensor parameter {name!r} is not contiguous (stride "
+                                  f"{param.stride()}); make it contiguous before fully_shard")
+    return TensorParallelLayout(spec, mesh, shard_dim, tuple(d for d in range(mesh.ndim) if d != shard_dim))
 
 
 def refuse_tensor_parallel(groups: Iterable[Any], what: str, instead: str) -> None:

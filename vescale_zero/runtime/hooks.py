@@ -27,9 +27,12 @@ outlives a change of the master shards:
     reshards every group that did not run with grad in it at its end, the root's and
     ``reshard_after_forward=False`` ones included (PyTorch FSDP2 keeps the root gathered);
   * after a root forward with grad, the groups backward will want first stay gathered (the
-    root, ``reshard_after_forward=False``, the kept group) but the modules get their sharded
-    parameters back; pre-backward installs the full ones again (no new all-gather), and a
-    group gathered only by a prefetch that its forward never used is resharded;
+    root, ``reshard_after_forward=False``, the kept group); as in FSDP2, the root's and the
+    ``reshard_after_forward=False`` groups' modules keep their full parameters registered until
+    backward ends or ``reshard()`` (``parameters()`` lists plain tensors meanwhile; a state
+    dict reshards first), the kept group's get their sharded parameters back and pre-backward
+    installs its full ones again (no new all-gather); a group gathered only by a prefetch that
+    its forward never used is resharded;
   * a root forward that finds groups still gathered by an earlier forward (no backward came:
     an evaluation forward with grad, a pipeline schedule's next micro-batch) reshards them
     first: an optimizer step, a load or any write to the shards may have come in between,
@@ -329,8 +332,8 @@ class RootContext:
                 group.reshard()  # prefetched for nothing, or no backward can follow
             elif state is self.root and state.reshard_after_forward:
                 group.reshard_after_forward()  # the root, set to reshard explicitly: backward gathers it again
-            else:
-                group.to_sharded_params()  # stays gathered for backward; the modules show the shards
+            elif state.reshard_after_forward:
+                group.to_sharded_params()  # the kept group: stays gathered for backward, the modules show the shards
         self.kept, self.in_forward = None, False
         self.previous_order = self.order
         self.scheduler.end_forward()
