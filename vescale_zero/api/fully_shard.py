@@ -36,6 +36,7 @@ from ..runtime.offload import resolve_offload_policy
 from ..runtime.param_group import GroupState, ManagedParam, ParamGroup
 from .fsdp_module import BUFFER_NEEDS_INIT, RaggedFSDPModule
 from .layer_discovery import find_layer_classes
+from .optimizer_aware import OptimizerAware, choose_placement, resolve_optimizer_aware
 
 __all__ = ["fully_shard", "fully_shard_layers", "resolve_reshard_after_forward", "RaggedFSDPModule",
            "MixedPrecisionPolicy", "CPUOffloadPolicy", "OffloadPolicy", "DEFAULT_ALIGN_BYTES",
@@ -180,6 +181,7 @@ def fully_shard(
     fp8_all_gather_tile: Optional[int] = None,
     fp8_all_gather_filter: Optional[FP8Filter] = None,
     offload_policy: Optional[OffloadPolicy] = None,
+    optimizer_aware: Union[bool, OptimizerAware, None] = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters (those not in a sharded sub-module) as one group.
 
@@ -227,6 +229,11 @@ def fully_shard(
             state live in host memory and the optimizer steps there; gathers copy the shard to
             the device, reduced gradients are copied back (:mod:`vescale_zero.runtime.offload`).
             ``None`` or ``OffloadPolicy()``: no offload.
+        optimizer_aware: ``True`` (Muon's whole matrices) or an ``OptimizerAware``
+            (``Muon.optimizer_aware(...)``): keep the matrices whole on one rank where that
+            moves fewer bytes per step than the piecewise plan of ``granularity``, counting the
+            padding every gather and reduce-scatter pays (:mod:`vescale_zero.api.optimizer_aware`);
+            ``vz.sharding_report`` shows the choice.
 
     Returns:
         ``module``, its class now also a :class:`RaggedFSDPModule`.
@@ -277,6 +284,7 @@ def fully_shard(
             raise ValueError("fp8_all_gather_filter chooses tensors for an FP8 gather; set fp8_all_gather_tile too")
         else:
             grans = resolve_granularities(held, granularity)
+        aware = resolve_optimizer_aware(optimizer_aware)
         # Every role's buffer (and the float8 bytes of an FP8 gather) keeps its shards and
         # tensor starts on align_bytes: the planner aligns both to this many elements.
         itemsizes = [named[0][1].element_size()] + ([1] if fp8_all_gather_tile is not None else [])
@@ -284,6 +292,12 @@ def fully_shard(
             dtypes = (mp_policy.param_dtype, mp_policy.reduce_dtype)
             itemsizes += [torch.empty((), dtype=d).element_size() for d in dtypes if d]
         align = max(1, align_bytes // min(itemsizes))
+        placement = None
+        if aware is not None:  # optimizer_aware [Note: placing units against padding]
+            placement = choose_placement(held, grans, aware, pg, replicate_pg, align, mp_policy=mp_policy,
+                                         fp8=fp8_all_gather_tile is not None,
+                                         reshard_after_forward=reshard_after_forward)
+            grans = list(placement.granularities)
         managed = [ManagedParam(n, owners, h.shape, p.requires_grad, layout)
                    for (n, p, owners), (_, h), layout in zip(named, held, tp)]
         group = ParamGroup(
@@ -296,6 +310,9 @@ def fully_shard(
             fp8=fp8,
             offload=offload,
         )
+        if placement is not None and placement.plan != group.plan:
+            raise RuntimeError("fully_shard: the optimizer-aware plan differs from the group's (a planner bug)")
+        group.placement = placement  # what vz.sharding_report shows; None: not optimizer-aware
         label = type(module).__name__
         for p in [p for _, p, _ in named] + group.sharded_params + group.unsharded_params:
             setattr(p, _CLAIMED, label)
