@@ -623,6 +623,7 @@ def optimizer_aware_plan(
             placed = tuple(math.lcm(g, u.size) if c else g for g, u, c in zip(placed, units, cut))
             if placed in tried:
                 break
-            whole = consider(f"{PLACED} where cut ({sum(g != g0 for g, g0 in zip(placed, grans))} tensors)", placed)
+            n = sum(g != g0 for g, g0 in zip(placed, grans))
+            whole = consider(f"{PLACED} where cut ({n} tensor{'s' if n != 1 else ''})", placed)
     _, name, chosen, chosen_plan, (step, whole, cost) = best
     return PlacementChoice(chosen_plan, chosen, name, whole, step, base[0], cost)
