@@ -102,6 +102,13 @@ class RaggedEngineMixin:
         if granularity is None and hasattr(self._structured_optimizer(), "granularity"):
             # the optimizer's blocks must stay whole on one rank: shard by them
             granularity = self._structured_optimizer().granularity(self._optimizer_block())
+        aware = None
+        if opts.optimizer_aware:  # Muon's matrices whole where that moves fewer bytes
+            if self._structured_optimizer() is not Muon:
+                raise ValueError(f"zero_optimization.optimizer_aware plans for Muon's matrices, but the optimizer is "
+                                 f"{self.optimizer_name()!r}: set \"optimizer\": {{\"type\": \"Muon\"}}, or drop "
+                                 "optimizer_aware")
+            aware = Muon.optimizer_aware(micro_batches=self.gradient_accumulation_steps())
         built_in = {p.dtype for p in self.module.parameters() if hasattr(p, "ds_id")}  # under deepspeed.zero.Init
         if precision.dtype is not None and built_in - {torch.float32}:
             raise ValueError(
@@ -118,6 +125,7 @@ class RaggedEngineMixin:
                 self.module, opts.sharded_modules, mesh=self._ragged_mesh(),
                 reshard_after_forward=opts.reshard_after_forward, mp_policy=mp, granularity=granularity,
                 fp8_all_gather_tile=opts.fp8_all_gather_tile, offload_policy=offload_policy(opts.offload),
+                optimizer_aware=aware,
             )
         if zero3:
             fill_from_zero3(self.module, zero3)
@@ -197,7 +205,7 @@ class RaggedEngineMixin:
                 "agree (\"offload_optimizer\": {\"device\": \"cpu\"} with CPUOffloadPolicy on every fully_shard "
                 "call, or neither), or pass the unsharded model to deepspeed.initialize")
         set_here = [k for k in ("granularity", "sharded_modules", "reshard_after_forward", "reduce_dtype",
-                                "fp8_all_gather_tile") if getattr(opts, k) != getattr(default, k)]
+                                "fp8_all_gather_tile", "optimizer_aware") if getattr(opts, k) != getattr(default, k)]
         if mp is not None:
             set_here.append("bf16/fp16")
         if set_here:

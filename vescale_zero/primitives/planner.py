@@ -482,7 +482,7 @@ class PlacementChoice:
     (the granularities asked for), ``"placed"`` (every optimizer unit whole on one rank) or
     ``"placed up to N elements"`` (the units of at most N elements whole, larger ones in
     pieces); ``whole[i]``: every unit of tensor ``i`` lies on one rank under ``plan`` (by design
-    or because no rank boundary happens to cut it; true for a tensor without units);
+    or because no rank boundary happens to cut it; ``None`` for a tensor without units);
     ``step_bytes`` per rank per step under ``plan`` and ``piecewise_bytes`` under the piecewise
     plan ([Note: bytes per rank per step]); ``unit_cost`` per rank: the cost of the units each
     rank computes, a split unit counted on the rank that holds its largest piece."""
@@ -490,7 +490,7 @@ class PlacementChoice:
     plan: ShardPlan
     granularities: Tuple[int, ...]
     choice: str
-    whole: Tuple[bool, ...]
+    whole: Tuple[Optional[bool], ...]
     step_bytes: StepBytes
     piecewise_bytes: StepBytes
     unit_cost: Tuple[float, ...]
@@ -531,8 +531,8 @@ def _evaluate(plan_: ShardPlan, units: Sequence[Optional[OptimizerUnits]], traff
     m, s = plan_.world_size, plan_.shard_size
     moved, whole, cost = 0, [], [0.0] * m
     for i, unit in enumerate(units):
-        if unit is None or not plan_.specs[i].numel:
-            whole.append(True)  # no unit to cut
+        if unit is None:
+            whole.append(None)
             continue
         one_rank = True
         for pieces in unit_pieces(plan_, i, unit.size):
