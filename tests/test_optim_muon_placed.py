@@ -265,3 +265,97 @@ def test_optimizer_aware_argument():
     assert whole_matrices("w", w) == OptimizerUnits(60, float(3 * 20 * 3))
     assert whole_matrices("b", torch.nn.Parameter(torch.zeros(4))) is None
     assert dist.is_available()
+
+
+# ---- the hosts ---------------------------------------------------------------------------
+DS_STEPS = 3
+
+
+def _deepspeed_muon(rank, world_size, section, params):
+    """DS_STEPS steps of a "ragged" engine with a config Muon (``params`` beside lr and weight
+    decay) and ``section`` in zero_optimization: the full weights, each group's plan choice,
+    the matrices Muon computed in backward."""
+    import os
+
+    from tests.models import AwkwardLM, make_batches
+    from tests.test_deepspeed import ACCUM, GLOBAL_BATCH, _deepspeed, _train_steps, ds_config
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    deepspeed = _deepspeed()
+    cfg = ds_config("ragged", world_size, gradient_clipping=0.0)
+    cfg["zero_optimization"].update(section)
+    cfg["optimizer"] = {"type": "Muon", "params": {"lr": 1e-2, "weight_decay": 0.1, **params}}
+    try:
+        engine, *_ = deepspeed.initialize(model=AwkwardLM(seed=0), config=cfg)
+    except ValueError as e:
+        return {"error": str(e)}
+    hidden = []
+    for batch in make_batches(DS_STEPS, GLOBAL_BATCH):
+        _train_steps(engine, [batch], rank, world_size)
+        hidden.append(engine.basic_optimizer.last_step_stats.get("hidden"))
+    assert ACCUM > 1  # the micro-batches accumulate without sync: one reduce-scatter per step
+    return {"params": vz.full_state_dict(engine.module), "hidden": hidden,
+            "choices": [getattr(g, "placement", None) and g.placement.choice for g in groups_of(engine.module)]}
+
+
+@pytest.mark.slow
+def test_deepspeed_config_muon_on_the_optimizer_aware_plan():
+    """``"optimizer_aware": true`` with ``"optimizer": {"type": "Muon", "params": {"hide_in_backward":
+    true}}`` under "ragged": every group is planned optimizer-aware, Muon's matrices come from
+    backward, and the weights follow the plain config Muon within what Muon's steps can move two
+    runs apart (only the order of float adds in Newton-Schulz differs: tests/test_deepspeed.py's
+    _muon_divergence_bound); optimizer_aware with another optimizer is refused."""
+    from tests.test_deepspeed import _muon_divergence_bound
+
+    runs = run_cases_on_ranks({
+        "plain": (_deepspeed_muon, ({}, {})),
+        "aware": (_deepspeed_muon, ({"optimizer_aware": True}, {"hide_in_backward": True})),
+    }, 2, timeout=600)
+    bound = _muon_divergence_bound(1e-2, DS_STEPS, 3e-4, (0.9, 0.95))
+    for plain, aware in zip(runs["plain"], runs["aware"]):
+        assert aware["choices"] and None not in aware["choices"] and set(plain["choices"]) == {None}, aware
+        assert all(h and h > 0 for h in aware["hidden"]), aware["hidden"]
+        for name, value in plain["params"].items():
+            assert (aware["params"][name] - value).abs().max().item() <= bound, name
+
+
+def _megatron_muon(rank, world_size, aware):
+    from tests.test_megatron import SMALL, _megatron_job
+
+    argv = SMALL + ["--global-batch-size", "8", "--tensor-model-parallel-size", "2", "--use-vescale-fsdp",
+                    "--vescale-optimizer", "muon"] + (["--vescale-optimizer-aware"] if aware else [])
+    with _megatron_job(argv) as (pg, args):
+        model, optimizer, config = pg.build(args)
+        run = pg.train_loop(args, model, optimizer, config)
+        return {"losses": run["losses"], "choices": [g.placement and g.placement.choice for g in model.vescale_groups],
+                "params": {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}}
+
+
+def _divergence_bound(lr, steps, shapes, betas):
+    """tests/test_deepspeed.py's _muon_divergence_bound for matrices of ``shapes`` (Muon's scale
+    of the tallest), with AdamW (lr, ``betas``) for the vectors."""
+    from tests.numerics import adam_divergence_bound
+    from vescale_zero.optim.muon import NS_COEFFICIENTS
+
+    a, b, c = NS_COEFFICIENTS
+    s = torch.linspace(0, 1, 100001, dtype=torch.float64)
+    for _ in range(5):  # Muon's default ns_steps
+        s = a * s + b * s ** 3 + c * s ** 5
+    scale = max(max(1.0, rows / cols) ** 0.5 for rows, cols in shapes)
+    return max(2 * lr * steps * 1.01 * s.abs().max().item() * scale, adam_divergence_bound(lr, steps, betas))
+
+
+@pytest.mark.slow
+def test_megatron_muon_on_the_optimizer_aware_plan():
+    """``--vescale-optimizer muon --vescale-optimizer-aware`` at tp=2 x dp=2 (Muon on each TP
+    piece): every group is planned optimizer-aware and the weights follow the plain flag's run
+    within what Muon's steps can move two runs apart (the runs differ only in the order of float
+    adds in Newton-Schulz; 3 steps at lr 1e-2, AdamW's betas for the vectors: Megatron's)."""
+    runs = run_cases_on_ranks({"plain": (_megatron_muon, (False,)), "aware": (_megatron_muon, (True,))}, 4,
+                              timeout=600)
+    for plain, aware in zip(runs["plain"], runs["aware"]):
+        assert aware["choices"] and None not in aware["choices"] and set(plain["choices"]) == {None}, aware["choices"]
+        shapes = [(v.shape[0], v[0].numel()) for v in plain["params"].values() if v.dim() >= 2]
+        bound = _divergence_bound(1e-2, 3, shapes, (0.9, 0.999))
+        for name, value in plain["params"].items():
+            assert (aware["params"][name].float() - value.float()).abs().max().item() <= bound, name
