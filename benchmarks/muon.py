@@ -13,7 +13,8 @@ Part 1, real ranks on this machine (CPU/gloo, fp32, a GPT of 4 layers): every sy
 same model from the same weights; per step and per rank the bytes all-gathered, reduce-scattered
 (or all-reduced / reduced) and moved by the optimizer, counted by a spy on the collectives, the
 median step time and the optimizer's exposed time (from the return of backward to the return of
-``step()``). Systems: ours today's way (main's Muon: every matrix to a root anywhere), ours
+``step()``). Systems: today's Muon (main's ``vescale_zero/optim/muon.py``, read with git: every
+matrix to a root anywhere), ours
 piecewise (the same plan, a matrix whole on one rank stays), ours placed (every matrix whole),
 ours as the cost model chooses, the last two with the step hidden in backward, DeepSpeed
 ZeRO-1/2 with its own Muon, and FSDP2 (measured, with a plain SGD step) plus torchtitan's
@@ -161,6 +162,24 @@ class OurSpy:
 
 
 # ---- part 1: real ranks ----------------------------------------------------------------------
+def _main_muon():
+    """main's Muon (``git show main:vescale_zero/optim/muon.py``), loaded beside ours in the
+    package it was written for; ``None`` where git or that file is not there."""
+    import importlib.util
+    import subprocess
+
+    try:
+        source = subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(__file__)), "show",
+                                 "main:vescale_zero/optim/muon.py"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    spec = importlib.util.spec_from_loader("vescale_zero.optim._muon_on_main", loader=None)
+    module = importlib.util.module_from_spec(spec)
+    module.__package__ = "vescale_zero.optim"
+    exec(compile(source, "main:vescale_zero/optim/muon.py", "exec"), module.__dict__)
+    return module.Muon
+
+
 class TodaysMuon(Muon):
     """Muon as on main before the optimizer-aware plan: roots spread over all ranks by cost alone,
     every matrix through the two all_to_alls (a matrix whole on one rank too, when its root is elsewhere)."""
@@ -186,8 +205,11 @@ def _ours(aware, hidden: bool, today: bool = False):
             vz.fully_shard(block, reshard_after_forward=True, optimizer_aware=aware)
         vz.fully_shard(model, reshard_after_forward=False, optimizer_aware=aware)
         params = [p for p in model.parameters() if p.requires_grad]
-        cls = TodaysMuon if today else Muon
-        return model, cls(params, lr=LR, weight_decay=0.1, hide_in_backward=hidden)
+        if today:  # main's own code where it can be read, else its roots and moves through ours
+            main = _main_muon()
+            return model, (main(params, lr=LR, weight_decay=0.1) if main is not None else
+                           TodaysMuon(params, lr=LR, weight_decay=0.1))
+        return model, Muon(params, lr=LR, weight_decay=0.1, hide_in_backward=hidden)
     return build
 
 
@@ -255,13 +277,15 @@ SYSTEMS = {
 
 
 def worker(rank: int, world: int, port: int, args, out) -> None:
+    """Builds every system, then steps them in turn, step by step (a shared machine's load falls
+    on all of them alike), each step's collectives counted by its spy."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     cfg = GPTConfig(**CFG)
     corpus = SyntheticCorpus(cfg.vocab_size, cfg.seq_len)
-    rows = {}
+    rows, systems = {}, {}
     for name, build in SYSTEMS.items():
         if args.only and not any(o in name for o in args.only):
             continue
@@ -271,11 +295,10 @@ def worker(rank: int, world: int, port: int, args, out) -> None:
         except Exception as e:  # noqa: BLE001 - a peer that does not run here: say why
             rows[name] = {"error": f"{type(e).__name__}: {e}"[:160]}
             continue
-        ours = name.startswith("ours")
-        spy = OurSpy() if ours else TorchSpy()
-        steps, exposed = [], []
-        for step in range(args.steps + 1):
-            x, y = corpus.batch(step, 8 * world, rank, world)
+        systems[name] = (model, opt, OurSpy() if name.startswith("ours") else TorchSpy(), [], [])
+    for step in range(args.steps + 1):
+        x, y = corpus.batch(step, 8 * world, rank, world)
+        for model, opt, spy, steps, exposed in systems.values():
             measured = step > 0
             with spy.installed() if measured else contextlib.nullcontext():
                 dist.barrier()
@@ -294,19 +317,23 @@ def worker(rank: int, world: int, port: int, args, out) -> None:
             if measured:
                 steps.append(t2 - t0)
                 exposed.append(t2 - t1)
+    for name, (model, opt, spy, steps, exposed) in systems.items():
+        ours = name.startswith("ours")
         got = spy.bytes(4) if ours else spy.bytes
-        got = {k: v / args.steps for k, v in got.items()}
-        row = {"bytes": got, "step_ms": 1e3 * statistics.median(steps), "exposed_ms": 1e3 * statistics.median(exposed),
-               "loss": float(loss)}
+        row = {"bytes": {k: v / args.steps for k, v in got.items()}, "step_ms": 1e3 * statistics.median(steps),
+               "exposed_ms": 1e3 * statistics.median(exposed)}
         if ours:
-            plan = _plan_bytes(model, world)
-            row["plan"] = plan
+            row["plan"] = _plan_bytes(model, world)
             row["choices"] = sorted({g.placement.choice for g in groups_of(model)})
         if name.startswith("FSDP2"):
             row["bytes"]["optimizer"] = _dist_muon_moves(model, world)
             row["modelled"] = True
+        if "today" in name:  # main's Muon calls torch's all_to_all_single itself: its own count of what it sent
+            row["bytes"]["optimizer"] = float(opt.last_step_stats["bytes_moved"])
         rows[name] = row
-        del model, opt
+    for _, opt, *_ in systems.values():
+        if getattr(opt, "_hidden", None) is not None:
+            opt._hidden.close()
     gathered: List[Optional[dict]] = [None] * world
     dist.all_gather_object(gathered, rows)
     if rank == 0:
@@ -328,7 +355,11 @@ def _mib(x: float) -> str:
 def part1(args) -> None:
     out = mp.Manager().dict()
     for world in args.ranks:
-        mp.spawn(worker, args=(world, _free_port(), args, out), nprocs=world)
+        try:
+            mp.spawn(worker, args=(world, _free_port(), args, out), nprocs=world)
+        except mp.ProcessExitedException:  # gloo may abort a process at exit (environment.md): keep its results
+            if world not in out:
+                raise
         per_rank = out[world]
         print(f"\n{world} ranks, CPU/gloo fp32, GPT {CFG['n_layers']}x{CFG['d_model']} (vocab {CFG['vocab_size']}, "
               f"seq {CFG['seq_len']}, batch 8/rank); MiB per rank per step (mean over ranks; max for the optimizer)")

@@ -147,7 +147,10 @@ def _train(rank, world_size, dtype_name, optimizer_aware, hidden, mesh_shape=Non
     sent = sum(c[2] for c in spy.calls if c[0] == "all_to_all")
     moves = sum(1 for c in spy.calls if c[0] == "all_to_all")
     choices = [g.placement.choice for g in groups_of(model)] if optimizer_aware else []
-    return {"worst": worst, "sent": sent, "moves": moves, "expected_per_step": _expected_sent(model),
+    report = vz.sharding_report(model)
+    shown = [(p.choice, p.optimizer_bytes, p.whole_tensors, p.tensors) for p in report.placements]
+    return {"report": (shown, "optimizer-aware groups" in str(report)), "worst": worst, "sent": sent,
+            "moves": moves, "expected_per_step": _expected_sent(model),
             "moving": sum(opt._layout.moving), "matrices": len(opt._layout.moving), "choices": choices,
             "hidden": hidden_counts}
 
@@ -161,8 +164,12 @@ def _check(results, hidden=False):
         dtype, layout = case[:2]
         bound = 0.0 if layout == "placed" else 1e-6 if dtype == "fp32" else STEPS * 2.0 ** -7
         assert max(r["worst"] for r in per_rank) <= bound, (case, [r["worst"] for r in per_rank])
+        for r in per_rank:  # vz.sharding_report shows each group's choice
+            shown, printed = r["report"]
+            assert printed and [c for c, *_ in shown] == r["choices"], (case, r["report"])
         if layout == "placed":
             assert all(r["choices"] and set(r["choices"]) == {"placed"} for r in per_rank), (case, per_rank[0])
+            assert all(b == 0 and whole == n > 0 for r in per_rank for _, b, whole, n in r["report"][0]), case
             assert all(r["moves"] == 0 and r["sent"] == 0 and r["moving"] == 0 for r in per_rank), (case, per_rank)
         else:
             expected = per_rank[0]["expected_per_step"] * STEPS

@@ -159,6 +159,14 @@ class HiddenStep:
             group.grads.post_finish_hooks.append(hook)
         weakref.finalize(self, self._queue.put, None)  # the worker ends with the optimizer
 
+    def close(self) -> None:
+        """Stop the worker (after the jobs queued; they are dropped). Optional: it also stops when
+        the optimizer is collected."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
     # ---- in backward ---------------------------------------------------------------------
     def start(self, group) -> None:
         """``group``'s gradients are reduced: start its matrices' job."""
