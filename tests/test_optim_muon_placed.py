@@ -210,6 +210,12 @@ def _hidden_vs_plain(rank, world_size):
     one hidden in backward, through clipping that clips and that does not, a non-finite step
     skipped, accumulation over two synced backwards, and a backward thrown away: the weights
     stay bit for bit equal, and the hidden work is used where nothing changed."""
+    offloaded = vz.fully_shard_layers(GPT(CFG), offload_policy=vz.CPUOffloadPolicy())
+    try:
+        Muon(offloaded.parameters(), hide_in_backward=True)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
     torch.manual_seed(0)
     models = [GPT(CFG) for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
@@ -243,7 +249,7 @@ def _hidden_vs_plain(rank, world_size):
         same = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(models[0].parameters(),
                                                                            models[1].parameters()))
         log[what].append(same)
-    return log
+    return {"log": log, "refused": refused}
 
 
 def test_hidden_step_keeps_the_plain_steps_meaning():
@@ -251,8 +257,9 @@ def test_hidden_step_keeps_the_plain_steps_meaning():
     nothing changed the gradients after their reduce-scatter (no clipping, accumulation's last
     backward, the backward after a thrown-away one) and is computed again where clipping scaled
     them; a non-finite step is skipped by both."""
-    log = run_cases_on_ranks({"log": (_hidden_vs_plain, ())}, 3, timeout=600)["log"]
-    for rank_log in log:
+    results = run_cases_on_ranks({"log": (_hidden_vs_plain, ())}, 3, timeout=600)["log"]
+    assert all("offloaded" in r["refused"] for r in results), results[0]["refused"]  # and an offloaded model refused
+    for rank_log in (r["log"] for r in results):
         for what, ((_, plain_skipped), (hidden, skipped), same) in rank_log.items():
             assert same, (what, rank_log)
             assert skipped == plain_skipped == (what == "non-finite"), (what, rank_log)

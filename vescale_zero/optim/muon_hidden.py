@@ -130,6 +130,15 @@ class HiddenStep:
         self._optimizer = weakref.ref(optimizer)
         muon = optimizer._muon_params()
         params = [p for p, _ in muon]
+        groups: Dict[int, object] = {}
+        for p in params:
+            slot = slot_of(p)
+            if slot is None:
+                continue  # a parameter outside fully_shard: stepped by step()
+            if slot[0].offload is not None:
+                raise ValueError("Muon(hide_in_backward=True): the model's groups are offloaded (offload_policy), "
+                                 "so their gradients reach the host after the reduce-scatter; drop one of the two")
+            groups.setdefault(id(slot[0]), slot[0])
         layout = optimizer._plan(params) if params else None
         self.device = optimizer._device()
         self.comm_group: Optional[dist.ProcessGroup] = None
@@ -145,16 +154,7 @@ class HiddenStep:
         self._members: Dict[Tuple[Tuple[int, ...], int], List[int]] = {}
         self._queue: "queue.SimpleQueue[Optional[_Job]]" = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
-        hooked = set()
-        for p in params:
-            slot = slot_of(p)
-            if slot is None or id(slot[0]) in hooked:
-                continue  # a parameter outside fully_shard: stepped by step()
-            group = slot[0]
-            if group.offload is not None:
-                raise ValueError("Muon(hide_in_backward=True): the model's groups are offloaded (offload_policy), "
-                                 "so their gradients reach the host after the reduce-scatter; drop one of the two")
-            hooked.add(id(group))
+        for group in groups.values():
             hook = functools.partial(_after_reduce, weakref.ref(self), weakref.ref(group))
             group.grads.post_finish_hooks.append(hook)
         weakref.finalize(self, self._queue.put, None)  # the worker ends with the optimizer
