@@ -354,7 +354,7 @@ class Muon(torch.optim.Optimizer):
         first = self.param_groups[0]["params"][0]
         return local_piece(first).device
 
-    def direction(self, p: torch.Tensor, group: dict, commit: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _direction(self, p: torch.Tensor, group: dict, commit: bool) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(direction, momentum)``: this rank's flat piece of the Nesterov (or plain momentum)
         direction of ``p`` and of its momentum after this step; ``commit`` updates the state in place."""
         state = self.state[p]
@@ -391,7 +391,7 @@ class Muon(torch.optim.Optimizer):
                     state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
                 local_piece(state["momentum_buffer"]).view(-1).copy_(new_momentum)
         now = [k for k in range(len(muon)) if has_grad[k] and stale[k]]
-        directions = {k: self.direction(*muon[k], commit=True)[0] for k in now}
+        directions = {k: self._direction(*muon[k], commit=True)[0] for k in now}
         ns_steps = {k: muon[k][1]["ns_steps"] for k in now}
         group = self._hidden.comm_group if self._hidden is not None else layout.group
         updates.update(orthogonalise(layout, now, directions, ns_steps, group, self._device(), while_moving))

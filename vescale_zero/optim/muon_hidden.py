@@ -191,7 +191,7 @@ class HiddenStep:
                 p, settings = muon[k]
                 state = optimizer.state[p]
                 job.snapshots[k] = _snapshot(state, p, settings)
-                job.directions[k], job.momenta[k] = optimizer.direction(p, settings, commit=False)
+                job.directions[k], job.momenta[k] = optimizer._direction(p, settings, commit=False)
                 job.ns_steps[k] = settings["ns_steps"]
         if self.stream is not None:
             job.started = torch.Event(device=self.device)
