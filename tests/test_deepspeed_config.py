@@ -88,7 +88,7 @@ def test_deepspeed_config_ragged_section_errors_are_ours():
 ])
 def test_unknown_ragged_key_suggests_the_closest(key, closest):
     """A typo in the ragged section names the key it was probably meant to be; the list that
-    follows is our seven keys, not the fifty ZeRO-3 keys accepted for compatibility."""
+    follows is our eight keys, not the fifty ZeRO-3 keys accepted for compatibility."""
     _deepspeed()
     from deepspeed.runtime.config import DeepSpeedConfig
 
@@ -98,8 +98,8 @@ def test_unknown_ragged_key_suggests_the_closest(key, closest):
     assert message.startswith(f"zero_optimization: unknown key {key!r} for stage 'ragged'."), message
     assert (f"Did you mean {closest!r}?" in message) if closest else ("Did you mean" not in message), message
     ours = message.split("Our keys: ")[1].split(";")[0].split(", ")
-    assert ours == ["fp8_all_gather_tile", "granularity", "prefetch", "reduce_dtype", "reshard_after_forward",
-                    "shard_group_size", "sharded_modules"], message
+    assert ours == ["fp8_all_gather_tile", "granularity", "optimizer_aware", "prefetch", "reduce_dtype",
+                    "reshard_after_forward", "shard_group_size", "sharded_modules"], message
 
 
 @pytest.mark.parametrize("stage", ["raged", "Ragged", 4, "zero3"])
@@ -230,7 +230,7 @@ def test_zero3_keys_are_validated_as_deepspeed_validates_them():
 
 BAD_VALUES = {  # each of our keys, and the ZeRO-3 / offload keys "ragged" reads, with a value it refuses
     "granularity": [1], "sharded_modules": "GPTBlock", "reshard_after_forward": "maybe", "prefetch": "maybe",
-    "reduce_dtype": "fp8", "fp8_all_gather_tile": 0, "shard_group_size": 0,
+    "reduce_dtype": "fp8", "fp8_all_gather_tile": 0, "shard_group_size": 0, "optimizer_aware": "maybe",
     "overlap_comm": "maybe", "offload_optimizer": {"device": "gpu"}, "offload_param": {"device": "gpu"},
     "reduce_bucket_size": -5,
 }

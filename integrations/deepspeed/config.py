@@ -198,6 +198,9 @@ class RaggedOptions(BaseModel):
     reduce_dtype: Optional[Literal["fp32", "float32", "bf16", "bfloat16", "fp16", "float16"]] = None
     fp8_all_gather_tile: Optional[int] = Field(default=None, gt=0)
     """Gather parameters as float8 with one scale per tile x tile tile (e.g. 128)."""
+    optimizer_aware: bool = False
+    """With ``"optimizer": {"type": "Muon"}``: keep matrices whole on one rank where that moves fewer
+    bytes per step (``fully_shard(optimizer_aware=...)``; the plan per group: ``vz.sharding_report``)."""
     shard_group_size: Optional[int] = Field(default=None, gt=0)
     """Shard within groups of this many data-parallel ranks, replicate across them (HSDP;
     see [Note: shard groups]); default: shard over the whole data-parallel group."""
@@ -360,6 +363,7 @@ ACCEPTED = {
     "reduce_dtype": "fp32, bf16 or fp16 (or float32, bfloat16, float16)",
     "fp8_all_gather_tile": "a positive int (the tile side, e.g. 128), or null",
     "shard_group_size": "a positive int that divides the data-parallel world size, or null",
+    "optimizer_aware": "true or false (true with the optimizer Muon)",
 }
 """What each of our keys accepts, for the one-line error naming a refused value."""
 

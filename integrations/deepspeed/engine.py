@@ -112,6 +112,13 @@ class RaggedEngineMixin:
         if granularity is None and hasattr(self._structured_optimizer(), "granularity"):
             # the optimizer's blocks must stay whole on one rank: shard by them
             granularity = self._structured_optimizer().granularity(self._optimizer_block())
+        aware = None
+        if opts.optimizer_aware:  # Muon's matrices whole where that moves fewer bytes
+            if self._structured_optimizer() is not Muon:
+                raise ValueError(f"zero_optimization.optimizer_aware plans for Muon's matrices, but the optimizer is "
+                                 f"{self.optimizer_name()!r}: set \"optimizer\": {{\"type\": \"Muon\"}}, or drop "
+                                 "optimizer_aware")
+            aware = Muon.optimizer_aware(micro_batches=self.gradient_accumulation_steps())
         # built under deepspeed.zero.Init (ragged's or stage 3's): [Note: zero.Init under ragged]
         zero3 = zero3_to_meta(self.module, torch.float32 if compute is not None else None)
         if isinstance(self.module, vz.RaggedFSDPModule):
@@ -123,6 +130,7 @@ class RaggedEngineMixin:
                 self.module, opts.sharded_modules, mesh=self._ragged_mesh(),
                 reshard_after_forward=opts.reshard_after_forward, mp_policy=mp, granularity=granularity,
                 fp8_all_gather_tile=opts.fp8_all_gather_tile, offload_policy=offload_policy(opts.offload),
+                optimizer_aware=aware,
             )
             setattr(self.module, _SHARDED_BY_ENGINE, self._sharding_options(granularity))
         if zero3:
@@ -239,7 +247,7 @@ class RaggedEngineMixin:
                 "agree (\"offload_optimizer\": {\"device\": \"cpu\"} with CPUOffloadPolicy on every fully_shard "
                 "call, or neither), or pass the unsharded model to deepspeed.initialize")
         set_here = [k for k in ("granularity", "sharded_modules", "reshard_after_forward", "reduce_dtype",
-                                "fp8_all_gather_tile") if getattr(opts, k) != getattr(default, k)]
+                                "fp8_all_gather_tile", "optimizer_aware") if getattr(opts, k) != getattr(default, k)]
         if mp is not None:
             set_here.append("bf16/fp16")
         if set_here:

@@ -10,6 +10,7 @@
     --vescale-optimizer NAME           'adamw8bit' (block-wise 8-bit AdamW), 'shampoo' (blocked
                                        Shampoo) or 'muon'; default: Megatron's --optimizer
     --vescale-optimizer-block N        its block (8-bit: 256 elements; Shampoo: 128 rows/cols)
+    --vescale-optimizer-aware          with muon: matrices whole on one rank where that moves fewer bytes
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ def add_vescale_fsdp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                        help="Gather parameters as float8 with one scale per TxT tile (e.g. 128).")
     group.add_argument("--vescale-optimizer", choices=["adamw8bit", "shampoo", "muon"], default=None,
                        help="A vescale-zero structure-aware optimizer instead of Megatron's --optimizer.")
+    group.add_argument("--vescale-optimizer-aware", action="store_true",
+                       help="With Muon: keep matrices whole on one rank where that moves fewer bytes per step.")
     group.add_argument("--vescale-optimizer-block", "--vescale-8bit-block", dest="vescale_optimizer_block", type=int,
                        default=None, help="Its block: 8-bit quantization block in elements (default 256), or "
                        "Shampoo's preconditioner block side (default 128).")
@@ -71,6 +74,10 @@ def validate_vescale_args(args: argparse.Namespace) -> None:
         if getattr(args, field, False):
             raise ValueError(clash_message(field))
     check_megatron_optimizer(args)
+    if getattr(args, "vescale_optimizer_aware", False) and vescale_optimizer_name(args) != "muon" \
+            and "muon" not in str(getattr(args, "optimizer", "") or ""):
+        raise ValueError("--vescale-optimizer-aware plans for Muon's matrices: add --vescale-optimizer muon, or "
+                         "drop it")
     block = getattr(args, "vescale_optimizer_block", None)
     if block is not None and block <= 0:
         raise ValueError(f"--vescale-optimizer-block must be a positive number, got {block}")
@@ -116,8 +123,14 @@ def vescale_options_from_args(args: argparse.Namespace) -> RaggedFSDPOptions:
         cls = STRUCTURED_OPTIMIZERS[name]
         if hasattr(cls, "granularity"):  # Muon needs none: it joins each matrix on a root rank
             granularity = cls.granularity(vescale_optimizer_block(args))
+    aware = None
+    if getattr(args, "vescale_optimizer_aware", False):  # each micro-batch gathers again; the optimizer moves once
+        batches = [getattr(args, k, None) for k in ("global_batch_size", "micro_batch_size", "data_parallel_size")]
+        aware = Muon.optimizer_aware(micro_batches=max(1, batches[0] // (batches[1] * batches[2]))
+                                     if all(batches) else 1)
     return RaggedFSDPOptions(
         granularity=granularity,
+        optimizer_aware=aware,
         reshard_after_forward=getattr(args, "vescale_reshard_after_forward", True),
         prefetch=getattr(args, "vescale_prefetch", True),
         fp8_all_gather_tile=getattr(args, "vescale_fp8_all_gather_tile", None),

@@ -100,6 +100,8 @@ class RaggedFSDPOptions:
     prefetch: bool = True
     fp8_all_gather_tile: Optional[int] = None
     """Gather parameters as float8 with one scale per tile x tile tile (e.g. 128)."""
+    optimizer_aware: Any = None
+    """``fully_shard``'s ``optimizer_aware`` (``--vescale-optimizer-aware``: ``Muon.optimizer_aware(...)``)."""
     optimizer_offload: Optional[OptimizerOffload] = None
     """Megatron's ``--optimizer-cpu-offload``: which groups keep their master shard, gradient shard
     and optimizer state in host memory (optimizer_offload.py); ``None``: none."""
@@ -265,6 +267,7 @@ class RaggedFSDP(_BaseDataParallel):
             reshard_after_forward=opts.reshard_after_forward,
             mp_policy=self._mixed_precision(module),
             fp8_all_gather_tile=opts.fp8_all_gather_tile,
+            optimizer_aware=opts.optimizer_aware,
         )
         # Megatron's gradient scaling (DistributedDataParallel): per-token loss sums; else
         # scale by 1/(dp x cp) before a SUM, or average in the collective if asked to.

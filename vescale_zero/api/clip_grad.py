@@ -187,7 +187,10 @@ def clip_grads_with_norm_(module: nn.Module, max_norm: float, total_norm: torch.
     of :func:`clip_grad_norm_` for a caller that took the norm already (torch's
     ``clip_grads_with_norm_``)."""
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    for group in groups_of(module):
+    groups = groups_of(module)
+    if any(g.grads.post_finish_hooks for g in groups) and coef.item() == 1.0:
+        return  # a coefficient of 1 changes nothing: optim/muon_hidden [Note: the Muon step hidden in backward]
+    for group in groups:
         buffer = group.sharded_grad.live  # None: no gradient of the group is in it
         lo = hi = 0
         if buffer is not None:

@@ -60,7 +60,7 @@ from ..torch_compat import shard_placement_result
 
 __all__ = ["OUR_ARGUMENTS", "modules_of", "placement_granularities", "SpmdMesh"]
 
-OUR_ARGUMENTS = ("granularity", "align_bytes", "fp8_all_gather_tile", "fp8_all_gather_filter")
+OUR_ARGUMENTS = ("granularity", "align_bytes", "fp8_all_gather_tile", "fp8_all_gather_filter", "optimizer_aware")
 """``fully_shard``'s keyword arguments beyond FSDP2's."""
 
 

@@ -40,6 +40,7 @@ from ..runtime.post_forward import post_forward_group
 from .fsdp2_arguments import OUR_ARGUMENTS, SpmdMesh, modules_of, placement_granularities
 from .fsdp_module import BUFFER_NEEDS_INIT, RECIPE_ATTR, RaggedFSDPModule
 from .layer_discovery import find_layer_classes
+from .optimizer_aware import OptimizerAware, PlacementChoice, choose_placement, resolve_optimizer_aware
 from .stale_params import CLAIMED_ATTR, SHARDED_AS_ATTR, watch_optimizers
 
 __all__ = ["fully_shard", "fully_shard_layers", "resolve_reshard_after_forward", "post_forward_size",
@@ -199,6 +200,7 @@ def fully_shard(
     align_bytes: int = DEFAULT_ALIGN_BYTES,
     fp8_all_gather_tile: Optional[int] = None,
     fp8_all_gather_filter: Optional[FP8Filter] = None,
+    optimizer_aware: Union[bool, OptimizerAware, None] = None,
     **unknown: Any,
 ) -> Union[nn.Module, Sequence[nn.Module]]:
     """Shard ``module``'s parameters (those not in a sharded sub-module) as one group.
@@ -266,6 +268,11 @@ def fully_shard(
             dimensions named here; the group is sharded over the ``shard`` one (HSDP: replicated
             over ``replicate``) and the module computes with DTensors as FSDP2's does
             (fsdp2_arguments [Note: full-DTensor parameters]).
+        optimizer_aware: ``True`` (Muon's whole matrices) or an ``OptimizerAware``
+            (``Muon.optimizer_aware(...)``): keep the matrices whole on one rank where that
+            moves fewer bytes per step than the piecewise plan of ``granularity``, counting the
+            padding every gather and reduce-scatter pays (:mod:`vescale_zero.api.optimizer_aware`);
+            ``vz.sharding_report`` shows the choice.
 
     Returns:
         ``module`` (a list: as given), the class of each now also a :class:`RaggedFSDPModule`.
@@ -339,12 +346,21 @@ def fully_shard(
             mp_policy.reduce_dtype if mp_policy else None, fp8_all_gather_tile, None if fp8 is None else tuple(fp8),
             offload, replicate_pg, None if post_forward is None else post_forward_group(pg, post_forward),
             " + ".join(type(m).__name__ for m in modules))
+        aware = resolve_optimizer_aware(optimizer_aware)
+        placement = None
+        if aware is not None:  # optimizer_aware [Note: placing units against padding]
+            placement = choose_placement(held, grans, aware, pg, replicate_pg, recipe.align(named[0][1].dtype),
+                                         mp_policy=mp_policy, fp8=fp8_all_gather_tile is not None,
+                                         reshard_after_forward=reshard_after_forward)
+            recipe = dataclasses.replace(recipe, granularities=tuple(placement.granularities), placement=placement)
         managed = [ManagedParam(n, owners, h.shape, p.requires_grad, layout)
                    for (n, p, owners), (_, h), layout in zip(named, held, tp)]
         if spmd is not None:
             for _, p, _ in named:  # copied onto the group's parameter objects: local_gradient reads it
                 setattr(p, DP_DIMS_ATTR, spmd.dp_dims)
         group = build_group(managed, [p for _, p, _ in named], pg, recipe)
+        if placement is not None and placement.plan != group.plan:
+            raise RuntimeError("fully_shard: the optimizer-aware plan differs from the group's (a planner bug)")
         for (_, original, _), sharded in zip(named, group.sharded_params):
             setattr(original, _SHARDED_AS, sharded)  # lets hosts remap optimizers built earlier
         for m in modules:
@@ -385,6 +401,7 @@ class GroupRecipe:
     replicate_group: Optional[dist.ProcessGroup]
     post_forward_group: Optional[dist.ProcessGroup]  # reshard_after_forward=<int>: runtime.post_forward
     label: str  # the class name(s) of the module(s), for errors naming the group
+    placement: Optional[PlacementChoice] = None  # optimizer_aware's choice (vz.sharding_report shows it)
 
     def align(self, dtype: torch.dtype) -> int:
         """Every role's buffer (and the float8 bytes of an FP8 gather) keeps its shards and
@@ -409,6 +426,7 @@ def build_group(managed: Sequence[ManagedParam], originals: Sequence[torch.Tenso
         offload=recipe.offload,
         post_forward_group=recipe.post_forward_group,
     )
+    group.placement = recipe.placement  # None: not optimizer-aware
     for p in list(originals) + group.sharded_params + group.unsharded_params:
         setattr(p, _CLAIMED, recipe.label)
     return group

@@ -36,7 +36,9 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 from .placement import RaggedShard
 
-__all__ = ["TensorSpec", "ShardPlan", "plan", "shard_lower_bound", "MODEL_ORDER", "SEARCH_ABOVE_BOUND"]
+__all__ = ["TensorSpec", "ShardPlan", "plan", "shard_lower_bound", "MODEL_ORDER", "SEARCH_ABOVE_BOUND",
+           "OptimizerUnits", "StepTraffic", "StepBytes", "PlacementChoice", "optimizer_aware_plan", "unit_pieces",
+           "PIECEWISE", "PLACED"]
 
 MODEL_ORDER = "model"
 # `plan(search_orders=None)` tries other orders when the model's pads more than this
@@ -408,3 +410,220 @@ def plan(
     for i, off in zip(order, placed):
         offsets[i] = off
     return ShardPlan(specs, world_size, shard, tuple(offsets), align, start_align, name)
+
+
+# ---- the optimizer-aware plan ------------------------------------------------------------
+
+@dataclass(frozen=True)
+class OptimizerUnits:
+    """A tensor's optimizer units: consecutive runs of ``size`` elements that a matrix optimizer
+    computes on whole (a Muon matrix: the whole tensor; one head's or one expert's rows; a
+    Shampoo tile band), each costing ``cost`` on the rank that computes it (Muon: ``m*n*min(m, n)``,
+    proportional to its Newton-Schulz FLOPs)."""
+
+    size: int
+    cost: float = 0.0
+
+
+@dataclass(frozen=True)
+class StepTraffic:
+    """What one group moves in one training step, for :func:`optimizer_aware_plan`'s cost model.
+
+    ``gathers`` all-gathers of ``gather_itemsize``-byte elements (2 with ``reshard_after_forward``:
+    forward and backward, 1 without; times the micro-batches), ``reduce_scatters`` of
+    ``reduce_itemsize``-byte elements, each followed by an all-reduce of the shard across
+    ``replicas`` (HSDP); the optimizer moves a unit that is not whole on one rank ``unit_moves``
+    times (Muon: to its root and back) in ``unit_itemsize``-byte elements (fp32 momentum: 4)."""
+
+    gather_itemsize: int
+    reduce_itemsize: int
+    gathers: int = 2
+    reduce_scatters: int = 1
+    replicas: int = 1
+    unit_itemsize: int = 4
+    unit_moves: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("gather_itemsize", "reduce_itemsize", "unit_itemsize", "replicas"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"StepTraffic.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("gathers", "reduce_scatters", "unit_moves"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"StepTraffic.{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class StepBytes:
+    """[Note: bytes per rank per step] The bytes one rank receives in one training step, by
+    collective: what crosses its link, the same whichever algorithm the backend runs (ring,
+    tree, pairwise). An all-gather or a reduce-scatter of a buffer of ``m*S`` elements brings
+    ``(m-1)*S`` into each rank; an all-reduce of the shard across ``r`` replicas ``2*(r-1)/r*S``;
+    the optimizer's moves bring in what other ranks send it. Each rank sends as much as it
+    receives in all of them (a rank's pieces travel to their roots and come back; its roots'
+    pieces come in and go back), so the figure is also what it sends. ``optimizer`` is the mean
+    over the ranks (the roots receive more than others)."""
+
+    all_gather: int
+    reduce_scatter: int
+    replicas: int
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.all_gather + self.reduce_scatter + self.replicas + self.optimizer
+
+
+@dataclass(frozen=True)
+class PlacementChoice:
+    """What :func:`optimizer_aware_plan` chose for one group, and why.
+
+    ``plan`` is the layout, made by :func:`plan` from ``granularities`` (shard with them and the
+    same plan comes back: [Note: plan is a pure function]); ``choice`` names it: ``"piecewise"``
+    (the granularities asked for), ``"placed"`` (every optimizer unit whole on one rank) or
+    ``"placed up to N elements"`` (the units of at most N elements whole, larger ones in
+    pieces); ``whole[i]``: every unit of tensor ``i`` lies on one rank under ``plan`` (by design
+    or because no rank boundary happens to cut it; ``None`` for a tensor without units);
+    ``step_bytes`` per rank per step under ``plan`` and ``piecewise_bytes`` under the piecewise
+    plan ([Note: bytes per rank per step]); ``unit_cost`` per rank: the cost of the units each
+    rank computes, a split unit counted on the rank that holds its largest piece."""
+
+    plan: ShardPlan
+    granularities: Tuple[int, ...]
+    choice: str
+    whole: Tuple[Optional[bool], ...]
+    step_bytes: StepBytes
+    piecewise_bytes: StepBytes
+    unit_cost: Tuple[float, ...]
+
+
+PIECEWISE = "piecewise"
+PLACED = "placed"
+
+
+def unit_pieces(plan_: ShardPlan, index: int, unit: int) -> List[List[Tuple[int, int]]]:
+    """For each unit of ``unit`` elements of tensor ``index``: its ``(rank, elements)`` pieces, in rank order."""
+    spec, off, shard = plan_.specs[index], plan_.offsets[index], plan_.shard_size
+    out = []
+    for start in range(off, off + spec.numel, unit):
+        end, pieces, at = start + unit, [], start
+        while at < end:
+            rank = at // shard
+            stop = min(end, (rank + 1) * shard)
+            pieces.append((rank, stop - at))
+            at = stop
+        out.append(pieces)
+    return out
+
+
+def _check_units(specs: Sequence[TensorSpec], units: Sequence[Optional[OptimizerUnits]]) -> None:
+    if len(units) != len(specs):
+        raise ValueError(f"optimizer_aware_plan: {len(units)} unit entries for {len(specs)} tensors; give one per "
+                         "tensor (None for a tensor the optimizer does not compute on in units)")
+    for spec, unit in zip(specs, units):
+        if unit is not None and (unit.size < 1 or spec.numel % unit.size):
+            raise ValueError(f"optimizer unit of {unit.size} elements for tensor {spec.name!r} of {spec.numel} "
+                             f"elements: a unit must be >= 1 element and divide the tensor; use a divisor of "
+                             f"{spec.numel} (the whole tensor: {spec.numel})")
+
+
+def _evaluate(plan_: ShardPlan, units: Sequence[Optional[OptimizerUnits]], traffic: StepTraffic):
+    """``(StepBytes, whole per tensor, unit cost per rank)`` of ``plan_``."""
+    m, s = plan_.world_size, plan_.shard_size
+    moved, whole, cost = 0, [], [0.0] * m
+    for i, unit in enumerate(units):
+        if unit is None:
+            whole.append(None)
+            continue
+        one_rank = True
+        for pieces in unit_pieces(plan_, i, unit.size):
+            rank, most = max(pieces, key=lambda rp: (rp[1], -rp[0]))
+            moved += unit.size - most
+            cost[rank] += unit.cost
+            one_rank = one_rank and len(pieces) == 1
+        whole.append(one_rank)
+    r = traffic.replicas
+    step = StepBytes(
+        all_gather=traffic.gathers * (m - 1) * s * traffic.gather_itemsize,
+        reduce_scatter=traffic.reduce_scatters * (m - 1) * s * traffic.reduce_itemsize,
+        replicas=traffic.reduce_scatters * (2 * (r - 1) * s * traffic.reduce_itemsize) // r,
+        optimizer=traffic.unit_moves * moved * traffic.unit_itemsize / m,
+    )
+    return step, tuple(whole), tuple(cost)
+
+
+def optimizer_aware_plan(
+    specs: Sequence[TensorSpec],
+    units: Sequence[Optional[OptimizerUnits]],
+    world_size: int,
+    traffic: StepTraffic,
+    align: int = 1,
+    *,
+    max_candidates: int = 8,
+    force: Optional[str] = None,
+) -> PlacementChoice:
+    """The plan of one group that moves the fewest bytes per rank per step, counting the
+    optimizer's moves: today's piecewise plan, or one that keeps optimizer units whole on one rank.
+
+    [Note: placing units against padding]
+    A matrix optimizer (Muon) needs each unit whole on one rank. A unit the plan cuts travels
+    to one rank and back every step (``unit_moves`` times its bytes less the piece already
+    there); a unit the plan keeps whole on one rank travels nowhere. Keeping it whole is a
+    granularity of one unit, which costs padding, and padding is paid by every all-gather and
+    reduce-scatter of every step ([Note: bytes per rank per step]). The candidates: the
+    piecewise plan (the granularities of ``specs``), and for each distinct unit size ``t`` (the
+    ``max_candidates`` largest; the largest is "every unit whole") the plan whose units of at
+    most ``t`` elements are blocks (a unit longer than the piecewise shard can only be whole
+    by making the shard as long). Each costs the bytes each rank receives per step; the least
+    wins, the earlier (fewer units placed) on a tie. Placing pays where a group has many units
+    and few ranks (little padding); at large shard groups the piecewise plan wins and nothing
+    changes. The units' cost (Newton-Schulz FLOPs) is reported per rank, not traded against
+    bytes: a unit on one rank must be computed there.
+
+    Every candidate is :func:`plan` of the same specs with other granularities, ``align`` as
+    given: the choice is a pure function too ([Note: plan is a pure function]). ``force``:
+    ``"piecewise"`` or ``"placed"`` (every unit whole) returns that plan, scored, whatever it costs.
+    """
+    specs = tuple(specs)
+    _check_units(specs, units)
+    if max_candidates < 1:
+        raise ValueError(f"optimizer_aware_plan: max_candidates must be >= 1, got {max_candidates}")
+    if force not in (None, PIECEWISE, PLACED):
+        raise ValueError(f"optimizer_aware_plan: force must be None, {PIECEWISE!r} or {PLACED!r}, got {force!r}")
+    grans = tuple(s.granularity for s in specs)
+    piecewise = plan(specs, world_size, align)
+    base = _evaluate(piecewise, units, traffic)
+    best = (base[0].total, PIECEWISE, grans, piecewise, base)
+    if force is not None:
+        best = (math.inf,) + best[1:] if force == PLACED else (-math.inf,) + best[1:]
+        max_candidates = 1 if force == PLACED else 0
+    sizes = sorted({u.size for u in units if u is not None})
+    tried = {grans}
+
+    def consider(name: str, placed: Tuple[int, ...]) -> Tuple[bool, ...]:
+        """Score the plan of granularities ``placed``; its ``whole`` flags."""
+        nonlocal best
+        candidate = plan([TensorSpec(s.numel, g, s.name) for s, g in zip(specs, placed)], world_size, align)
+        scored = _evaluate(candidate, units, traffic)
+        tried.add(placed)
+        if scored[0].total < best[0]:
+            best = (scored[0].total, name, placed, candidate, scored)
+        return scored[1]
+
+    if world_size > 1 and sizes and max_candidates:
+        for t in sizes[-max_candidates:]:
+            placed = tuple(math.lcm(g, u.size) if u is not None and u.size <= t else g for g, u in zip(grans, units))
+            if placed not in tried:
+                consider(PLACED if t == sizes[-1] else f"{PLACED} up to {t:,} elements", placed)
+        # the units the piecewise plan cuts, made whole; then those the new plan cuts, and so on
+        placed, whole = grans, base[1]
+        for _ in range(max_candidates if force is None else 0):
+            cut = [u is not None and not w for u, w in zip(units, whole)]
+            if not any(cut):
+                break
+            placed = tuple(math.lcm(g, u.size) if c else g for g, u, c in zip(placed, units, cut))
+            if placed in tried:
+                break
+            n = sum(g != g0 for g, g0 in zip(placed, grans))
+            whole = consider(f"{PLACED} where cut ({n} tensor{'s' if n != 1 else ''})", placed)
+    _, name, chosen, chosen_plan, (step, whole, cost) = best
+    return PlacementChoice(chosen_plan, chosen, name, whole, step, base[0], cost)

@@ -34,7 +34,10 @@ in); then ``all_reduce_hook`` (on its own stream if one was given); then, with `
 (every collective a SUM), one division by the divide factor, or by the ranks the gradient was
 reduced over (shard group x replicas); then the cast or the addition into the sharded gradients
 (after the copy to the host when offloaded). Without ``force_sum`` the collectives average
-(AVG), or a divide factor is applied before a SUM ([Note: divide factor]).
+(AVG), or a divide factor is applied before a SUM ([Note: divide factor]). Last, once every
+sharded ``.grad`` is in place, ``post_finish_hooks`` run (no arguments), e.g. an optimizer
+that starts its step in backward (optim/muon_hidden [Note: the Muon step hidden in backward]);
+a reduction that only adds into HSDP's partial sum runs none.
 
 [Note: all-reduce instead of reduce-scatter]
 With :attr:`GradReducer.reduce_by_all_reduce` (DeepSpeed's ``"reduce_scatter": false``) the
@@ -115,7 +118,7 @@ first backward to its reduce-scatter, what Megatron's own buffers hold.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -194,6 +197,7 @@ class GradReducer:
         self.all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None
         self.all_reduce_hook_stream: Optional[torch.Stream] = None
         self.comm: Optional[Callable] = None  # a custom reduce-scatter (FSDP2's ReduceScatter) runs it
+        self.post_finish_hooks: List[Callable[[], None]] = []  # [Note: what runs after the reduce-scatter]
         self.reduce_group: dist.ProcessGroup = process_group  # set_separate_reduce_scatter_group
         self.reduce_by_all_reduce = False  # [Note: all-reduce instead of reduce-scatter]
         self._partial: Optional[torch.Tensor] = None  # HSDP without all-reduce: the reduced shards' sum
@@ -203,7 +207,7 @@ class GradReducer:
         self.written_into_full: Optional[Callable[[nn.Parameter], bool]] = None
 
     _SETTINGS = ("divide_factor", "requires_grad_sync", "requires_all_reduce", "force_sum", "all_reduce_hook",
-                 "all_reduce_hook_stream", "comm", "reduce_by_all_reduce")
+                 "all_reduce_hook_stream", "comm", "reduce_by_all_reduce", "post_finish_hooks")
 
     def keep_settings_of(self, other: "GradReducer") -> None:
         """Take ``other``'s user settings (a group rebuilt when it leaves the meta device); the
@@ -381,6 +385,8 @@ class GradReducer:
             for i, sp in params:
                 if sp.grad is None:
                     sp.grad = like_param(self.sharded.view_of(shard, i), sp)
+        for hook in self.post_finish_hooks:
+            hook()
 
     def _run_hook(self, reduced: torch.Tensor) -> None:
         stream = self.all_reduce_hook_stream
