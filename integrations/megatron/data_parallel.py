@@ -563,11 +563,40 @@ class RaggedFSDP(_BaseDataParallel):
         with context:
             return self.module.sharded_state_dict(prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
 
+    # ---- Megatron DDP's buffer lists ---------------------------------------------------
+    @property
+    def buffers(self) -> "_NoDDPBuffers":  # type: ignore[override]
+        """[Note: Megatron DDP's buffer lists] megatron-core's DDP holds its parameters and
+        gradients in ``_ParamAndGradBuffer`` objects, listed in the instance attributes
+        ``buffers`` and ``expert_parallel_buffers`` (shadowing ``nn.Module.buffers``), and
+        Megatron-LM reads them on every chunk that is a ``DDP``: from 0.18 on, ``train()``
+        sums the two lists to deregister their NCCL memory pools when a job stops early
+        (``--exit-interval``, ``--exit-duration-in-mins``, a signal). ``RaggedFSDP`` has no such
+        buffers: both are empty lists here, and ``buffers`` stays callable as ``nn.Module``'s."""
+        return _NoDDPBuffers(self)
+
+    @property
+    def expert_parallel_buffers(self) -> List[Any]:
+        """Empty: see [Note: Megatron DDP's buffer lists]."""
+        return []
+
     # ---- ours ------------------------------------------------------------------------
     @property
     def vescale_groups(self) -> List[ParamGroup]:
         """The parameter groups, in module order."""
         return list(self._groups)
+
+
+class _NoDDPBuffers(list):
+    """An empty list of megatron-core DDP's param-and-grad buffers that, called, is
+    ``nn.Module.buffers`` of ``module`` (see [Note: Megatron DDP's buffer lists])."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self._module = module
+
+    def __call__(self, recurse: bool = True) -> Iterator[torch.Tensor]:
+        return nn.Module.buffers(self._module, recurse)
 
 
 def params_l2_norm(model_chunks: Sequence[RaggedFSDP]) -> float:
