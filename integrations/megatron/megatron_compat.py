@@ -34,6 +34,10 @@ import time (the offline converter reads checkpoints without it).
   ``common.pt`` beside the ``.distcp`` files up to 0.18; from 0.19 a sharded object named
   ``common_state`` inside them (no ``common.pt``; 0.19 still reads both). :func:`common_state`
   reads either.
+* Megatron-LM's ``train()`` reads megatron-core DDP's buffer lists (``buffers``,
+  ``expert_parallel_buffers``) of every chunk that is a ``DDP`` when a job stops early, from 0.18
+  on; ``RaggedFSDP`` answers with empty ones on every release (data_parallel.py
+  [Note: Megatron DDP's buffer lists]).
 * Megatron-LM (``megatron.training``) ships inside megatron-core's wheel from 0.17 on; for 0.15
   and 0.16 it is a clone of Megatron-LM at the ``core_v`` tag of the same release. Its module-level
   names that the registry patches (``get_model``, ``get_megatron_muon_optimizer``, ...) are
