@@ -21,6 +21,7 @@ import inspect
 import os
 import sys
 import typing
+import warnings
 from typing import Any, Dict, List
 
 import pytest
@@ -160,7 +161,9 @@ def _train(rank: int, world_size: int, argv: List[str]) -> Dict[str, Any]:
         kwargs["cfg_container"] = pretrain_cfg_container_from_args(args)
     # megatron-core's own distributed optimizer accepts only CUDA tensor types: the DDP side's shim
     ours = args.use_vescale_fsdp
-    with contextlib.nullcontext() if ours else megatron_optimizer_on_cpu():  # also for its checkpoints
+    with contextlib.nullcontext() if ours else megatron_optimizer_on_cpu(), \
+            warnings.catch_warnings(record=True) as caught:  # the shim: also for its checkpoints
+        warnings.simplefilter("always")
         if params[0] == "model_provider_func":  # 0.17, 0.18
             model, optimizer, scheduler = setup(model_provider, ModelType.encoder_or_decoder, **kwargs)
         else:
@@ -179,6 +182,7 @@ def _train(rank: int, world_size: int, argv: List[str]) -> Dict[str, Any]:
                if torch.is_tensor(v) and not k.endswith("_extra_state")}
     return {"losses": losses, "first": first, "iteration": iteration, "exited": exited, "weights": weights,
             "wrapper": type(model[0]).__name__, "optimizer": type(optimizer).__name__,
+            "said": [str(w.message) for w in caught if "has no effect under --use-vescale-fsdp" in str(w.message)],
             "no_sync": None if no_sync is None else getattr(no_sync, "__self__", no_sync) is model[0]}
 
 
@@ -216,13 +220,15 @@ def test_megatron_lm_train_equals_megatron_core_ddp(results, variant):
     trains as under megatron-core's DDP, bit for bit: every micro-batch's loss over 4 iterations and
     every weight after them (fp32; dp 2: each reduced gradient is a sum of two ranks' terms, which
     is the same in either order, and each rank's micro-batch sum is local to it in both; AdamW on
-    the same elements). With --overlap-grad-reduce Megatron-LM wires our chunks' no_sync."""
+    the same elements). With --overlap-grad-reduce Megatron-LM wires our chunks' no_sync. No flag is
+    named as without effect: none is given that is (Megatron-LM's defaults included)."""
     for ddp, ours in zip(results[(variant, "ddp")], results[(variant, "ours")]):
         assert (ddp["wrapper"], ours["wrapper"], ours["optimizer"]) == (
             "DistributedDataParallel", "RaggedFSDP", "RaggedOptimizer"), (ddp, ours)
         assert ours["iteration"] == ddp["iteration"] == ITERS
         assert len(ours["losses"]) == 2 * ITERS and ours["losses"] == ddp["losses"], (ours["losses"], ddp["losses"])
         assert _differ(ddp["weights"], ours["weights"]) == []
+        assert ours["said"] == [], ours["said"]  # every flag given means something here (nothing to say)
         assert ours["no_sync"] == ddp["no_sync"] == (True if "--overlap-grad-reduce" in VARIANTS[variant] else None)
 
 

@@ -141,7 +141,9 @@ def vescale_options_from_args(args: argparse.Namespace) -> RaggedFSDPOptions:
 _GROUPS = ("RaggedFSDP's buckets are its groups (one flat buffer per transformer layer, one for the rest of the "
            "model), each reduce-scattered once per step")
 _NO_EFFECT: List[Tuple[str, str, Callable[[Any], bool], str]] = [
-    ("--data-parallel-sharding-strategy", "data_parallel_sharding_strategy", lambda v: v not in (None, "no_shard"),
+    # Megatron-LM's default: no_shard up to 0.17, optim_grads_params from 0.18 (what RaggedFSDP does: nothing to say)
+    ("--data-parallel-sharding-strategy", "data_parallel_sharding_strategy",
+     lambda v: v not in (None, "no_shard", "optim_grads_params"),
      "it picks what Megatron-FSDP shards; RaggedFSDP always shards parameters, gradients and optimizer state over "
      "data parallelism (what 'optim_grads_params' asks for)"),
     ("--ddp-reduce-scatter-with-fp32-accumulation", "ddp_reduce_scatter_with_fp32_accumulation", bool,

@@ -38,6 +38,9 @@ import time (the offline converter reads checkpoints without it).
   ``expert_parallel_buffers``) of every chunk that is a ``DDP`` when a job stops early, from 0.18
   on; ``RaggedFSDP`` answers with empty ones on every release (data_parallel.py
   [Note: Megatron DDP's buffer lists]).
+* ``--data-parallel-sharding-strategy`` defaults to ``no_shard`` up to 0.17 and to
+  ``optim_grads_params`` (what ``RaggedFSDP`` does) from 0.18: neither is named as a flag without
+  effect (``arguments._NO_EFFECT``).
 * Megatron-LM (``megatron.training``) ships inside megatron-core's wheel from 0.17 on; for 0.15
   and 0.16 it is a clone of Megatron-LM at the ``core_v`` tag of the same release. Its module-level
   names that the registry patches (``get_model``, ``get_megatron_muon_optimizer``, ...) are
