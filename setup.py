@@ -6,7 +6,7 @@ oldest to the newest minor release of each host that CI installs, any patch rele
 that the two agree). torch: any build (production installs bring their own CUDA build; on CPU
 machines install ``torch==2.13.0`` first, or pip fetches a multi-GB CUDA build). megatron-core
 0.17 and later declare Python >= 3.12: on 3.12 ``pip install -e '.[megatron]'`` takes the newest;
-on 3.10 / 3.11 pip stops at 0.16.1 unless the newer wheel is installed first with
+on 3.11 pip stops at 0.16.1 unless the newer wheel is installed first with
 ``--ignore-requires-python`` (docs/testing.md), which the extra then keeps.
 """
 
@@ -27,7 +27,7 @@ setup(
     description="RaggedShard placement, structure-aware planner and zero-copy DBuffer for FSDP / ZeRO-3",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # the registry's route patches read co_qualname (3.11+)
     packages=find_packages(include=["vescale_zero", "vescale_zero.*"])
     + ["vescale_zero.integrations", "vescale_zero.integrations.deepspeed", "vescale_zero.integrations.megatron",
        "vescale_zero.integrations.torchtitan"],
