@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import inspect
 import math
 import os
 import re
@@ -997,8 +998,11 @@ def _megatron_lm_switch(rank: int, world_size: int, save_dir: str) -> Dict[str, 
         inner = pg.build_model_unwrapped(args, config)
         chunk = training.DDP(config=config, ddp_config=DistributedDataParallelConfig(), module=inner,
                              disable_bucketing=False)
-        optimizer = training.get_megatron_optimizer(pg.optimizer_config(args), [chunk], config_overrides=None,
-                                                    use_gloo_process_groups=True)
+        # as Megatron-LM's training.py of the installed release calls it (0.15's has no config_overrides)
+        from megatron.core.optimizer import get_megatron_optimizer as core_optimizer
+        accepted = inspect.signature(core_optimizer).parameters
+        optimizer = training.get_megatron_optimizer(pg.optimizer_config(args), [chunk], **{
+            k: v for k, v in {"config_overrides": None, "use_gloo_process_groups": True}.items() if k in accepted})
         granularity_rows = all(sp.sharded_range.granularity % max(1, sp.sharded_range.shape[-1]) == 0
                                for g in chunk.vescale_groups for sp in g.sharded_params
                                if len(sp.sharded_range.shape) == 2)

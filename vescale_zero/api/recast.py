@@ -55,7 +55,9 @@ def recast_group(module: nn.Module, dtype: torch.dtype) -> None:
         raise _refuse(module, dtype, "it runs inside forward or backward; cast between iterations")
     if state.context is not None:
         raise _refuse(module, dtype, "the model ran forward already (its groups are scheduled in that order); cast "
-                                     "after fully_shard and before the first forward, or before fully_shard")
+                                     "after fully_shard and before the first forward, or before fully_shard; to "
+                                     "compute in another dtype, use fully_shard(..., mp_policy=MixedPrecisionPolicy("
+                                     "param_dtype=...))")
     if any(m.tp is not None for m in old.managed):
         raise _refuse(module, dtype, "its tensor-parallel (DTensor) parameters are laid out by fully_shard; cast "
                                      "before fully_shard")
