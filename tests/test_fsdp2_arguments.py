@@ -43,7 +43,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+try:  # FSDP2's full-DTensor mode, from torch 2.12
+    from torch.distributed.fsdp import DataParallelMeshDims
+except ImportError:
+    DataParallelMeshDims = None
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 
@@ -280,9 +285,11 @@ def registration_case(rank, world):
 
 
 CASES = {"module list": (module_list_case, ()), "shard_placement_fn": (shard_placement_case, ()),
-         "ignored_params": (ignored_params_case, ()), "dp_mesh_dims": (dp_mesh_dims_case, ()),
+         "ignored_params": (ignored_params_case, ()),
          "other arguments": (other_arguments_case, ()), "cast": (cast_case, ()),
          "registration": (registration_case, ())}
+if DataParallelMeshDims is not None:
+    CASES["dp_mesh_dims"] = (dp_mesh_dims_case, ())
 
 
 @pytest.fixture(scope="module", params=sweep([2, 3], quick=3), ids=lambda n: f"{n}ranks")
@@ -333,6 +340,7 @@ def test_ignored_params_are_left_alone_as_in_fsdp2(results):
     assert any(not torch.equal(grads[0], g) for g in grads[1:]), f"not reduced: ranks differ ({world} ranks)"
 
 
+@pytest.mark.skipif(DataParallelMeshDims is None, reason="this torch's FSDP2 has no DataParallelMeshDims")
 def test_dp_mesh_dims_full_dtensor_parameters_as_in_fsdp2(results):
     for r in results["dp_mesh_dims"]:
         _same(r, "dp_mesh_dims", against_ref=False)  # FSDP2's full-DTensor mode: its own mean of means
