@@ -79,6 +79,14 @@ def _variants(rank, world_size):
 
 @pytest.fixture(scope="module", params=sweep([2, 3], quick=3), ids=lambda ws: f"{ws}ranks")
 def trained(request):
+    import inspect
+
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.activation_checkpointing import checkpointing
+
+    # deepspeed 0.16's checkpoint makes a transport stream, which its CPU accelerator lacks (stage 3 fails too)
+    if get_accelerator().Stream is None and "transport_stream = " in inspect.getsource(checkpointing):
+        pytest.skip("this DeepSpeed's activation checkpointing needs a Stream, which its CPU accelerator lacks")
     return request.param, run_on_ranks(_variants, request.param, timeout=500)
 
 
