@@ -232,18 +232,24 @@ def test_megatron_lm_train_equals_megatron_core_ddp(results, variant):
         assert ours["no_sync"] == ddp["no_sync"] == (True if "--overlap-grad-reduce" in VARIANTS[variant] else None)
 
 
+def _resumes_as_uninterrupted(results, variant: str, saved_job: str, resumed_job: str) -> None:
+    """``saved_job`` stopped at iteration SAVED_AT after its save, ``resumed_job`` loaded it and
+    trained to ITERS: each equals its part of the uninterrupted DDP run, bit for bit."""
+    for ddp, saved, resumed in zip(results[(variant, "ddp")], results[(variant, saved_job)],
+                                   results[(variant, resumed_job)]):
+        assert (saved["exited"], resumed["first"], resumed["iteration"]) == (0, SAVED_AT, ITERS), (saved, resumed)
+        assert saved["losses"] == ddp["losses"][:2 * SAVED_AT]
+        assert resumed["losses"] == ddp["losses"][2 * SAVED_AT:], (resumed["losses"], ddp["losses"])
+        assert _differ(ddp["weights"], resumed["weights"]) == []
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_megatron_lm_resumes_its_own_checkpoint(results, variant):
     """Saved by Megatron-LM's train() at iteration 2 (--save-interval, its default torch_dist
     format) under --use-vescale-fsdp and resumed with --load in a fresh job: the resumed iterations'
     losses and the final weights equal the uninterrupted run's bit for bit (the fp32 masters,
     Adam's moments and step, and the iteration all come back)."""
-    for ddp, saved, resumed in zip(results[(variant, "ddp")], results[(variant, "ours saved")],
-                                   results[(variant, "ours resumed")]):
-        assert (saved["exited"], resumed["first"], resumed["iteration"]) == (0, SAVED_AT, ITERS), (saved, resumed)
-        assert saved["losses"] == ddp["losses"][:2 * SAVED_AT]
-        assert resumed["losses"] == ddp["losses"][2 * SAVED_AT:], (resumed["losses"], ddp["losses"])
-        assert _differ(ddp["weights"], resumed["weights"]) == []
+    _resumes_as_uninterrupted(results, variant, "ours saved", "ours resumed")
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -251,9 +257,4 @@ def test_megatron_lm_resumes_megatron_core_ddp_checkpoint(results, variant):
     """A running megatron-core DDP job migrates: its own checkpoint (torch_dist, saved by
     Megatron-LM's train() at --exit-interval 2) resumed with --load under --use-vescale-fsdp
     trains on as the uninterrupted DDP run, bit for bit (losses of iterations 3-4, final weights)."""
-    for ddp, saved, resumed in zip(results[(variant, "ddp")], results[(variant, "ddp saved")],
-                                   results[(variant, "ours from ddp")]):
-        assert (saved["exited"], resumed["first"], resumed["iteration"]) == (0, SAVED_AT, ITERS), (saved, resumed)
-        assert saved["losses"] == ddp["losses"][:2 * SAVED_AT]
-        assert resumed["losses"] == ddp["losses"][2 * SAVED_AT:], (resumed["losses"], ddp["losses"])
-        assert _differ(ddp["weights"], resumed["weights"]) == []
+    _resumes_as_uninterrupted(results, variant, "ddp saved", "ours from ddp")
