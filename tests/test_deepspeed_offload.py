@@ -245,7 +245,8 @@ def test_ignored_and_refused_keys():
     the offload reaches DeepSpeed's stage-0 engine only as what its optimizer choice reads."""
     with pytest.warns(UserWarning) as caught:
         ds, options, _ = _split("deepspeed_docs")
-    said = sorted(str(w.message).split(" has no effect")[0] for w in caught)
+    # only ours: DeepSpeed 0.16 warns of its own use of pydantic's deprecated model_fields on an instance
+    said = sorted(str(w.message).split(" has no effect")[0] for w in caught if " has no effect" in str(w.message))
     assert said == ["zero_optimization.offload_optimizer.buffer_count", "zero_optimization.offload_optimizer.fast_init",
                     "zero_optimization.offload_optimizer.nvme_path", "zero_optimization.offload_param.buffer_count",
                     "zero_optimization.offload_param.buffer_size", "zero_optimization.offload_param.max_in_cpu",
@@ -269,7 +270,8 @@ def test_ignored_and_refused_keys():
     refused({"offload_optimizer": {"device": "cpu", "ratio": 0.3}}, "offload_optimizer.ratio 0.3",
             "remove ratio (or set 1.0)")
     refused({"offload_optimizer": {"device": "nvme"}}, "offload_optimizer: device 'nvme' needs nvme_path")
-    refused({"offload_optimizer": cpu, "offload_param": {"device": "cpu", "pin_memory": False}},
+    pinned, unpinned = {"device": "cpu", "pin_memory": True}, {"device": "cpu", "pin_memory": False}
+    refused({"offload_optimizer": pinned, "offload_param": unpinned},
             "offload_optimizer.pin_memory True and offload_param.pin_memory False disagree")
     nvme = {"device": "nvme", "nvme_path": "/local_nvme"}
     refused({"offload_optimizer": nvme, "offload_param": cpu}, "offload_param (device 'cpu') with offload_optimizer "

@@ -239,25 +239,30 @@ def _assembled(pieces: List[Dict[str, tuple]], shapes: Dict[str, torch.Size]) ->
 def _deepspeed_both(rank: int, world_size: int, precision: str) -> Dict[str, object]:
     out: Dict[str, object] = {stage: _deepspeed_run(rank, world_size, stage, precision) for stage in (3, "ragged")}
     if precision == "bf16":
-        out["abs_sum"] = _abs_micro_grads(rank, world_size)
+        out["micro sums"] = _micro_grad_sums(rank, world_size)
     return out
 
 
-def _abs_micro_grads(rank: int, world_size: int) -> Dict[str, torch.Tensor]:
-    """``sum over ranks and micro-batches of |g|`` per element for the first step, each ``g``
-    a bf16 micro-gradient as the engines compute it (the loss divided by the accumulation
-    steps): the scale of the summation-order bound."""
+def _micro_grad_sums(rank: int, world_size: int) -> Dict[str, Dict[str, torch.Tensor]]:
+    """``{"abs_sum": sum of |g|, "exact": sum of g}`` over ranks and micro-batches, per element,
+    for the first step, each ``g`` a bf16 micro-gradient as the engines compute it (the loss
+    divided by the accumulation steps), summed in fp64 (exact for these few bf16 terms): the
+    scale of the summation-order bound, and the sum both engines approximate."""
     reference = AwkwardLM(seed=0).to(torch.bfloat16)
     x, y = rank_slice(make_batches(1, DS_ACCUM * world_size, seed=5)[0], rank, world_size)
-    sums = {n: torch.zeros(p.shape) for n, p in reference.named_parameters() if p.requires_grad}
+    names = [n for n, p in reference.named_parameters() if p.requires_grad]
+    sums = {kind: {n: torch.zeros(reference.get_parameter(n).shape, dtype=torch.float64) for n in names}
+            for kind in ("abs_sum", "exact")}
     for i in range(DS_ACCUM):
         (reference(x[i:i + 1], y[i:i + 1]) / DS_ACCUM).backward()
-        for n, p in reference.named_parameters():
-            if p.requires_grad:
-                sums[n] += p.grad.float().abs()
+        for n in names:
+            g = reference.get_parameter(n).grad.double()
+            sums["abs_sum"][n] += g.abs()
+            sums["exact"][n] += g
         reference.zero_grad(set_to_none=True)
-    for t in sums.values():
-        dist.all_reduce(t)
+    for kind in sums.values():
+        for t in kind.values():
+            dist.all_reduce(t)
     return sums
 
 
@@ -280,19 +285,22 @@ def test_deepspeed_accumulation_beside_zero3(world_size, precision):
         assert ours["losses"][0] == pytest.approx(ref["losses"][0], rel=1e-6), (ref["losses"], ours["losses"])
         assert ours["losses"] == pytest.approx(ref["losses"], rel=1e-2), (ref["losses"], ours["losses"])
     if precision == "bf16":
-        # The first step's gradients: both sides sum the same bf16 micro-gradients g (m ranks x
-        # K micro-batches) in fp32, ZeRO-3 across ranks first (it reduces each micro-batch in fp32)
-        # then over micro-batches, ragged the other way round, each dividing by m once. Every term
-        # goes through at most K + m - 2 roundings of partial sums and one of the division, so
-        # each side is within (K + m) u sum|g| / m of the exact mean (first order), and the two
-        # within twice that. bf16 accumulation misses by ~1e-3 relative (measured before the fix).
-        ref = results[0][3]["grads"]
-        ours = _assembled([r["ragged"]["grads"] for r in results], {n: g.shape for n, g in ref.items()})
-        for name, g in ref.items():
-            bound = 2 * (DS_ACCUM + world_size) * U32 * results[0]["abs_sum"][name] / world_size + 1e-30
-            ratio = ((ours[name] - g).abs() / bound).max().item()
-            rel = ((ours[name] - g).abs().max() / g.abs().max()).item()
-            assert ratio <= 1.0, (f"{name}: the first step's gradient is {rel:.2e} off ZeRO-3's (relative), "
+        # The first step's gradients: both engines sum the same bf16 micro-gradients g (m ranks x
+        # K micro-batches) in fp32, ragged over micro-batches first, then across ranks, dividing by
+        # m once. Every term goes through at most K + m - 2 roundings of partial sums and one of
+        # the division, so the result is within (K + m) u sum|g| / m of the exact mean (first
+        # order). bf16 accumulation misses by ~1e-3 relative (measured before the fix). ZeRO-3's
+        # gradients are not held to this bound: how DeepSpeed 0.16's stage 3 accumulates bf16
+        # micro-gradients misses it by the same ~1e-3 (later releases keep it); the losses above
+        # compare the two engines.
+        sums = results[0]["micro sums"]
+        ours = _assembled([r["ragged"]["grads"] for r in results], {n: g.shape for n, g in sums["exact"].items()})
+        for name, exact in sums["exact"].items():
+            mean = exact / world_size
+            bound = (DS_ACCUM + world_size) * U32 * sums["abs_sum"][name] / world_size + 1e-30
+            ratio = ((ours[name].double() - mean).abs() / bound).max().item()
+            rel = ((ours[name].double() - mean).abs().max() / mean.abs().max()).item()
+            assert ratio <= 1.0, (f"{name}: the first step's gradient is {rel:.2e} off the exact mean (relative), "
                                   f"{ratio:.1f}x the summation-order bound")
 
 

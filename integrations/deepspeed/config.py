@@ -93,6 +93,7 @@ from .deepspeed_compat import (
     fp16_section,
     get_communication_data_type,
     gradient_allreduce_op,
+    super_offload,
 )
 from .offload import OFFLOAD_KEYS, OffloadOptions, read_offload, warn_ignored
 
@@ -175,7 +176,7 @@ def nvme_offload_of(zero3: DeepSpeedZeroConfig) -> Optional[NvmeOptimizerOffload
     if offload.nvme_path is None:
         raise ValueError("zero_optimization.offload_optimizer: device 'nvme' needs nvme_path, an existing writable "
                          "directory (on a fast local disk) for the optimizer state files")
-    if offload.super_offload:
+    if super_offload(offload):
         raise ValueError("zero_optimization.offload_optimizer: super_offload is not implemented with stage 'ragged', "
                          "which offloads all of the optimizer state; remove it")
     return NvmeOptimizerOffload(nvme_path=str(offload.nvme_path), read_ahead=offload.pipeline,

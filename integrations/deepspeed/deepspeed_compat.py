@@ -28,6 +28,8 @@ compared here), as ``vescale_zero/torch_compat.py`` does for torch:
   is DeepSpeed's where it has one, else the same rule.
 * ``bf16.bf16_master_weights_and_grads`` / ``bf16_optimizer_states`` exist from 0.18 (before,
   the section has no such fields: nothing to refuse).
+* ``offload_optimizer.super_offload`` (the Superchip offload) exists from 0.18: :func:`super_offload`
+  is ``False`` on a section without it, as those releases never offload that way.
 * The ``bf16`` / ``fp16`` sections: 0.17 and later parse them with pydantic models
   (``deepspeed.runtime.precision_config``); 0.16 reads each key with its own getter in
   ``deepspeed.runtime.config``. :func:`bf16_section` and :func:`fp16_section` give the model of the
@@ -49,7 +51,7 @@ from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
 __all__ = ["gradient_allreduce_op", "BACKWARD_HOOKS", "CALLER_OWNED_BOUNDARY", "READS_GRADIENT_ALLREDUCE_OP",
            "PRECISION_MODELS", "is_functorch_transforming", "bf16_section", "fp16_section",
            "FP16Section", "DtypeEnum", "get_communication_data_type", "managed_gradient_accumulation",
-           "refine_include_states"]
+           "refine_include_states", "super_offload"]
 
 DtypeEnum = ds_config.DtypeEnum
 get_communication_data_type = ds_config.get_communication_data_type
@@ -89,6 +91,11 @@ def refine_include_states(engine: DeepSpeedEngine,
     if engine.zero_use_cpu_optimizer():
         include = [x for x in include if x not in (OffloadStateTypeEnum.hp_params, OffloadStateTypeEnum.optim_states)]
     return include
+
+
+def super_offload(offload_optimizer: Any) -> bool:
+    """Whether a parsed ``offload_optimizer`` section asks for the Superchip offload (0.18 and later)."""
+    return bool(getattr(offload_optimizer, "super_offload", False))
 
 
 def gradient_allreduce_op(config: Dict[str, Any]) -> str:
