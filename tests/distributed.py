@@ -3,8 +3,8 @@
 ``run_on_ranks(fn, world_size, *args)`` spawns ``world_size`` processes, each calling
 ``fn(rank, world_size, *args)`` with the default process group initialised, and returns
 the list of per-rank return values. ``run_cases_on_ranks`` runs several named cases one
-after another in one such spawn (spawning and importing cost ~5-10 s a time), and names
-the case that failed. A rank that raises fails the test with its
+after another in one such start (a few seconds each: see [Note: ranks forked from a warm
+server]), and names the case that failed. A rank that raises fails the test with its
 traceback; ranks that are still running after ``timeout`` seconds are killed, so a
 mismatched collective fails instead of hanging; a rank that dies (a signal: SIGSEGV in a
 native library) fails it at once, naming the case it was in, with its Python stack on stderr.
@@ -33,13 +33,30 @@ import torch.multiprocessing as mp
 __all__ = ["run_cases_on_ranks", "run_on_ranks", "run_with_a_killed_rank", "run_with_a_stuck_rank"]
 
 
+# [Note: ranks forked from a warm server]
+# A spawned rank imports torch and vescale_zero afresh: 5 to 7 s on CI's two cores, most of a
+# small test, and a few hundred times a run. The ranks are forked instead from one server per
+# test session (multiprocessing's "forkserver", started at the first run) that has imported
+# them once: a clean process, with no thread, process group or patch of the test's. What a
+# rank does after the fork is what a spawned rank did (each rank still imports the test's
+# module, and the hosts it uses, itself). A forked rank would see the environment the server
+# started with: each rank takes the test's ``os.environ`` of the moment instead.
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor", "vescale_zero",
+            "tests.distributed"]
+_START_METHOD = "forkserver"
+mp.get_context(_START_METHOD).set_forkserver_preload(_PRELOAD)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple,
+           environ: Dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(environ)  # the test's, not the server's ([Note: ranks forked from a warm server])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       **{_CASE_FILE: os.path.join(out_dir, f"{rank}.case")})
     faulthandler.enable()  # a rank killed by a signal prints its Python stack
@@ -64,8 +81,8 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, ar
 def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0) -> List[Any]:
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
-            _entry, args=(world_size, _free_port(), out_dir, fn, args), nprocs=world_size, join=False,
-            start_method="spawn",
+            _entry, args=(world_size, _free_port(), out_dir, fn, args, dict(os.environ)), nprocs=world_size,
+            join=False, start_method=_START_METHOD,
         )
         deadline = time.monotonic() + timeout
         crash = None
@@ -145,9 +162,11 @@ def _read_reports(
 
 
 def _entry_to_die(rank: int, world_size: int, port: int, out_dir: str, timeout_s: float, fn: Callable,
-                  args: tuple) -> None:
+                  args: tuple, environ: Dict[str, str]) -> None:
     """Like :func:`_entry`, with a short collective timeout, and no teardown: a survivor's
     process group has a dead peer, so it reports and leaves at once."""
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     try:
@@ -180,11 +199,12 @@ def run_with_a_stuck_rank(fn: Callable, world_size: int, victim: int, *args: Any
 
 def _run_with_a_victim(fn: Callable, world_size: int, victim: int, args: tuple, collective_timeout: float,
                        timeout: float, stuck: bool) -> Dict[int, Any]:
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(_START_METHOD)
     survivors = [r for r in range(world_size) if r != victim]
     with tempfile.TemporaryDirectory() as out_dir:
         port = _free_port()
-        procs = [ctx.Process(target=_entry_to_die, args=(r, world_size, port, out_dir, collective_timeout, fn, args))
+        procs = [ctx.Process(target=_entry_to_die, args=(r, world_size, port, out_dir, collective_timeout, fn, args,
+                                                             dict(os.environ)))
                  for r in range(world_size)]
         for p in procs:
             p.start()
