@@ -1,10 +1,10 @@
 """Run a function on N gloo ranks in fresh processes, with a hard timeout.
 
-``run_on_ranks(fn, world_size, *args)`` spawns ``world_size`` processes, each calling
+``run_on_ranks(fn, world_size, *args)`` starts ``world_size`` processes, each calling
 ``fn(rank, world_size, *args)`` with the default process group initialised, and returns
 the list of per-rank return values. ``run_cases_on_ranks`` runs several named cases one
-after another in one such start (a few seconds each: see [Note: ranks forked from a warm
-server]), and names the case that failed. A rank that raises fails the test with its
+after another in one such start (see [Note: ranks forked from a warm server]), and names
+the case that failed. A rank that raises fails the test with its
 traceback; ranks that are still running after ``timeout`` seconds are killed, so a
 mismatched collective fails instead of hanging; a rank that dies (a signal: SIGSEGV in a
 native library) fails it at once, naming the case it was in, with its Python stack on stderr.
