@@ -2,10 +2,11 @@
 
 [Note: a sweep runs once in the quick subset]
 A test swept over world sizes (or layouts, precisions) proves one behaviour at each point. The
-quick subset (``pytest -m "not slow" tests``) is what CI runs again on every other torch of its
-matrix, and what a developer runs: it keeps one point of each sweep -- an odd world size where
-the sweep has one, as the odd sizes are where uneven pieces and summation orders show -- and
-marks the others ``slow``; the full suite, on the pinned torch, runs every point.
+quick subset (``pytest -m "not slow" tests``) is what a developer runs, and the CI matrix's
+selection takes its tests from it (tests/conftest.py, [Note: what the CI matrix runs]): it keeps
+one point of each sweep -- an odd world size where the sweep has one, as the odd sizes are where
+uneven pieces and summation orders show -- and marks the others ``slow``; the full suite, on the
+pinned torch, runs every point.
 """
 
 from __future__ import annotations
