@@ -19,7 +19,7 @@ TRANSFORMERS = "transformers>=4.57,<5.25"  # CI: 4.57.6, 5.24.0
 ACCELERATE = "accelerate>=1.10,<1.16"  # CI: 1.10.1, 1.15.0
 TRL = "trl>=1.10,<1.17"  # CI: 1.10.0, 1.16.0
 PEFT = "peft>=0.18,<0.22"  # CI: 0.18.1, 0.21.2
-TORCHTITAN = "torchtitan>=0.3,<0.4"  # CI: 0.3.0 in its own venv (.venv-titan), beside torch 2.13.0
+TORCHTITAN = "torchtitan>=0.3,<0.4"  # CI: 0.3.0 in the light venv .venv-hosts-0.18, beside torch 2.13.0
 
 setup(
     name="vescale-zero",
