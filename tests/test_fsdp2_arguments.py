@@ -161,7 +161,6 @@ def module_list_case(rank, world):
 
 def shard_placement_case(rank, world):
     mesh = init_device_mesh("cpu", (world,))
-    result_type = getattr(_fsdp_common, "ShardPlacementResult", None)
 
     def by(fn):
         def shard(model, fully_shard):
@@ -175,17 +174,19 @@ def shard_placement_case(rank, world):
         # FSDP2 needs dim 1 divisible by the world size: the 2-D parameters' dims are 12, 24, 18
         "Shard(1)": _three(rank, world, by(lambda p: Shard(1) if p.dim() == 2 else Shard(0))),
     }
-    if result_type is not None:
+    if HAS_SHARD_PLACEMENT_RESULT:
         info = _fsdp_common.FSDPMeshInfo(mesh, shard_mesh_dim=0)
-        out["result"] = _three(rank, world, by(lambda p: result_type(placement=Shard(0), mesh_info=info)))
+        out["result"] = _three(rank, world, by(
+            lambda p: _fsdp_common.ShardPlacementResult(placement=Shard(0), mesh_info=info)))
     model = Net()
     vz.fully_shard(model.block, shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None)
     out["Shard(1) blocks"] = [p.placements[-1].granularity for p in model.block.parameters()]
     out["refused placement"] = _outcome(lambda: vz.fully_shard(Net(), shard_placement_fn=lambda p: Replicate()))
     single = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "single"))["single"]  # this rank alone
-    if result_type is not None:
-        out["refused mesh"] = _outcome(lambda: vz.fully_shard(Net(), shard_placement_fn=lambda p: result_type(
-            placement=Shard(0), mesh_info=_fsdp_common.FSDPMeshInfo(single, shard_mesh_dim=0))))
+    if HAS_SHARD_PLACEMENT_RESULT:
+        out["refused mesh"] = _outcome(lambda: vz.fully_shard(Net(), shard_placement_fn=lambda p: (
+            _fsdp_common.ShardPlacementResult(placement=Shard(0), mesh_info=_fsdp_common.FSDPMeshInfo(
+                single, shard_mesh_dim=0)))))
     return out
 
 
