@@ -53,12 +53,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _take_environment(environ: Dict[str, str], rank: int, world_size: int, port: int, **extra: str) -> None:
+    """This rank's environment: the test's, not the server's ([Note: ranks forked from a warm server]),
+    and the rendezvous of its process group."""
+    os.environ.clear()
+    os.environ.update(environ)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      **extra)
+
+
 def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple,
            environ: Dict[str, str]) -> None:
-    os.environ.clear()
-    os.environ.update(environ)  # the test's, not the server's ([Note: ranks forked from a warm server])
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      **{_CASE_FILE: os.path.join(out_dir, f"{rank}.case")})
+    _take_environment(environ, rank, world_size, port, **{_CASE_FILE: os.path.join(out_dir, f"{rank}.case")})
     faulthandler.enable()  # a rank killed by a signal prints its Python stack
     torch.set_num_threads(1)
     result: Any
@@ -165,9 +171,7 @@ def _entry_to_die(rank: int, world_size: int, port: int, out_dir: str, timeout_s
                   args: tuple, environ: Dict[str, str]) -> None:
     """Like :func:`_entry`, with a short collective timeout, and no teardown: a survivor's
     process group has a dead peer, so it reports and leaves at once."""
-    os.environ.clear()
-    os.environ.update(environ)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    _take_environment(environ, rank, world_size, port)
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
